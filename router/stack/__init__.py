@@ -1,0 +1,21 @@
+"""Local real-engine stack: tiny model, vLLM P/D engines with NIXL, the router, and the demo.
+
+Engine-side dependencies (``vllm``, ``torch``, ``transformers``) are imported lazily, so
+importing this package needs only the router's own dependencies.
+"""
+
+from router.stack.engines import EngineSpec, Mode
+from router.stack.launcher import Stack, StackError
+from router.stack.metrics import Metrics, scrape
+from router.stack.model import cache_root, ensure_model
+
+__all__ = [
+    "EngineSpec",
+    "Metrics",
+    "Mode",
+    "Stack",
+    "StackError",
+    "cache_root",
+    "ensure_model",
+    "scrape",
+]

@@ -1,0 +1,157 @@
+"""vLLM engine command lines and environments for each P/D mode.
+
+Pure functions: nothing here starts a process. ``plan_engines`` decides which engines a mode
+needs; ``engine_argv`` and ``engine_env`` say how to run one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Literal
+
+ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
+LOCALHOST = "127.0.0.1"
+
+
+class Mode(StrEnum):
+    """Router modes the stack can run (same spelling as the router config)."""
+
+    PULL = "pull"
+    PUSH = "push"
+    PUSH_SEQUENTIAL = "push-sequential"
+    AGGREGATED = "aggregated"
+
+    @property
+    def connector(self) -> str | None:
+        """The vLLM KV connector both engines of this mode use (None: no P/D)."""
+        if self is Mode.PULL:
+            return "NixlConnector"
+        if self in (Mode.PUSH, Mode.PUSH_SEQUENTIAL):
+            return "NixlPushConnector"
+        return None
+
+
+Role = Literal["prefill", "decode", "aggregated"]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything needed to launch one engine and to describe it in the router config."""
+
+    name: str
+    role: Role
+    port: int
+    core: int
+    connector: str | None = None
+    kv_port: int | None = None
+    engine_id: str | None = None
+    extra_args: tuple[str, ...] = field(default=())
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOCALHOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings shared by every engine of a stack."""
+
+    model_path: Path
+    served_model_name: str = "tiny"
+    max_model_len: int = 4096
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    dtype: str = "bfloat16"
+
+
+def plan_engines(
+    mode: Mode,
+    ports: list[int],
+    kv_ports: list[int],
+    engine_id: str,
+    cores: tuple[int, int] = (0, 1),
+) -> list[EngineSpec]:
+    """The engines ``mode`` needs: one P (``cores[0]``) and one D (``cores[1]``), or one engine.
+
+    ``ports``/``kv_ports`` must hold at least two distinct free ports each; ``engine_id`` is
+    pinned on P so the router knows it before any request (push needs it up front).
+    """
+    connector = mode.connector
+    if connector is None:
+        return [EngineSpec("aggregated-0", "aggregated", ports[0], cores[1])]
+    return [
+        EngineSpec("prefill-0", "prefill", ports[0], cores[0], connector, kv_ports[0], engine_id),
+        EngineSpec("decode-0", "decode", ports[1], cores[1], connector, kv_ports[1]),
+    ]
+
+
+def kv_transfer_config(spec: EngineSpec) -> str | None:
+    """The ``--kv-transfer-config`` JSON for ``spec`` (None for an engine without connector)."""
+    if spec.connector is None:
+        return None
+    config: dict[str, str] = {
+        "kv_connector": spec.connector,
+        "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+    }
+    if spec.engine_id is not None:
+        config["engine_id"] = spec.engine_id
+    return json.dumps(config, separators=(",", ":"))
+
+
+def engine_argv(spec: EngineSpec, opts: EngineOptions) -> list[str]:
+    """Command line: the vLLM CLI's ``serve`` through the current interpreter."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(opts.model_path),
+        "--host", LOCALHOST,
+        "--port", str(spec.port),
+        "--served-model-name", opts.served_model_name,
+        "--dtype", opts.dtype,
+        "--max-model-len", str(opts.max_model_len),
+        "--kv-cache-memory-bytes", str(opts.kv_cache_bytes),
+        # Eager: no compile step at start. No prefix caching: a local hit on D would hide a
+        # transfer, and a hit on P would make repeated prompts cheaper than fresh ones.
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    kv_config = kv_transfer_config(spec)
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", kv_config]
+    return argv + list(spec.extra_args)
+
+
+def engine_env(spec: EngineSpec, base: Mapping[str, str]) -> dict[str, str]:
+    """Environment for ``spec``: ``base`` plus pinning, side channel, offline mode, and the
+    run-time fixes folder first on ``PYTHONPATH`` (engine processes only)."""
+    env = dict(base)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes decides instead
+    python_path = [str(ENGINE_SITE_DIR)]
+    if base.get("PYTHONPATH"):
+        python_path.append(base["PYTHONPATH"])
+    env.update(
+        PYTHONPATH=os.pathsep.join(python_path),
+        VLLM_CPU_OMP_THREADS_BIND=str(spec.core),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if spec.kv_port is not None:
+        env.update(
+            VLLM_NIXL_SIDE_CHANNEL_HOST=LOCALHOST,
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(spec.kv_port),
+        )
+    return env
+
+
+def kv_cache_bytes_for(kv_bytes_per_token: int, max_model_len: int) -> int:
+    """KV memory for about eight full-length sequences, at least 64 MiB, in whole MiB."""
+    mib = 1024 * 1024
+    wanted = max(64 * mib, kv_bytes_per_token * max_model_len * 8)
+    return -(-wanted // mib) * mib

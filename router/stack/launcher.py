@@ -1,0 +1,312 @@
+"""A local P/D stack: tiny model, one P and one D vLLM engine (or one engine), and the router.
+
+Usage::
+
+    with Stack(mode="push") as stack:
+        client = openai.OpenAI(base_url=stack.router_url + "/v1", api_key="-")
+        ...
+        stack.engine_metrics("decode-0").total("vllm:num_requests_running")
+
+Engines and the router run as :class:`~router.stack.procs.ManagedProcess` groups. ``stop()``
+(called by ``__exit__``, on Ctrl-C, on exceptions and at interpreter exit) stops the router
+first, then every engine group, SIGKILLing any that outlive the grace period.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import yaml
+
+from router.stack import engines as eng
+from router.stack import model as tiny_model
+from router.stack import ports as portmod
+from router.stack.metrics import Metrics, scrape
+from router.stack.procs import ManagedProcess, stop_all
+
+DEFAULT_STARTUP_TIMEOUT_S = 420.0
+_PROGRESS_EVERY_S = 5.0
+_KEEP_RUNS = 20
+
+
+class StackError(RuntimeError):
+    """The stack could not start (a process died or did not become ready in time)."""
+
+
+class Stack:
+    """Context manager owning the engines and the router of one mode.
+
+    Contract: after ``start()`` returns, every engine's ``/health`` and (if ``with_router``) the
+    router's ``/ready`` answered 200. After ``stop()`` returns, no process of the stack is alive.
+    Logs and the router config are kept under ``run_dir`` for debugging.
+    """
+
+    def __init__(
+        self,
+        mode: str | eng.Mode = eng.Mode.PUSH,
+        *,
+        variant: str = "tiny",
+        cache_dir: str | os.PathLike[str] | None = None,
+        model_name: str = "tiny",
+        with_router: bool = True,
+        router_port: int | None = None,
+        max_model_len: int = 4096,
+        decode_slots: int = 64,
+        cores: tuple[int, int] = (0, 1),
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        log: TextIO | None = None,
+    ) -> None:
+        self.mode = eng.Mode(mode)
+        self.variant = variant
+        self.cache_dir = cache_dir
+        self.model_name = model_name
+        self.with_router = with_router
+        self.decode_slots = decode_slots
+        self.cores = cores
+        self.startup_timeout_s = startup_timeout_s
+        self.max_model_len = max_model_len
+        self._router_port_wanted = router_port
+        self._log = log if log is not None else sys.stderr
+        self.engines: list[eng.EngineSpec] = []
+        self.router_port: int | None = None
+        self.run_dir: Path | None = None
+        self.model_path: Path | None = None
+        self.startup_s: dict[str, float] = {}
+        self._procs: list[ManagedProcess] = []
+        self._router_proc: ManagedProcess | None = None
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Build the model if needed, start the engines and the router, wait for readiness."""
+        atexit.register(self.stop)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop the router, then all engines; idempotent and safe to call from ``atexit``."""
+        with self._lock, _sigint_deferred():
+            if self._router_proc is not None:
+                stop_all([self._router_proc], grace_s=5.0)
+            killed = stop_all(self._procs, grace_s=grace_s)
+            if killed:
+                self._say(f"needed SIGKILL: {', '.join(killed)}")
+            self._procs.clear()
+            self._router_proc = None
+        atexit.unregister(self.stop)
+
+    def _start(self) -> None:
+        t0 = time.monotonic()
+        self.model_path = tiny_model.ensure_model(self.variant, self.cache_dir)
+        self.startup_s["model"] = time.monotonic() - t0
+        self.run_dir = _new_run_dir(self.cache_dir, self.mode.value)
+        self.engines = self._plan()
+        opts = self._engine_options(self.model_path)
+        for spec in self.engines:
+            self._say(f"starting {spec.name} on :{spec.port} (core {spec.core}, {self.mode.value})")
+            self._procs.append(
+                ManagedProcess(
+                    spec.name,
+                    eng.engine_argv(spec, opts),
+                    eng.engine_env(spec, os.environ),
+                    self.run_dir / f"{spec.name}.log",
+                )
+            )
+        checks = {
+            proc.name: (proc, _http_ok(f"{spec.url}/health"))
+            for proc, spec in zip(self._procs, self.engines, strict=True)
+        }
+        self._wait_ready(checks, t0)
+        if self.with_router:
+            self._start_router(t0)
+        self._say(f"ready in {time.monotonic() - t0:.1f}s (logs: {self.run_dir})")
+
+    def _plan(self) -> list[eng.EngineSpec]:
+        http_ports = portmod.pick_ports(2, portmod.ENGINE_HTTP_PORTS)
+        kv_ports = portmod.pick_ports(2, portmod.SIDE_CHANNEL_PORTS)
+        engine_id = f"prefill-0-{uuid.uuid4().hex[:8]}"  # unique per P incarnation
+        return eng.plan_engines(self.mode, http_ports, kv_ports, engine_id, self.cores)
+
+    def _engine_options(self, model_path: Path) -> eng.EngineOptions:
+        per_token = tiny_model.VARIANTS[self.variant].kv_bytes_per_token()
+        return eng.EngineOptions(
+            model_path=model_path,
+            served_model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=eng.kv_cache_bytes_for(per_token, self.max_model_len),
+        )
+
+    def _start_router(self, t0: float) -> None:
+        assert self.run_dir is not None
+        exclude = {s.port for s in self.engines}
+        self.router_port = (
+            self._router_port_wanted or portmod.pick_ports(1, portmod.ROUTER_PORTS, exclude)[0]
+        )
+        config_path = self.run_dir / "router.yaml"
+        config_path.write_text(yaml.safe_dump(self.router_config(), sort_keys=False))
+        argv = [sys.executable, "-m", "router", "serve", "--config", str(config_path)]
+        self._say(f"starting router on :{self.router_port}")
+        self._router_proc = ManagedProcess(
+            "router", argv, _router_env(os.environ), self.run_dir / "router.log"
+        )
+        self._wait_ready({"router": (self._router_proc, _http_ok(f"{self.router_url}/ready"))}, t0)
+
+    # -- readiness -------------------------------------------------------------------------
+
+    def _wait_ready(
+        self, checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]], t0: float
+    ) -> None:
+        pending = dict(checks)
+        last_report = time.monotonic()
+        while pending:
+            for name, (proc, ok) in list(pending.items()):
+                code = proc.exit_code()
+                if code is not None:
+                    raise StackError(
+                        f"{name} exited with {code} during start-up; last output "
+                        f"({proc.log_path}):\n{proc.log_tail()}"
+                    )
+                if ok():
+                    self.startup_s[name] = time.monotonic() - t0
+                    self._say(f"{name} ready after {self.startup_s[name]:.1f}s")
+                    del pending[name]
+            elapsed = time.monotonic() - t0
+            if pending and elapsed > self.startup_timeout_s:
+                raise StackError(f"not ready after {elapsed:.0f}s: {', '.join(pending)}")
+            if pending and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
+                self._say(f"waiting for {', '.join(pending)} ... {elapsed:.0f}s")
+                last_report = time.monotonic()
+            time.sleep(0.25)
+
+    # -- accessors -------------------------------------------------------------------------
+
+    @property
+    def router_url(self) -> str:
+        """Base URL of the router (``http://127.0.0.1:PORT``); requires ``with_router``."""
+        if self.router_port is None:
+            raise StackError("this stack runs no router")
+        return f"http://{eng.LOCALHOST}:{self.router_port}"
+
+    def engine(self, name: str) -> eng.EngineSpec:
+        """The engine called ``name`` (``prefill-0``, ``decode-0`` or ``aggregated-0``)."""
+        for spec in self.engines:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no engine {name!r} in this {self.mode.value} stack")
+
+    @property
+    def prefill(self) -> eng.EngineSpec:
+        return self.engine("prefill-0")
+
+    @property
+    def decode(self) -> eng.EngineSpec:
+        """The engine that answers clients: D, or the single engine in aggregated mode."""
+        return self.engines[-1]
+
+    def engine_metrics(self, name: str) -> Metrics:
+        """Scrape engine ``name``'s ``/metrics``."""
+        return scrape(self.engine(name).url)
+
+    def router_metrics(self) -> Metrics:
+        """Scrape the router's ``/metrics``."""
+        return scrape(self.router_url)
+
+    def log_path(self, name: str) -> Path:
+        """Log file of process ``name`` (an engine name or ``router``)."""
+        assert self.run_dir is not None
+        return self.run_dir / f"{name}.log"
+
+    def router_config(self) -> dict[str, Any]:
+        """The router config for this stack (the shape ``pd-router serve --config`` reads)."""
+        prefill = [
+            {"url": s.url, "engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
+            for s in self.engines
+            if s.role == "prefill"
+        ]
+        decode = [
+            {"url": s.url, "slots": self.decode_slots}
+            for s in self.engines
+            if s.role in ("decode", "aggregated")
+        ]
+        model = {"name": self.model_name, "mode": self.mode.value}
+        return {
+            "listen": {"host": eng.LOCALHOST, "port": self.router_port},
+            "models": [{**model, "prefill": prefill, "decode": decode}],
+        }
+
+    def _say(self, message: str) -> None:
+        print(f"[stack {self.mode.value}] {message}", file=self._log, flush=True)
+
+
+def _http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def _router_env(base: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The router runs without the engine fixes folder on its path."""
+    env = dict(base)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    parts = [p for p in parts if Path(p).resolve() != eng.ENGINE_SITE_DIR]
+    if parts:
+        env["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        env.pop("PYTHONPATH", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _new_run_dir(cache_dir: str | os.PathLike[str] | None, mode: str) -> Path:
+    runs = tiny_model.cache_root(cache_dir) / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    for old in sorted(runs.iterdir())[:-_KEEP_RUNS]:
+        _remove_tree(old)
+    run_dir = runs / f"{time.strftime('%Y%m%d-%H%M%S')}-{mode}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    run_dir.mkdir()
+    return run_dir
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ignore Ctrl-C while tearing down (main thread only), so teardown always finishes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
