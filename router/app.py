@@ -1,0 +1,255 @@
+"""Composition root: ``create_app(config, ...)`` builds every piece and wires it.
+
+Nothing here is module-level state: each app owns its registry, metrics
+registry, HTTP client and health monitor, built from the config and the
+injected ``transport`` (tests, benchmarks) and ``clock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.client_request import ClientRequest, Endpoint, parse_client_request
+from router.config import RouterConfig
+from router.errors import (
+    BodyTooLarge,
+    InvalidRequest,
+    ModelNotFound,
+    RouterError,
+    Unauthorized,
+    error_body,
+)
+from router.metrics import Metrics, Outcome
+from router.pd.dispatch import Dispatcher
+from router.pd.legs import LegRunner
+from router.registry import ModelPool, Registry
+from router.relay import RelayResponse
+from router.upstream import UpstreamClient
+from router.workers.health import HealthMonitor
+from router.workers.instance import Instance
+
+__all__ = ["AppContext", "create_app"]
+
+log = logging.getLogger("pd_router")
+
+
+@dataclass(frozen=True, slots=True)
+class AppContext:
+    config: RouterConfig
+    registry: Registry
+    metrics: Metrics
+    upstream: UpstreamClient
+    dispatcher: Dispatcher
+    health: HealthMonitor
+    clock: Callable[[], float]
+
+
+def _build_context(
+    config: RouterConfig, transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float]
+) -> AppContext:
+    registry = Registry(config, clock)
+    metrics = Metrics()
+    metrics.attach_state(registry.pools)
+    key = config.auth.upstream_api_key
+    upstream = UpstreamClient(
+        config.timeouts, key.get_secret_value() if key else None, transport=transport
+    )
+    legs = LegRunner(upstream, config.timeouts, metrics, clock)
+    dispatcher = Dispatcher(legs, metrics, config.retries, clock)
+
+    def on_routable(inst: Instance) -> None:
+        pool = registry.get(inst.model)
+        if pool is not None:
+            pool.ledger.poke()
+
+    health = HealthMonitor(registry.instances, upstream, config.health, on_routable)
+    return AppContext(config, registry, metrics, upstream, dispatcher, health, clock)
+
+
+def _json(status: int, content: bytes, headers: dict[str, str] | None = None) -> Response:
+    return Response(content, status_code=status, media_type="application/json", headers=headers)
+
+
+def _authorize(ctx: AppContext, request: Request) -> None:
+    keys = ctx.config.auth.api_keys
+    if not keys:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    given = token.strip().encode() if scheme.lower() == "bearer" else b""
+    # Compare against every key so timing does not reveal which (if any) matched.
+    matched = False
+    for k in keys:
+        matched |= hmac.compare_digest(given, k.get_secret_value().encode())
+    if not matched:
+        raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _relay(ctx: AppContext, pool: ModelPool, creq: ClientRequest, started: float) -> RelayResponse:
+    mode = pool.mode.value
+
+    def observe(outcome: str, ttft: float | None) -> None:
+        ctx.metrics.requests.labels(pool.name, mode, outcome).inc()
+        if ttft is not None:
+            ctx.metrics.ttft.labels(pool.name, mode).observe(ttft)
+
+    return RelayResponse(
+        ctx.dispatcher, pool, creq, observe, started, ctx.clock, ctx.config.timeouts.total
+    )
+
+
+async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Response | Any:
+    started = ctx.clock()
+    _authorize(ctx, request)
+    raw = await _read_body(request, ctx.config.admission.max_body_bytes)
+    creq = parse_client_request(raw, endpoint)
+    pool = ctx.registry.get(creq.model)
+    if pool is None:
+        raise ModelNotFound(f"the model {creq.model!r} does not exist on this router")
+    if creq.num_prompts > 1 and pool.mode.uses_prefill:
+        ctx.metrics.requests.labels(pool.name, pool.mode.value, Outcome.CLIENT_ERROR).inc()
+        raise InvalidRequest(
+            "prompt: disaggregated serving takes one prompt per request; "
+            "send the prompts as separate requests",
+            param="prompt",
+        )
+    return _relay(ctx, pool, creq, started)
+
+
+_REQUEST_SCHEMA: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"type": "object", "additionalProperties": True}}
+        },
+    }
+}
+
+
+def _register_routes(app: FastAPI, ctx: AppContext) -> None:
+    @app.post("/v1/completions", openapi_extra=_REQUEST_SCHEMA)
+    async def completions(request: Request) -> Any:
+        return await _handle(ctx, request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/chat/completions", openapi_extra=_REQUEST_SCHEMA)
+    async def chat_completions(request: Request) -> Any:
+        return await _handle(ctx, request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _authorize(ctx, request)
+        data = [
+            {"id": p.name, "object": "model", "created": 0, "owned_by": "pd-router"}
+            for p in ctx.registry.pools()
+            if any(d.healthy is not False and not d.degraded for d in p.decode)
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return _readiness(ctx)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _readiness(ctx: AppContext) -> Response:
+    models = {}
+    for pool in ctx.registry.pools():
+        models[pool.name] = {
+            "ready": pool.has_healthy_pair(),
+            "mode": pool.mode.value,
+            "instances": [
+                {
+                    "url": i.url,
+                    "role": i.role.value,
+                    "healthy": i.healthy,
+                    "degraded": i.degraded,
+                    "breaker": i.breaker.state.name.lower(),
+                    "slots_in_use": i.in_flight if i.slots else None,
+                    "slots": i.slots or None,
+                }
+                for i in (*pool.prefill, *pool.decode)
+            ],
+        }
+    ok = all(m["ready"] for m in models.values())
+    return JSONResponse({"ready": ok, "models": models}, status_code=200 if ok else 503)
+
+
+def _register_errors(app: FastAPI) -> None:
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, exc: RouterError) -> Response:
+        return _json(exc.status, exc.body(), exc.headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else str(exc.status_code)
+        return _json(exc.status_code, error_body(str(exc.detail), "invalid_request_error", code))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return _json(500, error_body("internal router error", "internal_error", "internal_error"))
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    health_checks: bool = True,
+) -> FastAPI:
+    """Build the router app. ``health_checks=False`` skips the background monitor
+    (instances then count as healthy until proven otherwise)."""
+    ctx = _build_context(config, transport, clock)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if health_checks:
+            await ctx.health.check_all()
+            task = asyncio.create_task(ctx.health.run())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await ctx.upstream.aclose()
+
+    app = FastAPI(title="pd-router", version="0.1.0", lifespan=lifespan)
+    app.state.ctx = ctx
+    _register_routes(app, ctx)
+    _register_errors(app)
+    return app

@@ -1,0 +1,115 @@
+"""The ``pd-router`` command: ``serve``, ``check-config`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from router.config import ConfigError, RouterConfig, load_config
+
+__all__ = ["main"]
+
+
+def _load_or_exit(path: str) -> RouterConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _summary(cfg: RouterConfig) -> str:
+    lines = [f"listen {cfg.listen.host}:{cfg.listen.port}"]
+    for m in cfg.models:
+        slots = sum(d.slots for d in m.decode)
+        lines.append(
+            f"model {m.name!r}: mode {m.mode.value}, {len(m.prefill)} prefill, "
+            f"{len(m.decode)} decode ({slots} slots)"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    cfg = _load_or_exit(args.config)
+    print(f"{args.config}: OK\n{_summary(cfg)}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.app import create_app
+
+    cfg = _load_or_exit(args.config)
+    host = args.host or cfg.listen.host
+    port = args.port if args.port is not None else cfg.listen.port
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    print(_summary(cfg), file=sys.stderr)
+    uvicorn.run(
+        create_app(cfg),
+        host=host,
+        port=port,
+        log_level=cfg.log_level,
+        access_log=args.access_log,
+        loop="uvloop",
+        http="httptools",
+        timeout_graceful_shutdown=args.grace,
+    )
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from router.stack import demo
+
+    code: int = demo.run(args)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-router", description="Prefill/decode disaggregation router for vLLM"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the router")
+    serve.add_argument("--config", required=True, help="YAML routing file")
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument("--access-log", action="store_true", help="log every request")
+    serve.add_argument(
+        "--grace", type=float, default=30.0, help="seconds open streams may finish on SIGTERM"
+    )
+    serve.set_defaults(func=_cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a YAML routing file and exit")
+    check.add_argument("config", help="YAML routing file")
+    check.set_defaults(func=_cmd_check)
+
+    demo = sub.add_parser("demo", help="start a local P/D stack on real vLLM engines")
+    try:
+        from router.stack import demo as demo_module
+    except ImportError:
+        demo.set_defaults(func=lambda _a: _missing_stack())
+    else:
+        demo_module.add_arguments(demo)
+        demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _missing_stack() -> int:
+    print("error: the demo stack is not available in this installation", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

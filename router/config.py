@@ -1,0 +1,283 @@
+"""Routing configuration: the YAML file's schema, validated once at start.
+
+Every field is checked by pydantic; a mistake is reported with its exact path
+(``models.0.decode.1.slots: Input should be greater than 0``) by
+:func:`load_config`, which raises :class:`ConfigError` carrying all problems.
+Secrets (API keys) are resolved here, once, and kept as ``SecretStr`` so they
+never end up in logs or reprs.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "AdmissionConfig",
+    "AuthConfig",
+    "BreakerConfig",
+    "ConfigError",
+    "DecodeInstanceConfig",
+    "HealthConfig",
+    "ListenConfig",
+    "Mode",
+    "ModelConfig",
+    "PolicyName",
+    "PrefillInstanceConfig",
+    "RetryConfig",
+    "RouterConfig",
+    "TimeoutConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+class Mode(enum.StrEnum):
+    """How a model's requests are split between prefill and decode engines."""
+
+    PULL = "pull"  # NixlConnector: P first, D READs P's blocks
+    PUSH = "push"  # NixlPushConnector: both legs at once, P WRITEs into D
+    PUSH_SEQUENTIAL = "push-sequential"  # NixlPushConnector, P first (upstream toy order)
+    PIPELINED = "pipelined"  # this project's connector: layer-pipelined WRITEs
+    AGGREGATED = "aggregated"  # D alone, no disaggregation
+
+    @property
+    def uses_prefill(self) -> bool:
+        return self is not Mode.AGGREGATED
+
+
+PolicyName = Literal["round_robin", "least_loaded", "power_of_two", "random", "prefix_hash"]
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo in the YAML must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+
+
+class _InstanceConfig(_Strict):
+    url: AnyHttpUrl
+
+    @field_validator("url")
+    @classmethod
+    def _no_path(cls, v: AnyHttpUrl) -> AnyHttpUrl:
+        if v.path not in (None, "", "/"):
+            raise ValueError("must be a base URL without a path (the router adds /v1/...)")
+        return v
+
+    @property
+    def base_url(self) -> str:
+        return str(self.url).rstrip("/")
+
+
+class PrefillInstanceConfig(_InstanceConfig):
+    """A prefill engine. The NIXL identity is optional: learned from P's responses."""
+
+    engine_id: str | None = None
+    kv_host: str | None = None
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
+    tp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
+
+
+class DecodeInstanceConfig(_InstanceConfig):
+    """A decode engine and the number of concurrent requests the router may place on it."""
+
+    slots: int = Field(default=64, ge=1)
+    engine_id: str | None = None  # pipelined mode: D's NIXL identity, sent to P
+    kv_host: str | None = None
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class PolicyConfig(_Strict):
+    prefill: PolicyName = "least_loaded"
+    decode: PolicyName = "least_loaded"
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1)
+    mode: Mode = Mode.PUSH
+    prefill: list[PrefillInstanceConfig] = Field(default_factory=list)
+    decode: list[DecodeInstanceConfig] = Field(min_length=1)
+    policy: PolicyConfig = PolicyConfig()
+    # Prompts estimated shorter than this go to D alone: a prefill that small costs
+    # less than the handoff. 0 disables conditional disaggregation.
+    disagg_min_prompt_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ModelConfig:
+        if self.mode.uses_prefill and not self.prefill:
+            raise ValueError(f"mode {self.mode.value!r} needs at least one prefill instance")
+        if self.mode is Mode.PIPELINED:
+            insts: list[PrefillInstanceConfig | DecodeInstanceConfig] = [
+                *self.prefill,
+                *self.decode,
+            ]
+            for inst in insts:
+                if not (inst.engine_id and inst.kv_host and inst.kv_port):
+                    role = "prefill" if isinstance(inst, PrefillInstanceConfig) else "decode"
+                    raise ValueError(
+                        f"{role} {inst.base_url}: mode 'pipelined' needs engine_id, kv_host "
+                        "and kv_port"
+                    )
+        urls = [i.base_url for i in (*self.prefill, *self.decode)]
+        dup = {u for u in urls if urls.count(u) > 1}
+        if dup:
+            raise ValueError(f"instance URL listed twice: {sorted(dup)}")
+        return self
+
+
+class TimeoutConfig(_Strict):
+    """Seconds. ``total`` bounds a whole request, whatever else happens."""
+
+    connect: PositiveFloat = 5.0
+    prefill: PositiveFloat = 120.0
+    decode_first_byte: PositiveFloat = 120.0
+    idle: PositiveFloat = 60.0
+    total: PositiveFloat = 1800.0
+
+
+class AdmissionConfig(_Strict):
+    """Bounded FIFO queue for requests that find no free decode slot."""
+
+    queue_size: int = Field(default=1024, ge=0)
+    max_wait: PositiveFloat = 30.0
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+
+
+class RetryConfig(_Strict):
+    """Retries happen only before the first byte reaches the client."""
+
+    max_attempts: int = Field(default=2, ge=1)
+    backoff_initial: float = Field(default=0.05, ge=0)
+    backoff_max: float = Field(default=1.0, ge=0)
+
+
+class BreakerConfig(_Strict):
+    failure_threshold: int = Field(default=5, ge=1)
+    open_seconds: PositiveFloat = 10.0
+
+
+class HealthConfig(_Strict):
+    interval: PositiveFloat = 5.0
+    timeout: PositiveFloat = 2.0
+    unhealthy_after: int = Field(default=2, ge=1)
+    # KV usage (0..1) above which an idle decode engine counts as holding leaked blocks.
+    leak_usage_epsilon: float = Field(default=0.0, ge=0, lt=1)
+
+
+class AuthConfig(_Strict):
+    """Client keys (``Authorization: Bearer``) and the key sent to the engines.
+
+    Keys may be given inline or as the name of an environment variable; either
+    way they are read once here.
+    """
+
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_env: str | None = None
+    upstream_api_key: SecretStr | None = None
+    upstream_api_key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _resolve_env(self) -> AuthConfig:
+        keys = list(self.api_keys)
+        if self.api_keys_env:
+            raw = _require_env(self.api_keys_env)
+            keys += [SecretStr(k.strip()) for k in raw.split(",") if k.strip()]
+        upstream = self.upstream_api_key
+        if self.upstream_api_key_env:
+            upstream = SecretStr(_require_env(self.upstream_api_key_env))
+        object.__setattr__(self, "api_keys", keys)
+        object.__setattr__(self, "upstream_api_key", upstream)
+        return self
+
+
+def _require_env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"environment variable {name} is not set or empty")
+    return value
+
+
+class RouterConfig(_Strict):
+    listen: ListenConfig = ListenConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+    timeouts: TimeoutConfig = TimeoutConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    retries: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    health: HealthConfig = HealthConfig()
+    auth: AuthConfig = AuthConfig()
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model name listed twice: {dup}")
+        return models
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``str()`` lists every problem with its path."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid configuration\n" + "\n".join(problems))
+
+
+def _format_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"  {path}: {msg}")
+    return out
+
+
+def parse_config(data: Any, source: str = "<config>") -> RouterConfig:
+    """Validate an already-parsed YAML/JSON document."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["  (top level): expected a mapping"])
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(source, _format_errors(exc)) from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read and validate a YAML routing file; raises :class:`ConfigError`."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(source, [f"  cannot read file: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"  YAML syntax: {exc}"]) from None
+    return parse_config(data, source)

@@ -1,0 +1,171 @@
+"""Router errors, rendered once as OpenAI-style JSON.
+
+::
+
+    RouterError                      status  type / code
+    ├── InvalidRequest               400     invalid_request_error
+    ├── BodyTooLarge                 413     invalid_request_error / body_too_large
+    ├── Unauthorized                 401     authentication_error / invalid_api_key
+    ├── ModelNotFound                404     invalid_request_error / model_not_found
+    ├── QueueFull                    429     rate_limit_error / queue_full (+ Retry-After)
+    ├── NoCapacity                   503     service_unavailable / no_capacity (+ Retry-After)
+    └── UpstreamError                502     upstream_error / <kind>
+        ├── UpstreamTimeout          504     timeout / <role>_timeout
+        └── UpstreamStatus           <the engine's status and body, passed through>
+
+Upstream errors carry the role (``prefill``/``decode``) and the instance they
+came from, so the dispatcher can retry elsewhere and feed the circuit breaker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "BodyTooLarge",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoCapacity",
+    "QueueFull",
+    "RouterError",
+    "Unauthorized",
+    "UpstreamError",
+    "UpstreamStatus",
+    "UpstreamTimeout",
+    "error_body",
+    "sse_error_event",
+]
+
+
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
+    """The OpenAI error envelope as JSON bytes."""
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+def sse_error_event(message: str, type_: str, code: str | int | None) -> bytes:
+    """An error delivered inside an already-started SSE stream (as vLLM does)."""
+    return b"data: " + error_body(message, type_, code) + b"\n\n"
+
+
+class RouterError(Exception):
+    status: int = 500
+    type: str = "internal_error"
+    code: str | int | None = "internal_error"
+    retry_after: float | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code)
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"retry-after": str(max(1, round(self.retry_after)))}
+
+
+class InvalidRequest(RouterError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+class BodyTooLarge(InvalidRequest):
+    status = 413
+    code = "body_too_large"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class QueueFull(RouterError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NoCapacity(RouterError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_capacity"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class UpstreamError(RouterError):
+    """An engine could not be reached or broke the protocol."""
+
+    status = 502
+    type = "upstream_error"
+
+    def __init__(self, message: str, *, role: str, instance: str, code: str = "upstream_error"):
+        super().__init__(message)
+        self.role = role
+        self.instance = instance
+        self.code = code
+
+    @property
+    def retryable(self) -> bool:
+        return True
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    type = "timeout"
+
+
+class UpstreamStatus(UpstreamError):
+    """The engine answered with an error status; its body is passed through."""
+
+    def __init__(self, status: int, content: bytes, *, role: str, instance: str) -> None:
+        super().__init__(
+            f"{role} engine returned HTTP {status}", role=role, instance=instance, code=str(status)
+        )
+        self.status = status
+        self.content = content
+
+    @property
+    def retryable(self) -> bool:
+        return self.status >= 500 or self.status in (408, 429)
+
+    def body(self) -> bytes:
+        if _is_openai_error(self.content):
+            return self.content
+        text = self.content.decode("utf-8", "replace")[:500]
+        return error_body(f"{self.message}: {text}", "upstream_error", self.status)
+
+
+def _is_openai_error(content: bytes) -> bool:
+    try:
+        doc: Any = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("error"), dict)

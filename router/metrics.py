@@ -1,0 +1,176 @@
+"""Prometheus metrics: one registry per app, no prometheus calls elsewhere.
+
+Counters and histograms are updated on the request path; instance state
+(slots, queue depth, breaker, health) is read from its single owner at scrape
+time by :class:`StateCollector`, so the hot path pays nothing for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from router.registry import ModelPool
+
+__all__ = ["Metrics", "Outcome"]
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class Outcome:
+    """Label values of ``pdrouter_requests_total{outcome}``."""
+
+    SUCCESS = "success"
+    CLIENT_ERROR = "client_error"
+    UPSTREAM_ERROR = "upstream_error"
+    TIMEOUT = "timeout"
+    NO_CAPACITY = "no_capacity"
+    DISCONNECT = "client_disconnect"
+
+
+class StateCollector(Collector):
+    """Reads slots, queues, breakers and health from the model pools at scrape time."""
+
+    def __init__(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        slots = GaugeMetricFamily(
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "instance"]
+        )
+        in_use = GaugeMetricFamily(
+            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "instance"]
+        )
+        queue = GaugeMetricFamily(
+            "pdrouter_queue_depth", "Requests waiting for a decode slot", labels=["model"]
+        )
+        inflight = GaugeMetricFamily(
+            "pdrouter_prefill_in_flight", "Prefill legs in flight", labels=["model", "instance"]
+        )
+        breaker = GaugeMetricFamily(
+            "pdrouter_breaker_state",
+            "Circuit breaker state (0 closed, 1 open, 2 half-open)",
+            labels=["model", "role", "instance"],
+        )
+        healthy = GaugeMetricFamily(
+            "pdrouter_instance_healthy",
+            "Active health check result (1 healthy, 0 unhealthy, -1 unknown)",
+            labels=["model", "role", "instance"],
+        )
+        degraded = GaugeMetricFamily(
+            "pdrouter_instance_degraded",
+            "1 while a decode engine holds leaked KV blocks and is out of rotation",
+            labels=["model", "instance"],
+        )
+        for pool in self._pools():
+            queue.add_metric([pool.name], pool.ledger.queue_depth)
+            for d in pool.decode:
+                slots.add_metric([pool.name, d.url], d.slots)
+                in_use.add_metric([pool.name, d.url], d.in_flight)
+                degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
+            for p in pool.prefill:
+                inflight.add_metric([pool.name, p.url], p.in_flight)
+            for inst in (*pool.prefill, *pool.decode):
+                labels = [pool.name, inst.role.value, inst.url]
+                breaker.add_metric(labels, int(inst.breaker.state))
+                health = -1 if inst.healthy is None else int(inst.healthy)
+                healthy.add_metric(labels, health)
+        yield from (slots, in_use, queue, inflight, breaker, healthy, degraded)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdrouter_requests", "Client requests", ["model", "mode", "outcome"], registry=r
+        )
+        self.ttft = Histogram(
+            "pdrouter_ttft_seconds",
+            "Client-observed time to first byte",
+            ["model", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdrouter_inter_chunk_seconds",
+            "Client-observed time between streamed chunks",
+            ["model", "mode"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.prefill_duration = Histogram(
+            "pdrouter_prefill_duration_seconds",
+            "Prefill leg duration",
+            ["model", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.handoff = Histogram(
+            "pdrouter_handoff_seconds",
+            "Prefill done to first decode byte",
+            ["model", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter("pdrouter_retries", "Dispatch retries", ["model"], registry=r)
+        self.kv_params_missing = Counter(
+            "pdrouter_kv_params_missing",
+            "Prefill responses without kv_transfer_params",
+            ["model", "instance"],
+            registry=r,
+        )
+        self.disconnects = Counter(
+            "pdrouter_client_disconnects",
+            "Clients gone before their response ended",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdrouter_upstream_errors", "Upstream failures", ["model", "role", "code"], registry=r
+        )
+        self.decisions = Counter(
+            "pdrouter_disagg_decisions",
+            "How requests were dispatched",
+            ["model", "decision"],
+            registry=r,
+        )
+        self.push_fallbacks = Counter(
+            "pdrouter_push_sequential_dispatches",
+            "Push requests sent sequentially because P's identity was not yet known",
+            ["model"],
+            registry=r,
+        )
+
+    def attach_state(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
+        self.registry.register(StateCollector(pools))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

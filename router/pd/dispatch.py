@@ -1,0 +1,377 @@
+"""Dispatch one client request up to D's first bytes: slot first, then the legs.
+
+Per attempt::
+
+    reserve a decode slot (may queue)            -- before any upstream call
+    pull:             P ──▶ params ──▶ D
+    push (P known):   P ∥ D   (D gets P's coordinates; P drains in the background)
+    push (P unknown), push-sequential:  P ──▶ identity ──▶ D
+    pipelined:        P ∥ D   (each leg carries the other's identity)
+    aggregated / short prompt / n>1:  D alone
+
+An attempt that fails before the client has seen a byte is retried with fresh
+ids on a re-selected pair, avoiding the failed instance. The returned
+:class:`Dispatch` owns the slot, D's open stream and any background P leg until
+:meth:`Dispatcher.finish` is called, which the caller must do exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.client_request import ClientRequest
+from router.config import Mode, RetryConfig
+from router.errors import NoCapacity, UpstreamError
+from router.metrics import Metrics
+from router.pd import kv_params as kp
+from router.pd import pipelined_params as pp
+from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
+from router.registry import ModelPool
+from router.workers.instance import Instance
+from router.workers.ledger import Reservation
+
+__all__ = ["Dispatch", "Dispatcher"]
+
+log = logging.getLogger("pd_router.dispatch")
+
+_PREFIX_KEY_CHARS = 256
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """An opened request: D's first bytes are in; the caller relays the rest."""
+
+    pool: ModelPool
+    reservation: Reservation
+    leg: DecodeLeg
+    decision: str
+    request_id: str
+    prefill_task: asyncio.Task[PrefillResult] | None = None
+    prefill_done_at: float | None = None
+    finished: bool = field(default=False)
+
+
+def _decision(pool: ModelPool, creq: ClientRequest) -> str:
+    if not pool.mode.uses_prefill:
+        return "aggregated"
+    if creq.n > 1:
+        return "decode_only_n"
+    threshold = pool.config.disagg_min_prompt_tokens
+    if threshold and creq.estimated_prompt_tokens() < threshold:
+        return "decode_only_short"
+    return pool.mode.value
+
+
+def _routing_key(creq: ClientRequest) -> str:
+    body = creq.body
+    if "messages" in body:
+        return str(body["messages"])[:_PREFIX_KEY_CHARS]
+    return str(body.get("prompt"))[:_PREFIX_KEY_CHARS]
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        legs: LegRunner,
+        metrics: Metrics,
+        retries: RetryConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._legs = legs
+        self.metrics = self._metrics = metrics
+        self._retries = retries
+        self._clock = clock
+
+    async def open(self, pool: ModelPool, creq: ClientRequest) -> Dispatch:
+        """Reserve, dispatch and return once D's first bytes are in; retries inside.
+
+        Raises a :class:`~router.errors.RouterError` when every attempt failed.
+        """
+        decision = _decision(pool, creq)
+        self._metrics.decisions.labels(pool.name, decision).inc()
+        key = _routing_key(creq) if pool.key_needed else None
+        avoid: frozenset[Instance] = frozenset()
+        attempts = self._retries.max_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._attempt(pool, creq, decision, key, avoid)
+            except UpstreamError as exc:
+                self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
+                if not exc.retryable or attempt == attempts:
+                    raise
+                log.warning("attempt %d failed, retrying: %s", attempt, exc.message)
+                avoid = avoid | {i for i in _all(pool) if i.url == exc.instance}
+                self._metrics.retries.labels(pool.name).inc()
+                await asyncio.sleep(self._backoff(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int) -> float:
+        r = self._retries
+        base = min(r.backoff_max, r.backoff_initial * (2.0 ** (attempt - 1)))
+        jitter: float = random.uniform(0.8, 1.2)
+        return base * jitter
+
+    async def _attempt(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        decision: str,
+        key: str | None,
+        avoid: frozenset[Instance],
+    ) -> Dispatch:
+        reservation = await pool.ledger.reserve(key, avoid)
+        ids = kp.new_dispatch_ids()
+        try:
+            if decision != pool.mode.value:
+                leg = await self._decode(reservation, creq, kp.aggregated_body(creq.body), ids)
+                return Dispatch(pool, reservation, leg, decision, ids.request_id)
+            prefill = pool.select_prefill(key, avoid)
+            if prefill is None:
+                raise NoCapacity(f"no healthy prefill engine for model {pool.name!r}", 5.0)
+            return await self._by_mode(pool, creq, reservation, prefill, ids)
+        except BaseException:
+            pool.ledger.release(reservation)
+            raise
+
+    async def _by_mode(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+    ) -> Dispatch:
+        mode = pool.mode
+        if mode is Mode.PULL:
+            return await self._pull(pool, creq, res, p, ids)
+        if mode is Mode.PIPELINED:
+            return await self._pipelined(pool, creq, res, p, ids)
+        identity = pool.identities.get(p.url)
+        if mode is Mode.PUSH_SEQUENTIAL or identity is None:
+            if mode is Mode.PUSH:
+                self._metrics.push_fallbacks.labels(pool.name).inc()
+            return await self._push_sequential(pool, creq, res, p, ids)
+        d_params = kp.push_decode_params(
+            identity,
+            kp.predicted_prefill_request_id(creq.endpoint, ids.request_id),
+            ids.transfer_id,
+        )
+        return await self._concurrent(
+            pool, creq, res, p, ids, d_params, kp.prefill_params(ids.transfer_id)
+        )
+
+    # -- modes ---------------------------------------------------------------
+
+    async def _pull(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+    ) -> Dispatch:
+        result = await self._prefill(pool, creq, p, ids, kp.prefill_params(ids.transfer_id))
+        assert result.kv_params is not None
+        d_params = kp.pull_decode_params(
+            result.kv_params, ids.transfer_id, pool.kv_hosts.get(p.url)
+        )
+        leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
+        return self._opened(pool, res, leg, ids, None, result.finished_at)
+
+    async def _push_sequential(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+    ) -> Dispatch:
+        result = await self._prefill(pool, creq, p, ids, kp.prefill_params(ids.transfer_id))
+        assert result.kv_params is not None
+        identity = kp.identity_from_params(result.kv_params, pool.kv_hosts.get(p.url))
+        if identity is None:
+            raise UpstreamError(
+                f"prefill engine {p.url} returned kv_transfer_params without its NIXL identity",
+                role="prefill",
+                instance=p.url,
+                code="kv_transfer_params_incomplete",
+            )
+        pool.learn_identity(p.url, identity)
+        remote_id = result.kv_params.get("remote_request_id")
+        if not isinstance(remote_id, str):
+            remote_id = kp.predicted_prefill_request_id(creq.endpoint, ids.request_id)
+        d_params = kp.push_decode_params(identity, remote_id, ids.transfer_id)
+        leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
+        return self._opened(pool, res, leg, ids, None, result.finished_at)
+
+    async def _pipelined(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+    ) -> Dispatch:
+        d_cfg = next(d for d in pool.config.decode if d.base_url == res.instance.url)
+        p_cfg = next(c for c in pool.config.prefill if c.base_url == p.url)
+        assert d_cfg.engine_id and d_cfg.kv_host and d_cfg.kv_port
+        assert p_cfg.engine_id and p_cfg.kv_host and p_cfg.kv_port
+        d_identity = pp.PeerIdentity(d_cfg.engine_id, d_cfg.kv_host, d_cfg.kv_port)
+        p_identity = pp.PeerIdentity(p_cfg.engine_id, p_cfg.kv_host, p_cfg.kv_port)
+        return await self._concurrent(
+            pool,
+            creq,
+            res,
+            p,
+            ids,
+            dict(pp.decode_params(ids.transfer_id, p_identity)),
+            dict(pp.prefill_params(ids.transfer_id, d_identity)),
+        )
+
+    async def _concurrent(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+        d_params: dict[str, Any],
+        p_params: dict[str, Any],
+    ) -> Dispatch:
+        """Both legs at once. If P fails first, D is closed and P's error surfaces;
+        if D answers first, P keeps draining in the background."""
+        p_task = asyncio.create_task(self._prefill(pool, creq, p, ids, p_params))
+        d_task = asyncio.create_task(
+            self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
+        )
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            p_error = p_task.exception() if p_task in done else None
+            d_ok = d_task in done and d_task.exception() is None
+            if p_error is not None and not d_ok:
+                await _discard_decode(d_task)
+                self._after_prefill_failure(pool, p, res.instance)
+                raise p_error
+            leg = await d_task
+        except BaseException:
+            await _discard_decode(d_task)
+            await _cancel(p_task)
+            raise
+        finished_at = None
+        if p_task.done() and p_task.exception() is None:
+            finished_at = p_task.result().finished_at
+            self._refresh_identity(pool, p, p_task.result())
+        return self._opened(pool, res, leg, ids, p_task, finished_at)
+
+    # -- helpers -------------------------------------------------------------
+
+    async def _prefill(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        p: Instance,
+        ids: kp.DispatchIds,
+        params: dict[str, Any],
+    ) -> PrefillResult:
+        started = self._clock()
+        try:
+            return await self._legs.prefill(
+                pool.name,
+                p,
+                creq.endpoint.value,
+                kp.prefill_body(creq.body, params),
+                ids.request_id,
+                require_params=pool.mode is not Mode.PIPELINED,
+            )
+        finally:
+            self._metrics.prefill_duration.labels(pool.name, pool.mode.value).observe(
+                self._clock() - started
+            )
+
+    async def _decode(
+        self, res: Reservation, creq: ClientRequest, body: dict[str, Any], ids: kp.DispatchIds
+    ) -> DecodeLeg:
+        d = res.instance
+        try:
+            return await self._legs.open_decode(
+                d, creq.endpoint.value, body, ids.request_id, creq.stream
+            )
+        except UpstreamError as exc:
+            d.breaker.record(success=not exc.retryable)
+            raise
+
+    def _opened(
+        self,
+        pool: ModelPool,
+        res: Reservation,
+        leg: DecodeLeg,
+        ids: kp.DispatchIds,
+        p_task: asyncio.Task[PrefillResult] | None,
+        prefill_done_at: float | None,
+    ) -> Dispatch:
+        if prefill_done_at is not None:
+            self._metrics.handoff.labels(pool.name, pool.mode.value).observe(
+                max(0.0, self._clock() - prefill_done_at)
+            )
+        return Dispatch(pool, res, leg, pool.mode.value, ids.request_id, p_task, prefill_done_at)
+
+    def _after_prefill_failure(self, pool: ModelPool, p: Instance, d: Instance) -> None:
+        pool.forget_identity(p.url)
+        if pool.mode is Mode.PUSH:
+            # vLLM 0.32's push connector leaks a D request closed while it waits for
+            # KV; the health monitor checks this D's own metrics before trusting it.
+            d.suspect = True
+
+    def _refresh_identity(self, pool: ModelPool, p: Instance, result: PrefillResult) -> None:
+        if pool.mode is Mode.PUSH and result.kv_params is not None:
+            identity = kp.identity_from_params(result.kv_params, pool.kv_hosts.get(p.url))
+            if identity is not None:
+                pool.learn_identity(p.url, identity)
+
+    async def finish(self, dispatch: Dispatch, success: bool | None) -> None:
+        """Release everything the dispatch holds; exactly once, on every exit path.
+
+        ``success`` feeds D's breaker (None: the client left, no verdict). A P leg
+        still running is drained when the request succeeded, cancelled otherwise.
+        """
+        if dispatch.finished:
+            return
+        dispatch.finished = True
+        leg = dispatch.leg
+        try:
+            await asyncio.shield(leg.stream.aclose())
+        finally:
+            dispatch.pool.ledger.release(dispatch.reservation)
+        if success is not None:
+            leg.instance.breaker.record(success)
+        task = dispatch.prefill_task
+        if task is not None and not task.done():
+            if success:
+                await asyncio.gather(task, return_exceptions=True)
+            else:
+                await _cancel(task)
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            log.warning("prefill leg failed after decode started: %s", task.exception())
+
+
+async def _discard_decode(task: asyncio.Task[DecodeLeg]) -> None:
+    """Cancel a decode leg, or close its stream if it already opened."""
+    await _cancel(task)
+    if not task.cancelled() and task.exception() is None:
+        await asyncio.shield(task.result().stream.aclose())
+
+
+def _all(pool: ModelPool) -> list[Instance]:
+    return [*pool.prefill, *pool.decode]

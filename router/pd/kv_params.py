@@ -1,0 +1,166 @@
+"""The P/D wire protocol with vLLM 0.32, as pure functions.
+
+This is the one place that knows how a client body becomes a prefill (P) body
+and a decode (D) body, and which ``kv_transfer_params`` each mode sends:
+
+* P leg (every disaggregated mode): ``max_tokens=1`` (and
+  ``max_completion_tokens=1`` when present), ``stream=false``, no
+  ``stream_options``/``min_tokens``/``min_completion_tokens``, and
+  ``kv_transfer_params={"do_remote_decode": true, ...}``.
+* D leg: the client body unchanged plus ``kv_transfer_params``: P's returned
+  params verbatim (pull), or P's coordinates (push: D needs only P's identity).
+* Both legs carry the same ``X-Request-Id`` and the same ``transfer_id``; ids are
+  minted per dispatch and never taken from the client, so two clients can never
+  cross-wire KV.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from router.client_request import Endpoint
+
+__all__ = [
+    "DispatchIds",
+    "PrefillIdentity",
+    "aggregated_body",
+    "decode_body",
+    "identity_from_params",
+    "new_dispatch_ids",
+    "predicted_prefill_request_id",
+    "prefill_body",
+    "prefill_params",
+    "pull_decode_params",
+    "push_decode_params",
+]
+
+# Fields a client may not smuggle to the engines: routing state is the router's alone.
+_CLIENT_STRIPPED = ("kv_transfer_params", "request_id")
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchIds:
+    """Ids shared by both legs of one dispatch attempt (fresh on every retry)."""
+
+    request_id: str  # sent as X-Request-Id on both legs
+    transfer_id: str  # sent in kv_transfer_params on both legs
+
+
+def new_dispatch_ids() -> DispatchIds:
+    hex_ = uuid.uuid4().hex
+    return DispatchIds(request_id=f"pdr-{hex_}", transfer_id=f"xfer-{hex_}")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillIdentity:
+    """What D needs to find P over NIXL in push mode."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in _CLIENT_STRIPPED}
+
+
+def prefill_params(transfer_id: str) -> dict[str, Any]:
+    """P's params in pull and push modes: keep the KV for a remote decode."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": transfer_id,
+    }
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg: one token, non-streaming, carrying ``kv_params``."""
+    out = {k: v for k, v in _client_fields(body).items() if k not in _PREFILL_DROPPED}
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The D leg: the client's request as sent, plus the transfer parameters."""
+    out = _client_fields(body)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def aggregated_body(body: dict[str, Any]) -> dict[str, Any]:
+    """D alone: the client's request without any routing fields."""
+    return _client_fields(body)
+
+
+def pull_decode_params(
+    p_params: dict[str, Any], transfer_id: str, kv_host: str | None
+) -> dict[str, Any]:
+    """P's returned params, verbatim, for D to READ from.
+
+    ``kv_host`` (configured for that P) replaces ``remote_host``: P may advertise
+    a bind address that D cannot reach.
+    """
+    out = dict(p_params)
+    out.setdefault("transfer_id", transfer_id)
+    if kv_host:
+        out["remote_host"] = kv_host
+    return out
+
+
+def predicted_prefill_request_id(endpoint: Endpoint, request_id: str) -> str:
+    """P's internal request id, without the engine's random suffix.
+
+    D only uses it for lease heartbeats to P; vLLM adds a random suffix we cannot
+    know in concurrent dispatch, so heartbeats may miss and P's lease applies.
+    """
+    if endpoint is Endpoint.CHAT:
+        return f"chatcmpl-{request_id}"
+    return f"cmpl-{request_id}-0"
+
+
+def push_decode_params(
+    identity: PrefillIdentity, remote_request_id: str, transfer_id: str
+) -> dict[str, Any]:
+    """D's params in push mode: P's coordinates, no block ids (D allocates and registers)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": identity.engine_id,
+        "remote_host": identity.host,
+        "remote_port": identity.port,
+        "tp_size": identity.tp_size,
+        "pp_size": identity.pp_size,
+        "remote_request_id": remote_request_id,
+        "transfer_id": transfer_id,
+    }
+
+
+def identity_from_params(p_params: dict[str, Any], kv_host: str | None) -> PrefillIdentity | None:
+    """P's NIXL identity as reported in its response, or None if incomplete."""
+    engine_id = p_params.get("remote_engine_id")
+    host = kv_host or p_params.get("remote_host")
+    port = p_params.get("remote_port")
+    if not isinstance(engine_id, str) or not isinstance(host, str) or not isinstance(port, int):
+        return None
+    tp = p_params.get("tp_size")
+    pp = p_params.get("pp_size")
+    return PrefillIdentity(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        tp_size=tp if isinstance(tp, int) and tp > 0 else 1,
+        pp_size=pp if isinstance(pp, int) and pp > 0 else 1,
+    )

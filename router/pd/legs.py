@@ -1,0 +1,188 @@
+"""The two upstream legs of a dispatch: a prefill call and an opened decode stream.
+
+Each function owns the upstream connection it opens: on any exception,
+cancellation included, the connection is closed before the exception leaves
+(closing is how vLLM learns to abort). Outcomes feed the instance's breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from router.config import TimeoutConfig
+from router.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
+from router.metrics import Metrics
+from router.upstream import UpstreamClient, UpstreamStream, map_errors
+from router.workers.instance import Instance
+
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult"]
+
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@contextmanager
+def _deadline_as(role: str, instance: str, code: str) -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError:
+        raise UpstreamTimeout(
+            f"{role} engine {instance} did not answer in time ({code})",
+            role=role,
+            instance=instance,
+            code=code,
+        ) from None
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    kv_params: dict[str, Any] | None
+    finished_at: float
+
+
+@dataclass(slots=True)
+class DecodeLeg:
+    """D's response, open: status and first bytes in hand, the rest still to read.
+
+    ``rest`` is None when ``first`` is the whole body (non-streaming responses).
+    """
+
+    instance: Instance
+    stream: UpstreamStream
+    first: bytes
+    rest: AsyncIterator[bytes] | None
+
+    @property
+    def status(self) -> int:
+        return self.stream.status
+
+    @property
+    def content_type(self) -> str:
+        content_type: str = self.stream.content_type
+        return content_type
+
+
+async def _close_quietly(stream: UpstreamStream) -> None:
+    # Shielded so a second cancellation cannot leave the connection open.
+    with contextlib.suppress(Exception):
+        await asyncio.shield(stream.aclose())
+
+
+class LegRunner:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        timeouts: TimeoutConfig,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._upstream = upstream
+        self._timeouts = timeouts
+        self._metrics = metrics
+        self._clock = clock
+
+    async def prefill(
+        self,
+        model: str,
+        inst: Instance,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        require_params: bool,
+    ) -> PrefillResult:
+        """Run the P leg to completion; its one generated token is discarded.
+
+        With ``require_params``, a response without ``kv_transfer_params`` is an
+        error (counted), never a silent recompute on D.
+        """
+        inst.in_flight += 1
+        inst.breaker.on_dispatch()
+        try:
+            content = await self._prefill_call(inst, path, body, request_id)
+            params = _kv_params(content)
+            if require_params and params is None:
+                self._metrics.kv_params_missing.labels(model, inst.url).inc()
+                raise UpstreamError(
+                    f"prefill engine {inst.url} returned no kv_transfer_params "
+                    "(is it running a NIXL connector with kv_role kv_producer?)",
+                    role="prefill",
+                    instance=inst.url,
+                    code="kv_transfer_params_missing",
+                )
+        except UpstreamError as exc:
+            inst.breaker.record(success=not exc.retryable)
+            raise
+        finally:
+            inst.in_flight -= 1
+        inst.breaker.record(success=True)
+        return PrefillResult(params, self._clock())
+
+    async def _prefill_call(
+        self, inst: Instance, path: str, body: dict[str, Any], request_id: str
+    ) -> bytes:
+        limit = self._timeouts.prefill
+        with _deadline_as("prefill", inst.url, "prefill_timeout"), map_errors("prefill", inst.url):
+            async with asyncio.timeout(limit):
+                stream = await self._upstream.open(
+                    inst.url + path, body, request_id, read_timeout=limit
+                )
+                try:
+                    content = await stream.read_all()
+                finally:
+                    await _close_quietly(stream)
+        if stream.status != 200:
+            raise UpstreamStatus(stream.status, content, role="prefill", instance=inst.url)
+        return content
+
+    async def open_decode(
+        self, inst: Instance, path: str, body: dict[str, Any], request_id: str, stream: bool
+    ) -> DecodeLeg:
+        """Send the D leg and wait for its first bytes (the whole body if not streaming).
+
+        Streaming responses must show their first byte within ``decode_first_byte``;
+        non-streaming ones complete within ``total``.
+        """
+        limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
+        code = "decode_first_byte_timeout" if stream else "decode_timeout"
+        opened: UpstreamStream | None = None
+        try:
+            with _deadline_as("decode", inst.url, code), map_errors("decode", inst.url):
+                async with asyncio.timeout(limit):
+                    opened = await self._upstream.open(
+                        inst.url + path, body, request_id, read_timeout=None if stream else limit
+                    )
+                    if opened.status >= 400 or not stream:
+                        content = await _read_bounded(opened)
+                        if opened.status >= 400:
+                            raise UpstreamStatus(
+                                opened.status, content, role="decode", instance=inst.url
+                            )
+                        return DecodeLeg(inst, opened, content, None)
+                    rest = opened.chunks().__aiter__()
+                    first = await anext(rest, b"")
+                    return DecodeLeg(inst, opened, first, rest)
+        except BaseException:
+            if opened is not None:
+                await _close_quietly(opened)
+            raise
+
+
+async def _read_bounded(stream: UpstreamStream) -> bytes:
+    return (await stream.read_all())[: _MAX_ERROR_BODY if stream.status >= 400 else None]
+
+
+def _kv_params(content: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+    return params if isinstance(params, dict) and params else None

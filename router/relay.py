@@ -1,0 +1,175 @@
+"""The ASGI response that runs a P/D request and relays D's bytes to the client.
+
+It is returned by the route before any upstream call, so one object sees the
+whole life of the request: the dispatch (slot, legs, retries), the relay of D's
+status and body chunk by chunk (no buffering, no re-encoding), a watcher that
+turns a client disconnect into cancellation of everything upstream, and the
+final accounting (metrics, breaker, slot release) on every exit path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from router.client_request import ClientRequest
+from router.errors import RouterError, UpstreamError, sse_error_event
+from router.metrics import Outcome
+from router.pd.dispatch import Dispatch, Dispatcher
+from router.registry import ModelPool
+from router.upstream import map_errors
+
+__all__ = ["RelayResponse", "outcome_of"]
+
+log = logging.getLogger("pd_router.relay")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def outcome_of(exc: RouterError) -> str:
+    if exc.status == 504:
+        return Outcome.TIMEOUT
+    if exc.status in (429, 503) and not isinstance(exc, UpstreamError):
+        return Outcome.NO_CAPACITY
+    if isinstance(exc, UpstreamError) and exc.status >= 500:
+        return Outcome.UPSTREAM_ERROR
+    return Outcome.CLIENT_ERROR if exc.status < 500 else Outcome.UPSTREAM_ERROR
+
+
+async def send_error(send: Send, exc: RouterError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": exc.body(), "more_body": False})
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class RelayResponse:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        pool: ModelPool,
+        creq: ClientRequest,
+        observe: Callable[[str, float | None], None],
+        started_at: float,
+        clock: Callable[[], float],
+        total_timeout: float,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._pool = pool
+        self._creq = creq
+        self._observe = observe  # (outcome, ttft or None) -> None
+        self._t0 = started_at
+        self._clock = clock
+        self._total = total_timeout
+        self._started = False  # response headers sent
+        self._complete = False  # last body message about to be sent
+        self._ttft: float | None = None
+        self._disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_wait_disconnect(receive))
+
+        def on_disconnect(w: asyncio.Task[None]) -> None:
+            # After the last body message the server reports a disconnect by design.
+            if not w.cancelled() and not self._complete:
+                self._disconnected = True
+                task.cancel()
+
+        watcher.add_done_callback(on_disconnect)
+        outcome = Outcome.SUCCESS
+        try:
+            async with asyncio.timeout(self._total):
+                outcome = await self._run(send)
+        except asyncio.CancelledError:
+            if not self._disconnected:
+                raise
+            task.uncancel()
+            outcome = Outcome.DISCONNECT
+            phase = "streaming" if self._started else "before_first_byte"
+            self._dispatcher.metrics.disconnects.labels(self._pool.name, phase).inc()
+        except TimeoutError:
+            outcome = Outcome.TIMEOUT
+            await self._fail_late_or_early(send, _total_timeout_error(self._total))
+        finally:
+            watcher.remove_done_callback(on_disconnect)
+            watcher.cancel()
+        self._observe(outcome, self._ttft)
+
+    async def _run(self, send: Send) -> str:
+        try:
+            dispatch = await self._dispatcher.open(self._pool, self._creq)
+        except RouterError as exc:
+            await send_error(send, exc)
+            return outcome_of(exc)
+        success: bool | None = None
+        try:
+            success = await self._relay(dispatch, send)
+        finally:
+            await self._dispatcher.finish(dispatch, success)
+        return Outcome.SUCCESS if success else Outcome.UPSTREAM_ERROR
+
+    async def _relay(self, dispatch: Dispatch, send: Send) -> bool:
+        """Send D's status and bytes; True if D's response ended normally."""
+        leg = dispatch.leg
+        headers = [
+            (b"content-type", leg.content_type.encode("latin-1")),
+            (b"x-request-id", dispatch.request_id.encode("latin-1")),
+        ]
+        if leg.rest is not None:
+            headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": leg.status, "headers": headers})
+        self._started = True
+        if leg.rest is None:
+            self._complete = True
+            await send({"type": "http.response.body", "body": leg.first, "more_body": False})
+            self._ttft = self._clock() - self._t0
+            return True
+        await send({"type": "http.response.body", "body": leg.first, "more_body": True})
+        now = self._clock()
+        self._ttft = now - self._t0
+        itl = self._dispatcher.metrics.itl.labels(self._pool.name, dispatch.decision)
+        try:
+            with map_errors("decode", leg.instance.url):
+                async for chunk in leg.rest:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    t = self._clock()
+                    itl.observe(t - now)
+                    now = t
+        except UpstreamError as exc:
+            log.warning("decode stream broke after the first byte: %s", exc.message)
+            await self._end(send, sse_error_event(exc.message, exc.type, exc.code))
+            return False
+        await self._end(send, b"")
+        return True
+
+    async def _end(self, send: Send, body: bytes) -> None:
+        self._complete = True
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _fail_late_or_early(self, send: Send, exc: RouterError) -> None:
+        with contextlib.suppress(Exception):
+            if not self._started:
+                await send_error(send, exc)
+            elif not self._complete:
+                await self._end(send, sse_error_event(exc.message, exc.type, exc.code))
+
+
+def _total_timeout_error(seconds: float) -> RouterError:
+    err = RouterError(f"request exceeded the router's total timeout of {seconds:g}s")
+    err.status = 504
+    err.type = "timeout"
+    err.code = "total_timeout"
+    return err

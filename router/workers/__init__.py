@@ -1,0 +1,1 @@
+"""Engine instances, their health and breakers, and the decode slot ledger."""

@@ -1,0 +1,122 @@
+"""Active health checks, and the watch on decode engines suspected of leaking KV.
+
+Health is ``GET /health`` on every engine: a decode engine is never sent a
+generate request to probe it. A decode engine marked *suspect* (a leg was closed
+while it waited for KV, which leaks blocks in vLLM 0.32's push connector) has its
+own ``/metrics`` read: with nothing running or waiting and KV usage above its
+idle value it is *degraded* and out of rotation until usage returns to idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.config import HealthConfig
+from router.upstream import UpstreamClient
+from router.workers.instance import Instance, Role
+
+__all__ = ["EngineLoad", "HealthMonitor", "parse_engine_load"]
+
+log = logging.getLogger("pd_router.health")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: float
+    waiting: float
+    kv_usage: float
+
+
+_WANTED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_engine_load(text: str) -> EngineLoad | None:
+    """Running/waiting requests and KV usage from a vLLM ``/metrics`` page."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        field = _WANTED.get(family.name)
+        if field is None:
+            continue
+        found[field] = sum(s.value for s in family.samples if s.name == family.name)
+    if len(found) != len(_WANTED):
+        return None
+    return EngineLoad(**found)
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        instances: Callable[[], Iterable[Instance]],
+        upstream: UpstreamClient,
+        config: HealthConfig,
+        on_routable: Callable[[Instance], None],
+    ) -> None:
+        self._instances = instances
+        self._upstream = upstream
+        self._config = config
+        self._on_routable = on_routable
+
+    async def run(self) -> None:
+        """Check forever, every ``interval`` seconds; cancel to stop."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._config.interval)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(i) for i in self._instances()))
+
+    async def _check(self, inst: Instance) -> None:
+        was_routable = inst.routable
+        ok = await self._probe(inst.url + "/health")
+        if ok:
+            inst.health_failures = 0
+            inst.healthy = True
+        else:
+            inst.health_failures += 1
+            if inst.health_failures >= self._config.unhealthy_after or inst.healthy is None:
+                if inst.healthy is not False:
+                    log.warning("%s engine %s is unhealthy", inst.role, inst.url)
+                inst.healthy = False
+        if ok and inst.role is Role.DECODE and (inst.suspect or inst.degraded):
+            await self._check_leak(inst)
+        if inst.routable and not was_routable:
+            self._on_routable(inst)
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            status, _ = await self._upstream.get(url, self._config.timeout)
+        except Exception:
+            return False
+        return status == 200
+
+    async def _check_leak(self, inst: Instance) -> None:
+        try:
+            status, body = await self._upstream.get(inst.url + "/metrics", self._config.timeout)
+            load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
+        except Exception:
+            return
+        if load is None:
+            return
+        inst.kv_usage = load.kv_usage
+        if load.running or load.waiting:
+            return  # busy: a leak cannot be told apart from real use
+        leaked = load.kv_usage > inst.idle_kv_usage + self._config.leak_usage_epsilon
+        if leaked and not inst.degraded:
+            log.error(
+                "decode engine %s holds KV (usage %.4f) with no request: out of rotation",
+                inst.url,
+                load.kv_usage,
+            )
+        if not leaked and inst.degraded:
+            log.warning("decode engine %s is back to idle KV usage: in rotation", inst.url)
+        inst.degraded = leaked
+        inst.suspect = leaked

@@ -1,0 +1,47 @@
+"""One engine instance as the router sees it: role, health, breaker, load."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from router.workers.breaker import Breaker
+
+__all__ = ["Instance", "Role"]
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(eq=False)
+class Instance:
+    """Mutable state of one engine, owned by the router's :class:`Registry`.
+
+    ``healthy`` is None until the first active health check answers; such an
+    instance is routable (the breaker guards it) but does not make ``/ready`` pass.
+    ``degraded`` marks a decode engine that holds leaked KV blocks while idle.
+    """
+
+    url: str
+    role: Role
+    model: str
+    breaker: Breaker
+    slots: int = 0  # decode: capacity offered to this router
+    in_flight: int = 0  # requests currently using the instance
+    healthy: bool | None = None
+    health_failures: int = 0
+    degraded: bool = False
+    suspect: bool = False  # decode: a leg was closed while waiting for KV
+    idle_kv_usage: float = 0.0
+    kv_usage: float | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy is not False and not self.degraded and self.breaker.allows()
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - self.in_flight

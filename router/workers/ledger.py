@@ -1,0 +1,139 @@
+"""The decode slot ledger: "decode slot first".
+
+Before any upstream call, a request reserves a slot on one decode engine. The
+ledger is the single owner of every decode instance's ``in_flight`` count. When
+no slot is free the request waits in a bounded FIFO queue; a full queue answers
+429, a wait past ``max_wait`` answers 503, both with ``Retry-After``. A
+reservation is released exactly once, on every exit path (the dispatcher holds it
+in a ``try/finally``); a waiter cancelled after being handed a slot gives it back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from router.errors import NoCapacity, QueueFull
+from router.workers.instance import Instance
+from router.workers.policies import Policy
+
+__all__ = ["Reservation", "SlotLedger"]
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    instance: Instance
+    released: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    fut: asyncio.Future[Reservation]
+    avoid: frozenset[Instance]
+    key: str | None = field(default=None)
+
+
+class SlotLedger:
+    """Reservations on one model's decode instances."""
+
+    def __init__(
+        self,
+        model: str,
+        instances: Sequence[Instance],
+        policy: Policy,
+        queue_size: int,
+        max_wait: float,
+    ) -> None:
+        self.model = model
+        self._instances = list(instances)
+        self._policy = policy
+        self._queue_size = queue_size
+        self._max_wait = max_wait
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def instances(self) -> Sequence[Instance]:
+        return self._instances
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(i.in_flight for i in self._instances)
+
+    async def reserve(
+        self, key: str | None = None, avoid: frozenset[Instance] = frozenset()
+    ) -> Reservation:
+        """A slot on a routable decode instance, preferring ones not in ``avoid``.
+
+        Raises :class:`QueueFull` or :class:`NoCapacity`. Cancellation-safe.
+        """
+        if not self._waiters:
+            got = self._take(avoid, key)
+            if got is not None:
+                return got
+        if len(self._waiters) >= self._queue_size:
+            raise QueueFull(
+                f"all decode slots for model {self.model!r} are busy and the queue is full",
+                retry_after=1.0,
+            )
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key)
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._max_wait):
+                return await waiter.fut
+        except TimeoutError:
+            self._reclaim(waiter)
+            raise NoCapacity(
+                f"no decode slot for model {self.model!r} became free within {self._max_wait:g}s",
+                retry_after=min(self._max_wait, 5.0),
+            ) from None
+        except asyncio.CancelledError:
+            self._reclaim(waiter)
+            raise
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give the slot back (idempotent) and hand it to the oldest waiter."""
+        if reservation.released:
+            return
+        reservation.released = True
+        reservation.instance.in_flight -= 1
+        self.poke()
+
+    def poke(self) -> None:
+        """Serve waiters in FIFO order while capacity lasts (after a release or
+        when an instance becomes routable again)."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.fut.done():
+                self._waiters.popleft()
+                continue
+            got = self._take(head.avoid, head.key)
+            if got is None:
+                return
+            self._waiters.popleft()
+            head.fut.set_result(got)
+
+    def _take(self, avoid: frozenset[Instance], key: str | None) -> Reservation | None:
+        free = [i for i in self._instances if i.free_slots > 0 and i.routable]
+        if not free:
+            return None
+        preferred = [i for i in free if i not in avoid] or free
+        inst = self._policy.select(preferred, key)
+        inst.in_flight += 1
+        inst.breaker.on_dispatch()
+        return Reservation(inst)
+
+    def _reclaim(self, waiter: _Waiter) -> None:
+        fut = waiter.fut
+        if fut.done() and not fut.cancelled():
+            self.release(fut.result())
+        else:
+            fut.cancel()
