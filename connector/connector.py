@@ -1,0 +1,202 @@
+"""``PipelinedPushConnector``: the vLLM-facing facade. It only forwards to the role classes.
+
+Load it on both engines with::
+
+    --kv-transfer-config '{"kv_connector": "PipelinedPushConnector",
+      "kv_connector_module_path": "connector", "kv_role": "kv_producer" | "kv_consumer",
+      "kv_buffer_device": "cpu", "engine_id": "<unique id>",
+      "kv_connector_extra_config": {"side_channel_host": "127.0.0.1", "side_channel_port": 6600}}'
+
+``kv_connector_extra_config`` keys (all optional): ``side_channel_host``/``side_channel_port``
+(default: ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, else 127.0.0.1:5600; rank r listens on port+r),
+``handshake_timeout_s``, ``registration_timeout_s``, ``receive_timeout_s``, ``write_timeout_s``
+(see ``worker.Timeouts``), ``progress_delay_us`` (NIXL progress-thread sleep, default 1000),
+``backends`` (default ``["UCX"]``), ``model_id`` (name compared in the handshake; default: the
+model path).
+
+vLLM builds one instance with ``role=SCHEDULER`` in the engine-core process and one with
+``role=WORKER`` in every worker process; each builds only its own half.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from connector.metadata import CONNECTOR_VERSION, StepMeta, agent_name
+from connector.scheduler import SchedulerSide
+from connector.transport import RealNixlAgent
+from connector.worker import Timeouts, WorkerSide
+
+if TYPE_CHECKING:
+    from connector.prom import PipelinedStats
+
+__all__ = ["PipelinedMetadata", "PipelinedPushConnector"]
+
+
+class PipelinedMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """The scheduler's per-step plan, as vLLM carries it to the workers."""
+
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """P pushes KV layer by layer into blocks D registered; see ``connector.worker``."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("PipelinedPushConnector supports one KV cache group only; "
+                             "hybrid models are not supported")
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(vllm_config.cache_config.block_size)
+        else:
+            self._worker = _build_worker(vllm_config, self._kv_transfer_config, extra)
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from vllm.platforms import current_platform
+
+        mem = current_platform.get_nixl_memory_type()
+        if mem is None:
+            mem = "DRAM" if current_platform.device_type == "cpu" else "VRAM"
+        self._w().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks, mem)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, PipelinedMetadata):
+            self._w().bind(connector_metadata.step)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Nothing to start: D's KV arrives by P's WRITEs, before the request is scheduled."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for (see ``start_load_kv``)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._w().save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._w().end_step()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._w().get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending, res.finished_recving
+
+    def get_kv_connector_stats(self) -> PipelinedStats | None:
+        from connector.prom import PipelinedStats
+
+        data = self._w().stats.take() if self._worker is not None else None
+        return PipelinedStats(data) if data else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()[0]
+        self._s().update_state_after_alloc(request, list(block_ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return PipelinedMetadata(self._s().build_connector_meta(scheduler_output))
+
+    def on_new_request(self, request: Any) -> None:
+        self._s().on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._s().update_connector_output(set(connector_output.finished_sending or ()),
+                                          set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids[0] if block_ids else [])
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    # -- class-level hooks ---------------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PipelinedStats:
+        from connector.prom import PipelinedStats
+
+        return PipelinedStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        from connector.prom import PipelinedPromMetrics
+
+        return PipelinedPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self._sched is not None, "scheduler-side method called on a worker connector"
+        return self._sched
+
+    def _w(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side method called on a scheduler connector"
+        return self._worker
+
+
+def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> WorkerSide:
+    """One agent per worker rank, listening on the engine's base port + rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    rank = get_tensor_model_parallel_rank()
+    host = str(extra.get("side_channel_host")
+               or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
+    port = int(extra.get("side_channel_port")
+               or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    engine_id = str(kv_config.engine_id)
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    compat = {"version": CONNECTOR_VERSION, "model": str(extra.get("model_id") or model.model),
+              "block_size": vllm_config.cache_config.block_size,
+              "num_kv_heads": model.get_num_kv_heads(parallel),
+              "head_size": model.get_head_size(), "tp_size": parallel.tensor_parallel_size}
+    keys = {"handshake_s": "handshake_timeout_s", "reg_s": "registration_timeout_s",
+            "recv_s": "receive_timeout_s", "write_s": "write_timeout_s"}
+    timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
+    agent = RealNixlAgent(agent_name(engine_id, rank), port + rank,
+                          progress_delay_us=int(extra.get("progress_delay_us", 1000)),
+                          backends=tuple(extra.get("backends", ("UCX",))))
+    return WorkerSide(agent, engine_id=engine_id, tp_rank=rank, host=host, port=port,
+                      compat_fields=compat, timeouts=timeouts)

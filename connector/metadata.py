@@ -1,0 +1,181 @@
+"""Wire format between P and D workers, and the per-step plan the scheduler hands its workers.
+
+Every NIXL notification this connector sends is ``b"PDR" + JSON``; the JSON object carries
+``"v"`` (``CONNECTOR_VERSION``) and ``"t"`` (the message kind). A message with another version is
+never interpreted: the receiver answers ``REFUSE`` so both sides log a clear error.
+
+Message kinds (``tid`` = the router's ``transfer_id``):
+
+============  =========  ==================================================================
+kind          direction  meaning
+============  =========  ==================================================================
+``HELLO``     both       first message on a new agent pair: compatibility (``Compat``) and,
+                         from D, the registered KV layout P writes into
+``REFUSE``    both       the peer's HELLO does not match; ``reason`` says which field
+``REG``       D -> P     D's blocks for ``tid``: ``start`` (first logical block) and ``blocks``
+``W``         P -> D     attached to every WRITE; delivered after that WRITE's data
+``DONE``      P -> D     all ``writes`` WRITEs for ``tid`` were posted; D completes once it
+                         has seen that many ``W`` notices
+``FAIL``      P -> D     P gave up on ``tid`` (abort, error, timeout, unknown tid)
+``ABORT``     D -> P     D gave up on ``tid`` (client gone, timeout): stop writing, free
+============  =========  ==================================================================
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "CONNECTOR_VERSION",
+    "Compat",
+    "Message",
+    "PeerAddr",
+    "RecvSpec",
+    "SendSpec",
+    "StepMeta",
+    "decode",
+    "encode",
+]
+
+# Version history (bump on any change to messages, their fields or their meaning):
+#   1: HELLO/REFUSE/REG/W/DONE/FAIL/ABORT; JSON body after the b"PDR" prefix.
+CONNECTOR_VERSION = 1
+
+_PREFIX = b"PDR"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddr:
+    """The other engine of a transfer, as the router named it in ``kv_transfer_params``."""
+
+    engine_id: str
+    host: str
+    port: int  # base side-channel port; rank r listens on port + r
+
+    def agent_name(self, tp_rank: int) -> str:
+        """Name of that engine's NIXL agent for ``tp_rank`` (same rank on both sides)."""
+        return agent_name(self.engine_id, tp_rank)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> PeerAddr | None:
+        """Parse ``remote_engine_id``/``remote_host``/``remote_port``; None if any is missing."""
+        try:
+            return cls(str(params["remote_engine_id"]), str(params["remote_host"]),
+                       int(params["remote_port"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def agent_name(engine_id: str, tp_rank: int) -> str:
+    """Deterministic agent name, so a peer knows it from the engine id alone."""
+    return f"pdr-{engine_id}-tp{tp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Compat:
+    """What two engines must agree on before KV blocks can be copied byte for byte."""
+
+    version: int
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    block_bytes: int  # bytes of one block of one layer segment (K and V may be two segments)
+
+    def mismatches(self, other: Compat) -> list[str]:
+        """Names and values of the fields that differ, for the error log."""
+        mine, theirs = asdict(self), asdict(other)
+        return [f"{k}: local={mine[k]!r} peer={theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One decoded notification. ``body`` keeps the kind-specific fields."""
+
+    kind: str
+    tid: str = ""
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+def encode(kind: str, tid: str = "", **body: Any) -> bytes:
+    """Serialise one message; ``body`` values must be JSON-serialisable."""
+    payload = {"v": CONNECTOR_VERSION, "t": kind, "tid": tid, **body}
+    return _PREFIX + json.dumps(payload, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> Message | None:
+    """Parse a notification; None for foreign notifications.
+
+    A message of another version decodes as kind ``"VERSION"`` with the peer's version in
+    ``body["v"]``, so the caller can refuse the peer instead of misreading it.
+    """
+    if not raw.startswith(_PREFIX):
+        return None
+    try:
+        obj = json.loads(raw[len(_PREFIX):])
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    if obj.get("v") != CONNECTOR_VERSION:
+        return Message("VERSION", str(obj.get("tid", "")), {"v": obj.get("v")})
+    kind = str(obj.pop("t", ""))
+    tid = str(obj.pop("tid", ""))
+    obj.pop("v", None)
+    return Message(kind, tid, obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler -> worker plan, rebuilt every step (travels inside KVConnectorMetadata).
+
+
+@dataclass(slots=True)
+class SendSpec:
+    """P side: blocks of ``req_id`` whose KV this step computes (or that were prefix-cached).
+
+    ``first_block`` is the logical index of ``block_ids[0]``; ``final`` marks the step that
+    completes the prompt, after which the worker sends ``DONE`` once everything is posted.
+    """
+
+    req_id: str
+    tid: str
+    peer: PeerAddr
+    first_block: int
+    block_ids: list[int]
+    num_tokens: int
+    final: bool
+
+
+@dataclass(slots=True)
+class RecvSpec:
+    """D side: blocks of ``req_id`` that P must fill, from logical block ``start_block`` on."""
+
+    req_id: str
+    tid: str
+    peer: PeerAddr
+    start_block: int
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Everything the scheduler tells its workers in one step.
+
+    ``fail_sends`` (P: request aborted or errored; notify D, stop, free) and ``abort_recvs``
+    (D: request aborted while waiting; notify P, report the receive finished) map
+    ``req_id -> (tid, peer)`` so the worker can act even for requests it never saw.
+    """
+
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    fail_sends: dict[str, tuple[str, PeerAddr]] = field(default_factory=dict)
+    abort_recvs: dict[str, tuple[str, PeerAddr]] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.sends or self.recvs or self.fail_sends or self.abort_recvs)

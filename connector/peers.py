@@ -1,0 +1,174 @@
+"""Links to peer agents: metadata exchange and the compatibility handshake.
+
+A link to a peer rank goes CONNECTING -> READY, or ends FAILED (no metadata within the handshake
+timeout) or REFUSED (the peer's HELLO does not match ours, or it refused ours). Both sides fetch
+the other's agent metadata from its NIXL listener and push their own, then each sends HELLO as
+soon as it can reach the peer. A link is READY once the peer's HELLO has been checked; from D it
+also carries the KV layout that P writes into.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from connector.layout import CacheLayout
+from connector.metadata import Compat, Message, PeerAddr, encode
+from connector.transport import NixlAgent
+
+__all__ = ["Link", "LinkState", "PeerTable"]
+
+log = logging.getLogger(__name__)
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+    REFUSED = "refused"
+
+
+@dataclass(slots=True)
+class Link:
+    """This rank's view of one peer rank."""
+
+    name: str
+    addr: PeerAddr | None
+    started: float
+    state: LinkState = LinkState.CONNECTING
+    hello_sent: bool = False
+    layout: CacheLayout | None = None
+    reason: str = ""
+    handshake_s: float = 0.0
+
+    @property
+    def settled(self) -> bool:
+        return self.state is not LinkState.CONNECTING
+
+
+class PeerTable:
+    """All links of one worker rank; driven by the worker's polling (one thread)."""
+
+    def __init__(self, agent: NixlAgent, tp_rank: int, hello: dict[str, Any],
+                 compat: Compat, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._agent = agent
+        self._rank = tp_rank
+        self._hello = hello  # our HELLO body: compat, address, layout
+        self._compat = compat
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._links: dict[str, Link] = {}
+
+    def get(self, name: str) -> Link | None:
+        return self._links.get(name)
+
+    def ensure(self, addr: PeerAddr) -> Link:
+        """The link to ``addr``'s rank, starting the metadata exchange on first use."""
+        name = addr.agent_name(self._rank)
+        link = self._links.get(name)
+        if link is not None and link.state is LinkState.FAILED:
+            del self._links[name]  # a failed peer may have restarted: try again
+            link = None
+        if link is None:
+            link = Link(name, addr, self._clock())
+            self._links[name] = link
+            self._connect(link)
+        elif link.addr is None:
+            link.addr = addr
+            self._connect(link)
+        return link
+
+    def can_notify(self, name: str) -> bool:
+        """Best-effort notices (FAIL/ABORT) need only the peer's metadata."""
+        try:
+            return self._agent.has_remote(name)
+        except Exception:  # a dead peer must not break our step
+            return False
+
+    def poll(self) -> list[Link]:
+        """Advance handshakes; returns links that became FAILED in this call."""
+        failed: list[Link] = []
+        now = self._clock()
+        for link in self._links.values():
+            if link.state is not LinkState.CONNECTING:
+                continue
+            if not link.hello_sent and self.can_notify(link.name):
+                self._send(link, encode("HELLO", **self._hello))
+                link.hello_sent = True
+            if link.state is LinkState.CONNECTING and now - link.started > self._timeout_s:
+                link.state = LinkState.FAILED
+                link.reason = f"no handshake with {link.name} within {self._timeout_s:.1f}s"
+                log.error("pd-connector: %s", link.reason)
+                failed.append(link)
+        return failed
+
+    def on_message(self, sender: str, msg: Message) -> Link | None:
+        """Handle HELLO/REFUSE/VERSION from ``sender``; returns its link if its state changed."""
+        link = self._links.get(sender)
+        if link is None:
+            link = Link(sender, None, self._clock())
+            self._links[sender] = link
+        if msg.kind == "HELLO":
+            self._on_hello(link, msg.body)
+        elif msg.kind == "VERSION":
+            self._refuse(link, f"peer speaks wire version {msg.body.get('v')!r}, "
+                               f"we speak {self._compat.version}")
+        elif msg.kind == "REFUSE":
+            self._mark_refused(link, f"peer refused us: {msg.body.get('reason', '')}")
+        else:
+            return None
+        return link
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _connect(self, link: Link) -> None:
+        assert link.addr is not None
+        port = link.addr.port + self._rank
+        try:
+            self._agent.fetch_remote(link.name, link.addr.host, port)
+            self._agent.send_local(link.addr.host, port)
+        except Exception as exc:  # unreachable host: the handshake timeout reports it
+            log.warning("pd-connector: metadata exchange with %s failed: %s", link.name, exc)
+
+    def _on_hello(self, link: Link, body: dict[str, Any]) -> None:
+        try:
+            peer = Compat(**body["compat"])
+        except (KeyError, TypeError) as exc:
+            self._refuse(link, f"malformed HELLO: {exc}")
+            return
+        bad = self._compat.mismatches(peer)
+        if bad:
+            self._refuse(link, "incompatible peer: " + "; ".join(bad))
+            return
+        if body.get("layout") is not None:
+            link.layout = CacheLayout.from_wire(body["layout"])
+        if link.addr is None and body.get("engine_id") is not None:
+            self.ensure(PeerAddr(str(body["engine_id"]), str(body["host"]), int(body["port"])))
+        if not link.hello_sent and self.can_notify(link.name):
+            self._send(link, encode("HELLO", **self._hello))
+            link.hello_sent = True
+        if link.state is LinkState.CONNECTING:
+            link.state = LinkState.READY
+            link.handshake_s = self._clock() - link.started
+            log.info("pd-connector: link to %s ready in %.3fs", link.name, link.handshake_s)
+
+    def _refuse(self, link: Link, reason: str) -> None:
+        if self.can_notify(link.name):
+            self._send(link, encode("REFUSE", reason=reason))
+        self._mark_refused(link, reason)
+
+    def _mark_refused(self, link: Link, reason: str) -> None:
+        link.state, link.reason = LinkState.REFUSED, reason
+        log.error("pd-connector: refusing peer %s: %s", link.name, reason)
+
+    def _send(self, link: Link, raw: bytes) -> None:
+        try:
+            self._agent.send_notif(link.name, raw)
+        except Exception as exc:
+            log.warning("pd-connector: notification to %s failed: %s", link.name, exc)
+

@@ -1,0 +1,144 @@
+"""The NIXL seam: a narrow ``NixlAgent`` Protocol and the real adapter over the ``nixl`` package.
+
+The worker only ever talks to a ``NixlAgent``; tests inject ``tests/connector/fake_nixl.py``.
+``nixl`` is imported lazily, inside ``RealNixlAgent.__init__``, so the scheduler process and the
+unit tests never load it.
+
+A descriptor is ``(address, length, device_id)``; every agent listens for metadata requests on its
+own port (NIXL's listener thread), so peers exchange agent metadata without a side service.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+__all__ = ["AgentFactory", "Desc", "NixlAgent", "RealNixlAgent", "XferState"]
+
+Desc = tuple[int, int, int]
+XferState = str  # "PROC" | "DONE" | "ERR"
+
+
+class NixlAgent(Protocol):
+    """What the connector needs from one NIXL agent (one per worker rank)."""
+
+    name: str
+
+    def register(self, regions: Sequence[Desc], mem_type: str) -> None:
+        """Register memory once at start (the whole KV cache)."""
+
+    def fetch_remote(self, agent: str, host: str, port: int) -> None:
+        """Ask ``agent``'s listener for its metadata (asynchronous; see ``has_remote``)."""
+
+    def send_local(self, host: str, port: int) -> None:
+        """Push our metadata to the listener at ``host:port`` (asynchronous)."""
+
+    def has_remote(self, agent: str) -> bool:
+        """Whether ``agent``'s metadata is loaded, i.e. we can notify it and write to it."""
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        """Send a standalone notification; raises on a transport error."""
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications since the last call, by sender agent name."""
+
+    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
+                   mem_type: str, notif: bytes) -> object:
+        """Post one WRITE of ``local[i]`` into ``remote[i]``; ``notif`` reaches ``agent`` after
+        the data. Returns a handle for ``xfer_state``/``release``; raises if posting fails."""
+
+    def xfer_state(self, handle: object) -> XferState:
+        """``"PROC"``, ``"DONE"`` or ``"ERR"``."""
+
+    def release(self, handle: object) -> None:
+        """Release a handle that is no longer in progress."""
+
+    def close(self) -> None:
+        """Drop the agent (worker shutdown)."""
+
+
+AgentFactory = Callable[[str, int], NixlAgent]
+"""``factory(agent_name, listen_port)`` -> a ready agent with memory not yet registered."""
+
+# Built once per process: constructing an agent swaps the bindings' config class for a moment
+# (see RealNixlAgent), so two agents must not be built concurrently.
+_BUILD_LOCK = threading.Lock()
+
+
+class RealNixlAgent:
+    """``NixlAgent`` over ``nixl.nixl_agent`` with the UCX backend and a listener thread."""
+
+    def __init__(self, name: str, listen_port: int, *, progress_delay_us: int = 1000,
+                 backends: Sequence[str] = ("UCX",)) -> None:
+        import numpy as np
+        from nixl import _api as api
+
+        self.name = name
+        self._np = np
+        self._api = api
+        conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
+                                     listen_port=listen_port, backends=list(backends))
+        with _BUILD_LOCK:
+            self._agent: Any = _build_agent(api, name, conf, progress_delay_us)
+
+    def register(self, regions: Sequence[Desc], mem_type: str) -> None:
+        self._agent.register_memory(list(regions), mem_type)
+
+    def fetch_remote(self, agent: str, host: str, port: int) -> None:
+        self._agent.fetch_remote_metadata(agent, host, port)
+
+    def send_local(self, host: str, port: int) -> None:
+        self._agent.send_local_metadata(host, port)
+
+    def has_remote(self, agent: str) -> bool:
+        return bool(self._agent.check_remote_metadata(agent))
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        self._agent.send_notif(agent, msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        return dict(self._agent.get_new_notifs())
+
+    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
+                   mem_type: str, notif: bytes) -> object:
+        src = self._agent.get_xfer_descs(self._np.array(local, dtype=self._np.uint64), mem_type)
+        dst = self._agent.get_xfer_descs(self._np.array(remote, dtype=self._np.uint64), mem_type)
+        handle = self._agent.initialize_xfer("WRITE", src, dst, agent, notif)
+        if self._agent.transfer(handle) == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL WRITE to {agent} failed to post")
+        return handle
+
+    def xfer_state(self, handle: object) -> XferState:
+        return str(self._agent.check_xfer_state(handle))
+
+    def release(self, handle: object) -> None:
+        self._agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        self._agent = None
+
+
+def _build_agent(api: Any, name: str, conf: Any, delay_us: int) -> Any:
+    """Build ``nixl_agent`` with a progress-thread delay.
+
+    ``nixl_agent.__init__`` hard-codes ``pthrDelay = 0``, which makes the UCX progress thread
+    spin a whole core even when idle; on small CPU hosts that starves the model forward. The
+    config class is looked up on the bindings module at call time, so a subclass that keeps the
+    delay at least ``delay_us`` is swapped in only while this agent is built.
+    """
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            if key == "pthrDelay":
+                value = max(int(value), delay_us)
+            super().__setattr__(key, value)
+
+    bindings.nixlAgentConfig = _DelayedConfig
+    try:
+        return api.nixl_agent(name, conf)
+    finally:
+        bindings.nixlAgentConfig = base

@@ -1,0 +1,131 @@
+"""The one fake NIXL for connector tests: in-process agents on a shared ``Fabric``.
+
+* Metadata exchange is instant when the peer's listener port exists (``fetch_remote`` /
+  ``send_local``), unless the fabric is told to hold it (``fabric.hold_metadata = True``).
+* ``post_write`` really copies bytes (``ctypes.memmove``) when the write completes, so tests can
+  compare tensors; the attached notification is delivered after the data, as NIXL does.
+* Scripted states: ``fabric.write_mode`` is ``"done"`` (complete at post), ``"proc"`` (stay in
+  progress until ``fabric.complete_all()``), ``"err"`` (report ERR) or ``"post_fail"`` (raise).
+* ``fabric.kill(name)`` makes an agent vanish: notifications to it raise, its writes hang.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+Desc = tuple[int, int, int]
+
+
+@dataclass
+class Xfer:
+    src: FakeAgent
+    target: str
+    local: list[Desc]
+    remote: list[Desc]
+    notif: bytes
+    state: str = "PROC"
+
+
+@dataclass
+class Fabric:
+    agents: dict[str, FakeAgent] = field(default_factory=dict)
+    listeners: dict[int, str] = field(default_factory=dict)
+    write_mode: str = "done"
+    hold_metadata: bool = False
+    dead: set[str] = field(default_factory=set)
+    xfers: list[Xfer] = field(default_factory=list)
+
+    def agent(self, name: str, port: int) -> FakeAgent:
+        """An ``AgentFactory``: ``fabric.agent(name, listen_port)``."""
+        a = FakeAgent(self, name)
+        self.agents[name] = a
+        self.listeners[port] = name
+        return a
+
+    def kill(self, name: str) -> None:
+        self.dead.add(name)
+
+    def complete_all(self) -> None:
+        for x in self.xfers:
+            if x.state == "PROC":
+                self._complete(x)
+
+    def _complete(self, x: Xfer) -> None:
+        for (s, n, _), (d, m, _) in zip(x.local, x.remote, strict=True):
+            assert n == m
+            ctypes.memmove(d, s, n)
+        x.state = "DONE"
+        if x.notif and x.target not in self.dead:
+            self.agents[x.target].inbox[x.src.name].append(x.notif)
+
+    def writes_to(self, target: str) -> list[Xfer]:
+        return [x for x in self.xfers if x.target == target]
+
+
+class FakeAgent:
+    """Implements ``connector.transport.NixlAgent``."""
+
+    def __init__(self, fabric: Fabric, name: str) -> None:
+        self.fabric = fabric
+        self.name = name
+        self.known: set[str] = set()
+        self.pending_md: set[str] = set()
+        self.inbox: dict[str, list[bytes]] = defaultdict(list)
+        self.regions: list[Desc] = []
+        self.sent: list[tuple[str, bytes]] = []
+        self.closed = False
+
+    def register(self, regions: Sequence[Desc], mem_type: str) -> None:
+        self.regions.extend(regions)
+
+    def fetch_remote(self, agent: str, host: str, port: int) -> None:
+        if self.fabric.listeners.get(port) == agent:
+            self.pending_md.add(agent)
+
+    def send_local(self, host: str, port: int) -> None:
+        peer = self.fabric.listeners.get(port)
+        if peer is not None:
+            self.fabric.agents[peer].pending_md.add(self.name)
+
+    def has_remote(self, agent: str) -> bool:
+        if agent in self.pending_md and not self.fabric.hold_metadata:
+            self.known.add(agent)
+            self.pending_md.discard(agent)
+        return agent in self.known
+
+    def send_notif(self, agent: str, msg: bytes) -> None:
+        if agent not in self.known or agent in self.fabric.dead:
+            raise RuntimeError(f"cannot reach {agent}")
+        self.sent.append((agent, msg))
+        self.fabric.agents[agent].inbox[self.name].append(msg)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        out = {k: v for k, v in self.inbox.items() if v}
+        self.inbox = defaultdict(list)
+        return out
+
+    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
+                   mem_type: str, notif: bytes) -> object:
+        mode = self.fabric.write_mode
+        if mode == "post_fail" or agent not in self.known:
+            raise RuntimeError("post failed")
+        x = Xfer(self, agent, list(local), list(remote), notif)
+        self.fabric.xfers.append(x)
+        if mode == "err":
+            x.state = "ERR"
+        elif mode == "done" and agent not in self.fabric.dead:
+            self.fabric._complete(x)
+        return x
+
+    def xfer_state(self, handle: object) -> str:
+        assert isinstance(handle, Xfer)
+        return handle.state
+
+    def release(self, handle: object) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True

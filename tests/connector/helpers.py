@@ -1,0 +1,111 @@
+"""Builders for connector tests: KV caches, worker pairs on the fake fabric, a manual clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from connector.metadata import CONNECTOR_VERSION, PeerAddr
+from connector.worker import Timeouts, WorkerSide
+from tests.connector.fake_nixl import Fabric
+
+LAYERS = 3
+BLOCKS = 16
+BLOCK_SIZE = 4
+WIDTH = 8  # num_kv_heads * head_size in the CPU layout (num_blocks, 2, block_size, width)
+P_ADDR = PeerAddr("prefill-0", "127.0.0.1", 6600)
+D_ADDR = PeerAddr("decode-0", "127.0.0.1", 6700)
+
+
+@dataclass
+class Clock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
+    """One CPU-layout tensor per layer; random contents unless ``fill`` is given."""
+    gen = torch.Generator().manual_seed(7)
+    caches = {}
+    for i in range(LAYERS):
+        shape = (BLOCKS, 2, BLOCK_SIZE, WIDTH)
+        t = torch.full(shape, fill) if fill is not None else torch.rand(shape, generator=gen)
+        caches[f"model.layers.{i}.self_attn.attn"] = t
+    return caches
+
+
+def compat_fields(**over: Any) -> dict[str, Any]:
+    base = {"version": CONNECTOR_VERSION, "model": "tiny", "block_size": BLOCK_SIZE,
+            "num_kv_heads": 2, "head_size": 4, "tp_size": 1}
+    base.update(over)
+    return base
+
+
+@dataclass
+class Side:
+    worker: WorkerSide
+    caches: dict[str, torch.Tensor]
+    name: str
+    finished: set[str] = field(default_factory=set)
+
+    def layers(self) -> list[str]:
+        return list(self.caches)
+
+
+def make_side(fabric: Fabric, addr: PeerAddr, clock: Clock, *, fill: float | None = None,
+              timeouts: Timeouts | None = None, **compat: Any) -> Side:
+    name = addr.agent_name(0)
+    agent = fabric.agent(name, addr.port)
+    w = WorkerSide(agent, engine_id=addr.engine_id, tp_rank=0, host=addr.host, port=addr.port,
+                   compat_fields=compat_fields(**compat), timeouts=timeouts or Timeouts(),
+                   clock=clock)
+    caches = kv_caches(fill)
+    w.register_kv_caches(caches, BLOCKS, "DRAM")
+    return Side(w, caches, name)
+
+
+def forward(side: Side, step: Any) -> tuple[set[str], set[str], set[str]]:
+    """One engine step on a worker: bind, every layer's save, wait_for_save, get_finished."""
+    side.worker.bind(step)
+    for name in side.layers():
+        side.worker.save_layer(name)
+    side.worker.end_step()
+    return side.worker.get_finished(side.finished)
+
+
+def idle(side: Side) -> tuple[set[str], set[str], set[str]]:
+    """A step with nothing scheduled (no forward)."""
+    from connector.metadata import StepMeta
+
+    side.worker.bind(StepMeta())
+    side.worker.end_step()
+    return side.worker.get_finished(side.finished)
+
+
+def request(req_id: str, params: dict[str, Any] | None, prompt_len: int,
+            status: str = "RUNNING") -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, kv_transfer_params=params,
+                           num_prompt_tokens=prompt_len, status=SimpleNamespace(name=status))
+
+
+def sched_output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
+                 cached: list[tuple[str, list[int] | None, int, int]] = (),  # type: ignore[assignment]
+                 resumed: set[str] | None = None) -> SimpleNamespace:
+    """(req_id, block_ids, num_computed_before, num_scheduled) per request."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                            for r, b, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached],
+            new_block_ids=[None if b is None else (b,) for _, b, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached],
+            resumed_req_ids=resumed or set()),
+        num_scheduled_tokens={r: n for r, _, _, n in [*new, *cached]})

@@ -1,0 +1,68 @@
+"""Wire format, compatibility check, layout and descriptor building."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from connector.layout import CacheLayout, block_runs, write_descs
+from connector.metadata import CONNECTOR_VERSION, Compat, PeerAddr, decode, encode
+from router.pd.pipelined_params import PeerIdentity, decode_params, prefill_params
+
+
+def test_roundtrip_keeps_kind_tid_and_body() -> None:
+    msg = decode(encode("REG", "t1", start=2, blocks=[5, 6]))
+    assert msg is not None
+    assert (msg.kind, msg.tid, msg.body) == ("REG", "t1", {"start": 2, "blocks": [5, 6]})
+
+
+def test_foreign_notifications_are_ignored() -> None:
+    assert decode(b"HB:req-1") is None
+    assert decode(b"PDRnot json") is None
+
+
+def test_other_version_is_reported_not_parsed() -> None:
+    raw = b"PDR" + json.dumps({"v": CONNECTOR_VERSION + 1, "t": "REG", "tid": "x"}).encode()
+    msg = decode(raw)
+    assert msg is not None and msg.kind == "VERSION" and msg.body["v"] == CONNECTOR_VERSION + 1
+
+
+def test_compat_lists_each_mismatch() -> None:
+    a = Compat(1, "m", "bf16", 128, 2, 2, 64, 1, 4096)
+    b = Compat(1, "m", "bf16", 16, 2, 2, 64, 2, 4096)
+    bad = a.mismatches(b)
+    assert len(bad) == 2 and bad[0].startswith("block_size") and bad[1].startswith("tp_size")
+    assert a.mismatches(a) == []
+
+
+def test_runs_merge_only_when_both_sides_are_consecutive() -> None:
+    assert block_runs([1, 2, 3, 7], [10, 11, 12, 13]) == [(1, 10, 3), (7, 13, 1)]
+    assert block_runs([1, 2], [5, 9]) == [(1, 5, 1), (2, 9, 1)]
+
+
+def test_cpu_layout_one_segment_and_descs() -> None:
+    t = torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16)
+    lay = CacheLayout.from_tensors([t, t.clone()], 8, "DRAM")
+    assert lay.block_bytes == lay.block_stride == 2 * 4 * 16 * 2
+    src, dst = write_descs(lay, lay, 1, [(2, 5, 3)])
+    assert src == [(lay.layers[1].segments[0] + 2 * lay.block_bytes, 3 * lay.block_bytes, 0)]
+    assert dst[0][0] == lay.layers[1].segments[0] + 5 * lay.block_bytes
+
+
+def test_kv_first_layout_has_two_segments() -> None:
+    t = torch.zeros(2, 8, 4, 16)
+    lay = CacheLayout.from_tensors([t], 8, "DRAM")
+    assert len(lay.layers[0].segments) == 2
+    assert lay.layers[0].segments[1] - lay.layers[0].segments[0] == 8 * lay.block_stride
+    assert CacheLayout.from_wire(lay.to_wire()) == lay
+
+
+def test_router_params_carry_the_other_engine() -> None:
+    d = PeerIdentity("decode-0", "10.0.0.2", 6700)
+    p = PeerIdentity("prefill-0", "10.0.0.1", 6600)
+    pp, dp = prefill_params("x1", d), decode_params("x1", p)
+    assert pp["do_remote_decode"] is True and dp["do_remote_prefill"] is True
+    assert PeerAddr.from_params(pp) == PeerAddr("decode-0", "10.0.0.2", 6700)
+    assert PeerAddr.from_params(dp) == PeerAddr("prefill-0", "10.0.0.1", 6600)
+    assert pp["transfer_id"] == dp["transfer_id"] == "x1"

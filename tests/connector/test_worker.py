@@ -1,0 +1,221 @@
+"""Worker halves of P and D talking through the fake NIXL fabric, with real byte copies."""
+
+from __future__ import annotations
+
+import torch
+
+from connector.metadata import RecvSpec, SendSpec, StepMeta, decode
+from connector.worker import Timeouts
+from tests.connector.fake_nixl import Fabric
+from tests.connector.helpers import (
+    D_ADDR,
+    LAYERS,
+    P_ADDR,
+    Clock,
+    Side,
+    forward,
+    idle,
+    make_side,
+)
+
+
+def pair(fabric: Fabric | None = None, clock: Clock | None = None,
+         timeouts: Timeouts | None = None, **d_compat: object) -> tuple[Fabric, Clock, Side, Side]:
+    fabric = fabric or Fabric()
+    clock = clock or Clock()
+    p = make_side(fabric, P_ADDR, clock, timeouts=timeouts)
+    d = make_side(fabric, D_ADDR, clock, fill=0.0, timeouts=timeouts, **d_compat)
+    return fabric, clock, p, d
+
+
+def send(req: str, first: int, ids: list[int], final: bool, tokens: int = 0) -> StepMeta:
+    return StepMeta(sends=[SendSpec(req, "t1", D_ADDR, first, ids, tokens, final)])
+
+
+def recv(req: str, start: int, ids: list[int]) -> StepMeta:
+    return StepMeta(recvs=[RecvSpec(req, "t1", P_ADDR, start, ids, 0)])
+
+
+def settle(*sides: Side, steps: int = 4) -> dict[str, set[str]]:
+    """Idle steps on every side; returns what each side reported, by agent name."""
+    seen: dict[str, set[str]] = {s.name: set() for s in sides}
+    for _ in range(steps):
+        for s in sides:
+            sending, recving, _ = idle(s)
+            seen[s.name] |= sending | recving
+    return seen
+
+
+def same_blocks(p: Side, d: Side, p_ids: list[int], d_ids: list[int]) -> bool:
+    return all(torch.equal(p.caches[n][p_ids], d.caches[n][d_ids]) for n in p.caches)
+
+
+def test_layers_are_written_per_chunk_and_d_completes_after_done() -> None:
+    fabric, _, p, d = pair()
+    assert idle(d) == (set(), set(), set())
+    forward(d, recv("d1", 0, [10, 11, 12]))
+    settle(p, d)  # handshake
+    forward(p, send("p1", 0, [1], final=False))  # chunk 1: block 0, every layer
+    assert len(fabric.writes_to(d.name)) == LAYERS
+    assert idle(d)[1] == set()  # W notices seen, no DONE yet
+    forward(p, send("p1", 1, [2, 3], final=True, tokens=10))
+    assert len(fabric.writes_to(d.name)) == 2 * LAYERS
+    _, finished, failed = idle(d)
+    assert finished == {"d1"} and failed == set()
+    assert same_blocks(p, d, [1, 2, 3], [10, 11, 12])
+    # P reports the send only once vLLM has finished the request.
+    assert idle(p)[0] == set()
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+    stats = p.worker.stats.take()
+    assert stats is not None and stats["num_writes"] == 2 * LAYERS
+    assert stats["writes_per_request"] == [2 * LAYERS]
+
+
+def test_writes_before_registration_are_queued_then_merged() -> None:
+    fabric, _, p, d = pair()
+    forward(p, send("p1", 0, [1], final=False))
+    forward(p, send("p1", 1, [2], final=True))
+    assert fabric.writes_to(d.name) == []
+    forward(d, recv("d1", 0, [5, 6]))
+    seen = settle(p, d)
+    assert len(fabric.writes_to(d.name)) == LAYERS  # one merged write per layer
+    assert same_blocks(p, d, [1, 2], [5, 6])
+    assert seen[d.name] == {"d1"}
+
+
+def test_blocks_cached_on_d_are_not_written() -> None:
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 1, [7]))  # D has logical block 0 locally
+    settle(p, d)
+    forward(p, send("p1", 0, [1, 2], final=True))
+    settle(p, d)
+    (x, *_) = fabric.writes_to(d.name)
+    assert len(x.local) == 1 and same_blocks(p, d, [2], [7])
+
+
+def test_prefill_failure_fails_the_receive_fast() -> None:
+    _, _, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=False))
+    forward(p, StepMeta(fail_sends={"p1": ("t1", D_ADDR)}))
+    _, finished, failed = idle(d)
+    assert finished == failed == {"d1"}
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+    assert p.worker.stats.take()["failures"] == {"prefill_abort": 1}  # type: ignore[index]
+
+
+def test_prefill_failure_before_p_saw_the_request() -> None:
+    _, _, p, d = pair()
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    forward(p, StepMeta(fail_sends={"p1": ("t1", D_ADDR)}))
+    assert idle(d)[2] == {"d1"}
+    assert idle(p)[0] == set()  # nothing to report: P never held blocks for it
+
+
+def test_decode_abort_stops_p_and_frees_both_sides() -> None:
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=False))
+    _, finished, failed = forward(d, StepMeta(abort_recvs={"d1": ("t1", P_ADDR)}))
+    assert finished == {"d1"} and failed == set()
+    n = len(fabric.writes_to(d.name))
+    forward(p, send("p1", 1, [2], final=True))
+    assert len(fabric.writes_to(d.name)) == n  # no more writes after the abort
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+
+
+def test_decode_abort_before_p_started_skips_all_writes() -> None:
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    forward(d, StepMeta(abort_recvs={"d1": ("t1", P_ADDR)}))
+    forward(p, send("p1", 0, [1], final=True))
+    assert fabric.writes_to(d.name) == []
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+
+
+def test_mismatched_peer_is_refused_on_both_sides() -> None:
+    fabric, _, p, d = pair(tp_size=2)
+    forward(d, recv("d1", 0, [10]))
+    forward(p, send("p1", 0, [1], final=True))
+    seen = settle(p, d)
+    assert seen[d.name] == {"d1"}
+    assert fabric.writes_to(d.name) == []
+    link = d.worker.peers.get(p.name)
+    assert link is not None and link.state.value == "refused" and "tp_size" in link.reason
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+
+
+def test_refused_receive_is_reported_failed() -> None:
+    _, _, p, d = pair(block_size=8)
+    forward(d, recv("d1", 0, [10]))
+    seen_failed: set[str] = set()
+    for _ in range(4):
+        idle(p)
+        seen_failed |= idle(d)[2]
+    assert seen_failed == {"d1"}
+
+
+def test_handshake_timeout_when_p_is_absent() -> None:
+    fabric, clock = Fabric(), Clock()
+    d = make_side(fabric, D_ADDR, clock, timeouts=Timeouts(handshake_s=2.0))
+    forward(d, recv("d1", 0, [10]))
+    assert idle(d)[1] == set()
+    clock.advance(3)
+    assert idle(d)[2] == {"d1"}
+
+
+def test_registration_timeout_frees_p_and_tells_d() -> None:
+    _, clock, p, d = pair(timeouts=Timeouts(reg_s=5))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=True))
+    p.finished.add("p1")
+    assert idle(p)[0] == set()
+    clock.advance(6)
+    assert idle(p)[0] == {"p1"}
+    # A registration that arrives afterwards is answered with FAIL at once.
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d, steps=2)
+    assert not d.worker._recvs
+
+
+def test_receive_timeout_aborts_p() -> None:
+    _, clock, p, d = pair(timeouts=Timeouts(recv_s=10))
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    clock.advance(11)
+    assert idle(d)[2] == {"d1"}
+    aborts = [m for _, m in d.worker._agent.sent if decode(m).kind == "ABORT"]  # type: ignore[attr-defined, union-attr]
+    assert len(aborts) == 1
+
+
+def test_write_error_fails_both_sides() -> None:
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    fabric.write_mode = "err"
+    forward(p, send("p1", 0, [1], final=True))
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+    assert idle(d)[2] == {"d1"}
+
+
+def test_vanished_decode_times_out_stuck_writes() -> None:
+    fabric, clock, p, d = pair(timeouts=Timeouts(write_s=3))
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    fabric.write_mode = "proc"
+    forward(p, send("p1", 0, [1], final=True))
+    fabric.kill(d.name)
+    p.finished.add("p1")
+    assert idle(p)[0] == set()  # WRITE still in flight: blocks stay held
+    clock.advance(4)
+    assert idle(p)[0] == {"p1"}
