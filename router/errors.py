@@ -11,7 +11,7 @@
     ├── NoCapacity                   503     service_unavailable / no_capacity (+ Retry-After)
     └── UpstreamError                502     upstream_error / <kind>
         ├── UpstreamTimeout          504     timeout / <role>_timeout
-        └── UpstreamStatus           <the engine's status and body, passed through>
+        └── UpstreamStatus           4xx: the engine's status and body as is; 5xx: 502
 
 Upstream errors carry the role (``prefill``/``decode``) and the instance they
 came from, so the dispatcher can retry elsewhere and feed the circuit breaker.
@@ -149,18 +149,20 @@ class UpstreamStatus(UpstreamError):
         super().__init__(
             f"{role} engine returned HTTP {status}", role=role, instance=instance, code=str(status)
         )
-        self.status = status
+        # A client error (4xx) is the client's to see as is; an engine failure is a 502.
+        self.upstream_status = status
+        self.status = status if status < 500 else 502
         self.content = content
 
     @property
     def retryable(self) -> bool:
-        return self.status >= 500 or self.status in (408, 429)
+        return self.upstream_status >= 500 or self.upstream_status in (408, 429)
 
     def body(self) -> bytes:
-        if _is_openai_error(self.content):
+        if self.upstream_status < 500 and _is_openai_error(self.content):
             return self.content
         text = self.content.decode("utf-8", "replace")[:500]
-        return error_body(f"{self.message}: {text}", "upstream_error", self.status)
+        return error_body(f"{self.message}: {text}", "upstream_error", self.upstream_status)
 
 
 def _is_openai_error(content: bytes) -> bool:

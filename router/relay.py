@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.responses import Response
+
 from router.client_request import ClientRequest
 from router.errors import RouterError, UpstreamError, sse_error_event
 from router.metrics import Outcome
@@ -54,7 +56,9 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-class RelayResponse:
+class RelayResponse(Response):
+    """A Starlette ``Response`` only so frameworks pass it through untouched."""
+
     def __init__(
         self,
         dispatcher: Dispatcher,
@@ -65,6 +69,7 @@ class RelayResponse:
         clock: Callable[[], float],
         total_timeout: float,
     ) -> None:
+        self.background = None
         self._dispatcher = dispatcher
         self._pool = pool
         self._creq = creq

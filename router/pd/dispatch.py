@@ -41,6 +41,7 @@ __all__ = ["Dispatch", "Dispatcher"]
 log = logging.getLogger("pd_router.dispatch")
 
 _PREFIX_KEY_CHARS = 256
+_DISAGGREGATED = frozenset(m.value for m in Mode if m.uses_prefill)
 
 
 @dataclass(eq=False)
@@ -134,7 +135,7 @@ class Dispatcher:
         reservation = await pool.ledger.reserve(key, avoid)
         ids = kp.new_dispatch_ids()
         try:
-            if decision != pool.mode.value:
+            if decision not in _DISAGGREGATED:
                 leg = await self._decode(reservation, creq, kp.aggregated_body(creq.body), ids)
                 return Dispatch(pool, reservation, leg, decision, ids.request_id)
             prefill = pool.select_prefill(key, avoid)

@@ -1,0 +1,125 @@
+"""Shared fixtures: fake engines on real sockets and a router in front of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import AppContext, create_app
+from router.config import parse_config
+from tests.fakes.fake_vllm import FakeEngine, KvBus
+from tests.fakes.servers import serve
+
+
+@dataclass
+class Cluster:
+    """Fake P and D engines on loopback; ``router()`` starts a router in front of them."""
+
+    prefill: list[FakeEngine]
+    decode: list[FakeEngine]
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    stack: contextlib.AsyncExitStack
+    routers: list[AppContext] = field(default_factory=list)
+
+    def config(self, mode: str = "pull", **overrides: Any) -> dict[str, Any]:
+        prefill_extra = overrides.pop("prefill_extra", {})
+        decode_extra = overrides.pop("decode_extra", {})
+        model = {
+            "name": "tiny",
+            "mode": mode,
+            "prefill": [{"url": u, **prefill_extra} for u in self.prefill_urls],
+            "decode": [{"url": u, "slots": 4, **decode_extra} for u in self.decode_urls],
+        }
+        model.update(overrides.pop("model", {}))
+        cfg: dict[str, Any] = {
+            "models": [model],
+            "timeouts": {"prefill": 5, "decode_first_byte": 5, "idle": 5, "total": 30},
+            "retries": {"max_attempts": 1},
+            "health": {"interval": 0.1, "timeout": 1},
+        }
+        for key, value in overrides.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key] = {**cfg[key], **value}
+            else:
+                cfg[key] = value
+        return cfg
+
+    async def router(self, mode: str = "pull", **overrides: Any) -> tuple[str, AppContext]:
+        health_checks = overrides.pop("health_checks", False)
+        app = create_app(parse_config(self.config(mode, **overrides)), health_checks=health_checks)
+        url = await self.stack.enter_async_context(serve(app))
+        ctx: AppContext = app.state.ctx
+        self.routers.append(ctx)
+        return url, ctx
+
+    @property
+    def engines(self) -> list[FakeEngine]:
+        return [*self.prefill, *self.decode]
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Wait until ``check()`` holds (cleanup happens asynchronously after a close)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def assert_nothing_leaked(cluster: Cluster) -> None:
+    """Every slot free, every upstream connection closed by the end of a test."""
+    await eventually(lambda: all(e.active == 0 for e in cluster.engines))
+    for ctx in cluster.routers:
+        await eventually(lambda ctx=ctx: ctx.registry.slots_in_use() == 0)
+        for inst in ctx.registry.instances():
+            assert inst.in_flight == 0, inst.url
+
+
+async def _start_cluster(n_prefill: int, n_decode: int) -> AsyncIterator[Cluster]:
+    bus = KvBus()
+    async with contextlib.AsyncExitStack() as stack:
+        prefill = [FakeEngine(f"p{i}", bus) for i in range(n_prefill)]
+        decode = [FakeEngine(f"d{i}", bus) for i in range(n_decode)]
+        p_urls = [await stack.enter_async_context(serve(e)) for e in prefill]
+        d_urls = [await stack.enter_async_context(serve(e)) for e in decode]
+        cluster = Cluster(prefill, decode, p_urls, d_urls, stack)
+        yield cluster
+        await assert_nothing_leaked(cluster)
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async for c in _start_cluster(1, 1):
+        yield c
+
+
+@pytest.fixture
+async def cluster2() -> AsyncIterator[Cluster]:
+    async for c in _start_cluster(2, 2):
+        yield c
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+def metric(ctx: AppContext, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(ctx.metrics.render().decode()):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total

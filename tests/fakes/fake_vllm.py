@@ -1,0 +1,303 @@
+"""A fake vLLM engine that speaks the P/D ``kv_transfer_params`` protocol over real sockets.
+
+It records every request it receives (headers, body, when it started and ended,
+whether the router closed it) and can delay, fail, hang, drop a stream or send
+malformed data. Fake P and D engines of one test share a :class:`KvBus`: a push
+D leg waits until the P leg with the same ``X-Request-Id`` has finished, as a
+real push-mode D waits for P's WRITE, and hangs forever if P never finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass
+class Behaviour:
+    """What the next requests get. Change fields between requests in a test."""
+
+    delay: float = 0.0  # before the response headers
+    status: int = 200
+    error_body: bytes | None = None
+    hang: bool = False  # never answer; wait until the client closes
+    tokens: int = 4
+    token_delay: float = 0.0
+    drop_after: int | None = None  # abort the connection after N streamed tokens
+    omit_kv_params: bool = False
+    malformed_json: bool = False  # P: invalid JSON body
+    malformed_sse: bool = False  # D: a broken SSE line mid-stream
+    transfer_mode: str = "pull"
+    engine_id: str = "fake-prefill"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 5600
+    health_status: int = 200
+    running: int = 0  # reported in /metrics
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    started: float
+    ended: float | None = None
+    closed_by_client: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("x-request-id", "")
+
+    @property
+    def kv(self) -> dict[str, Any]:
+        params = self.body.get("kv_transfer_params")
+        return params if isinstance(params, dict) else {}
+
+
+@dataclass
+class KvBus:
+    """P legs announce finished prefills here; push D legs wait for them."""
+
+    done: dict[str, asyncio.Event] = field(default_factory=dict)
+
+    def event(self, request_id: str) -> asyncio.Event:
+        return self.done.setdefault(request_id, asyncio.Event())
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class FakeEngine:
+    def __init__(self, name: str, bus: KvBus | None = None) -> None:
+        self.name = name
+        self.bus = bus or KvBus()
+        self.behaviour = Behaviour()
+        self.received: list[Received] = []
+        self.active = 0  # generate requests currently open
+        self.health_checks = 0
+
+    # -- ASGI ----------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        if scope["method"] == "GET":
+            await self._get(path, send)
+            return
+        body = await _read_body(receive)
+        rec = Received(
+            path=path,
+            headers={k.decode(): v.decode() for k, v in scope["headers"]},
+            body=json.loads(body or b"{}"),
+            started=time.monotonic(),
+        )
+        self.received.append(rec)
+        self.active += 1
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await _race(self._generate(rec, send), gone)
+        except _ClientGone:
+            rec.closed_by_client = True
+        finally:
+            gone.cancel()
+            rec.ended = time.monotonic()
+            self.active -= 1
+
+    async def _get(self, path: str, send: Send) -> None:
+        b = self.behaviour
+        if path == "/health":
+            self.health_checks += 1
+            await _respond(send, b.health_status, b"")
+        elif path == "/metrics":
+            text = (
+                f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
+                f'vllm:num_requests_waiting{{model_name="tiny"}} {b.waiting}\n'
+                f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {b.kv_usage}\n'
+            )
+            await _respond(send, 200, text.encode(), b"text/plain")
+        elif path == "/v1/models":
+            await _respond(send, 200, json.dumps({"data": [{"id": "tiny"}]}).encode())
+        else:
+            await _respond(send, 404, b'{"error": {"message": "not found"}}')
+
+    # -- generation ----------------------------------------------------------
+
+    async def _generate(self, rec: Received, send: Send) -> None:
+        b = self.behaviour
+        if b.hang:
+            await asyncio.Event().wait()
+        if b.delay:
+            await asyncio.sleep(b.delay)
+        if b.status != 200:
+            body = (
+                b.error_body
+                or json.dumps(
+                    {"error": {"message": f"{self.name} failed", "type": "x", "code": b.status}}
+                ).encode()
+            )
+            await _respond(send, b.status, body)
+            return
+        kv = rec.kv
+        if kv.get("do_remote_decode"):
+            await self._prefill(rec, send)
+            return
+        if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
+            # Push-style D: wait for "the KV" from the P leg with the same request id.
+            await self.bus.event(rec.request_id).wait()
+        if rec.body.get("stream"):
+            await self._stream(rec, send)
+        else:
+            await _respond(send, 200, json.dumps(_full(rec, b.tokens)).encode())
+
+    async def _prefill(self, rec: Received, send: Send) -> None:
+        b = self.behaviour
+        if b.malformed_json:
+            await _respond(send, 200, b'{"id": "cmpl-1", "choices": [')
+            return
+        doc = _full(rec, 1)
+        if not b.omit_kv_params:
+            xid = rec.request_id
+            doc["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": b.engine_id,
+                "remote_request_id": f"cmpl-{xid}-0-1a2b3c4d",
+                "remote_host": b.kv_host,
+                "remote_port": b.kv_port,
+                "tp_size": 1,
+                "pp_size": 1,
+                "transfer_mode": b.transfer_mode,
+            }
+        self.bus.event(rec.request_id).set()
+        await _respond(send, 200, json.dumps(doc).encode())
+
+    async def _stream(self, rec: Received, send: Send) -> None:
+        b = self.behaviour
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+            }
+        )
+        for i in range(b.tokens):
+            if b.drop_after is not None and i == b.drop_after:
+                raise RuntimeError("fake engine drops the stream")  # uvicorn aborts the conn
+            if b.malformed_sse and i == 1:
+                await _chunk(send, b"data: {not json\n\n")
+                continue
+            await _chunk(send, b"data: " + json.dumps(_delta(rec, i)).encode() + b"\n\n")
+            if b.token_delay:
+                await asyncio.sleep(b.token_delay)
+        await _chunk(send, b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _ClientGone
+        chunks.append(msg.get("body", b""))
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race(work: Awaitable[None], gone: asyncio.Future[None]) -> None:
+    task = asyncio.ensure_future(work)
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()
+        return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, ctype: bytes = b"application/json"
+) -> None:
+    await send(
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]}
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _chunk(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _is_chat(rec: Received) -> bool:
+    return rec.path.endswith("/chat/completions")
+
+
+def _full(rec: Received, tokens: int) -> dict[str, Any]:
+    text = "".join(f"t{i} " for i in range(tokens))
+    usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+    if _is_chat(rec):
+        return {
+            "id": f"chatcmpl-{rec.request_id}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": rec.body.get("model"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": f"cmpl-{rec.request_id}",
+        "object": "text_completion",
+        "created": 0,
+        "model": rec.body.get("model"),
+        "choices": [{"index": 0, "text": text, "finish_reason": "length", "logprobs": None}],
+        "usage": usage,
+    }
+
+
+def _delta(rec: Received, i: int) -> dict[str, Any]:
+    if _is_chat(rec):
+        return {
+            "id": f"chatcmpl-{rec.request_id}",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": rec.body.get("model"),
+            "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+        }
+    return {
+        "id": f"cmpl-{rec.request_id}",
+        "object": "text_completion",
+        "created": 0,
+        "model": rec.body.get("model"),
+        "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None, "logprobs": None}],
+    }

@@ -1,0 +1,42 @@
+"""Run ASGI apps on real loopback sockets (port 0) inside the test's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
+    """Serve ``app`` on 127.0.0.1 with a free port; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        log_level="critical",
+        lifespan=lifespan,
+        loop="asyncio",
+        http="h11",
+        timeout_graceful_shutdown=1,
+        timeout_keep_alive=30,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.005)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        sock.close()

@@ -1,0 +1,380 @@
+"""Failure paths over real sockets. After each, the cluster fixture asserts that every
+slot is free and the fake engines saw every upstream connection closed."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import Cluster, eventually, metric
+
+PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
+
+
+def error_of(r: httpx.Response) -> dict[str, object]:
+    err = r.json()["error"]
+    assert {"message", "type", "code"} <= set(err)
+    return err  # type: ignore[no-any-return]
+
+
+# -- client errors -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_request"),
+        (b"[1, 2]", 400, "invalid_request"),
+        (json.dumps({"prompt": "x"}).encode(), 400, "invalid_request"),
+        (json.dumps({**PROMPT, "max_tokens": "many"}).encode(), 400, "invalid_request"),
+        (json.dumps({**PROMPT, "stream": "yes"}).encode(), 400, "invalid_request"),
+        (json.dumps({**PROMPT, "prompt": ["a", "b"]}).encode(), 400, "invalid_request"),
+        (json.dumps({**PROMPT, "model": "nope"}).encode(), 404, "model_not_found"),
+        (b"\xff\xfe\xfa", 400, "invalid_request"),
+    ],
+)
+async def test_bad_requests_get_openai_errors_and_touch_no_engine(
+    cluster: Cluster, client: httpx.AsyncClient, body: bytes, status: int, code: str
+) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", content=body)
+    assert r.status_code == status
+    assert error_of(r)["code"] == code
+    assert all(e.received == [] for e in cluster.engines)
+
+
+async def test_api_keys(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull", auth={"api_keys": ["k1", "k2"]})
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 401 and error_of(r)["type"] == "authentication_error"
+    r = await client.post(
+        url + "/v1/completions", json=PROMPT, headers={"authorization": "Bearer kx"}
+    )
+    assert r.status_code == 401
+    r = await client.post(
+        url + "/v1/completions", json=PROMPT, headers={"authorization": "Bearer k2"}
+    )
+    assert r.status_code == 200
+    assert (await client.get(url + "/health")).status_code == 200  # probes need no key
+
+
+async def test_body_size_limit(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull", admission={"max_body_bytes": 2048})
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "prompt": "x" * 4096})
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
+
+
+async def test_unknown_route_is_openai_shaped(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.get(url + "/v1/nothing")
+    assert r.status_code == 404 and error_of(r)["code"] == "not_found"
+
+
+async def test_prefill_4xx_passes_through(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    b = cluster.prefill[0].behaviour
+    b.status = 400
+    b.error_body = (
+        b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
+    )
+    url, _ = await cluster.router("pull", retries={"max_attempts": 3})
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 400 and error_of(r)["message"] == "prompt too long"
+    assert len(cluster.prefill[0].received) == 1  # a client error is not retried
+    assert cluster.decode[0].received == []
+
+
+# -- upstream failures before the first byte -------------------------------------
+
+
+async def test_prefill_5xx_is_502_after_retries(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.status = 500
+    url, ctx = await cluster.router("pull", retries={"max_attempts": 2, "backoff_initial": 0})
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502 and error_of(r)["code"] == 500
+    assert len(cluster.prefill[0].received) == 2
+    assert cluster.decode[0].received == []
+    assert metric(ctx, "pdrouter_retries_total") == 1
+    assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
+
+
+async def test_retry_reselects_another_prefill(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster2.prefill[0].behaviour.status = 503
+    url, ctx = await cluster2.router(
+        "pull",
+        retries={"max_attempts": 2, "backoff_initial": 0},
+        model={"policy": {"prefill": "round_robin"}},
+    )
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 200
+    (first,) = cluster2.prefill[0].received
+    (second,) = cluster2.prefill[1].received
+    assert first.request_id != second.request_id  # fresh ids per attempt
+    assert first.kv["transfer_id"] != second.kv["transfer_id"]
+    assert metric(ctx, "pdrouter_retries_total") == 1
+
+
+async def test_missing_kv_params_is_an_error_not_a_recompute(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.omit_kv_params = True
+    url, ctx = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502 and error_of(r)["code"] == "kv_transfer_params_missing"
+    assert cluster.decode[0].received == []
+    assert metric(ctx, "pdrouter_kv_params_missing_total") == 1
+
+
+async def test_malformed_prefill_json_is_502(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    cluster.prefill[0].behaviour.malformed_json = True
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502
+
+
+async def test_prefill_hang_times_out_with_504(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    cluster.prefill[0].behaviour.hang = True
+    url, _ = await cluster.router("pull", timeouts={"prefill": 0.5})
+    t0 = time.monotonic()
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 504 and error_of(r)["code"] == "prefill_timeout"
+    assert time.monotonic() - t0 < 2.0
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+
+
+async def test_prefill_unreachable_is_502(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    ctx = cluster.routers[-1]
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    pool.prefill[0].url = "http://127.0.0.1:9"  # nothing listens on the discard port
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502 and error_of(r)["code"] == "prefill_unreachable"
+
+
+async def test_decode_5xx_is_passed_as_error(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    cluster.decode[0].behaviour.status = 500
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 502 and "d0 failed" in str(error_of(r)["message"])
+
+
+async def test_decode_first_byte_timeout(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    cluster.decode[0].behaviour.hang = True
+    url, _ = await cluster.router("pull", timeouts={"decode_first_byte": 0.5})
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 504 and error_of(r)["code"] == "decode_first_byte_timeout"
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+
+
+# -- push: P fails while D waits -------------------------------------------------
+
+
+async def test_push_prefill_failure_closes_decode(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.delay = 0.2
+    cluster.prefill[0].behaviour.status = 500
+    url, ctx = await cluster.router(
+        "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
+    )
+    t0 = time.monotonic()
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 502
+    assert time.monotonic() - t0 < 2.0
+    (d_req,) = cluster.decode[0].received
+    await eventually(lambda: d_req.closed_by_client)  # D was waiting for KV; now aborted
+    pool = ctx.registry.get("tiny")
+    assert pool is not None and pool.decode[0].suspect
+
+
+async def test_push_prefill_timeout_is_504_and_closes_decode(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.hang = True
+    url, _ = await cluster.router(
+        "push",
+        prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1},
+        timeouts={"prefill": 0.4},
+    )
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 504 and error_of(r)["code"] == "prefill_timeout"
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+
+
+async def test_leaking_decode_is_taken_out_of_rotation(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.status = 500
+    url, ctx = await cluster.router(
+        "push",
+        prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1},
+        health_checks=True,
+        admission={"max_wait": 0.3},
+    )
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502
+    # The engine now reports KV held with nothing running: the leak signature.
+    cluster.decode[0].behaviour.kv_usage = 0.02
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: pool.decode[0].degraded)
+    ready = await client.get(url + "/ready")
+    assert ready.status_code == 503
+    assert ready.json()["models"]["tiny"]["instances"][1]["degraded"] is True
+    assert metric(ctx, "pdrouter_instance_degraded") == 1
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    # Usage back to idle (e.g. engine restarted): back in rotation.
+    cluster.decode[0].behaviour.kv_usage = 0.0
+    cluster.prefill[0].behaviour.status = 200
+    await eventually(lambda: not pool.decode[0].degraded)
+    assert (await client.get(url + "/ready")).status_code == 200
+
+
+# -- failures after the first byte -----------------------------------------------
+
+
+async def test_decode_drop_mid_stream_sends_sse_error(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.decode[0].behaviour.drop_after = 2
+    url, ctx = await cluster.router("pull", retries={"max_attempts": 3})
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert len(events) == 3  # two tokens, then the error event; no retry after bytes went out
+    err = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "decode_unreachable"
+    assert len(cluster.decode[0].received) == 1
+    assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
+
+
+async def test_malformed_sse_is_relayed_untouched(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.decode[0].behaviour.malformed_sse = True
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200 and "data: {not json" in r.text
+
+
+# -- client disconnects ----------------------------------------------------------
+
+
+async def _disconnect_after(url: str, body: dict[str, object], seconds: float) -> None:
+    async with httpx.AsyncClient(timeout=10) as c:
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            async with asyncio.timeout(seconds), c.stream("POST", url, json=body) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+
+
+async def test_disconnect_before_prefill_answers_closes_prefill(cluster: Cluster) -> None:
+    cluster.prefill[0].behaviour.hang = True
+    url, ctx = await cluster.router("pull")
+    await _disconnect_after(url + "/v1/completions", PROMPT, 0.3)
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+    assert cluster.decode[0].received == []
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte") == 1
+    )
+
+
+async def test_disconnect_mid_stream_closes_decode(cluster: Cluster) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.01
+    url, ctx = await cluster.router("pull")
+    await _disconnect_after(url + "/v1/completions", {**PROMPT, "stream": True}, 0.3)
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="streaming") == 1
+    )
+
+
+async def test_disconnect_while_queued_takes_no_slot(cluster: Cluster) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.01
+    url, ctx = await cluster.router("aggregated", decode_extra={"slots": 1})
+    body = {**PROMPT, "stream": True}
+    holder = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 0.6))
+    await eventually(lambda: ctx.registry.slots_in_use() == 1)
+    await _disconnect_after(url + "/v1/completions", body, 0.2)  # waits in the queue, leaves
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: pool.ledger.queue_depth == 0)
+    await holder
+    assert len(cluster.decode[0].received) == 1
+
+
+# -- admission -------------------------------------------------------------------
+
+
+async def test_queue_full_is_429_and_wait_timeout_is_503(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 100, 0.01
+    url, _ = await cluster.router(
+        "aggregated", decode_extra={"slots": 1}, admission={"queue_size": 1, "max_wait": 0.3}
+    )
+    body = {**PROMPT, "stream": True}
+    first = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+    await asyncio.sleep(0.1)
+    second = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+    await asyncio.sleep(0.05)
+    third = await client.post(url + "/v1/completions", json=body)
+    assert third.status_code == 429 and "retry-after" in third.headers
+    r2 = await second
+    assert r2.status_code == 503 and error_of(r2)["code"] == "no_capacity"
+    assert int(r2.headers["retry-after"]) >= 1
+    assert (await first).status_code == 200
+
+
+async def test_queued_request_gets_the_released_slot(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 20, 0.01
+    url, _ctx = await cluster.router("pull", decode_extra={"slots": 1})
+    body = {**PROMPT, "stream": True}
+    results = await asyncio.gather(
+        *(client.post(url + "/v1/completions", json=body) for _ in range(4))
+    )
+    assert [r.status_code for r in results] == [200] * 4
+    # Never more than one decode leg at a time on a 1-slot engine.
+    legs = sorted((r.started, r.ended or 0) for r in cluster.decode[0].received)
+    assert all(a[1] <= b[0] + 0.005 for a, b in itertools.pairwise(legs))
+
+
+async def test_breaker_opens_after_repeated_failures(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.status = 500
+    url, ctx = await cluster.router("pull", breaker={"failure_threshold": 2, "open_seconds": 60})
+    for _ in range(2):
+        assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 502
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 503 and error_of(r)["code"] == "no_capacity"
+    assert len(cluster.prefill[0].received) == 2
+    assert metric(ctx, "pdrouter_breaker_state", role="prefill") == 1
+
+
+async def test_ready_reflects_health(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull", health_checks=True)
+    assert (await client.get(url + "/ready")).status_code == 200
+    cluster.prefill[0].behaviour.health_status = 503
+    await eventually(lambda: cluster.prefill[0].health_checks > 4)
+    r = await client.get(url + "/ready")
+    assert r.status_code == 503 and r.json()["models"]["tiny"]["ready"] is False
+    # Health checks never send a generate request to any engine.
+    assert all(e.received == [] for e in cluster.engines)

@@ -1,0 +1,198 @@
+"""Each dispatch mode over real sockets: what the engines receive and what the client gets."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Cluster, metric
+
+PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
+
+
+def sse_payloads(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_pull_streaming_rewrites_legs_and_relays_sse(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("pull")
+    body = {**PROMPT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 2}
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(r.text)
+    assert events[-1] == "[DONE]"
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [
+        "t0 ",
+        "t1 ",
+        "t2 ",
+        "t3 ",
+    ]
+
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    assert p_req.body["max_tokens"] == 1 and p_req.body["stream"] is False
+    assert "stream_options" not in p_req.body and "min_tokens" not in p_req.body
+    assert p_req.kv["do_remote_decode"] is True
+    # D gets the client's body unchanged plus P's params verbatim.
+    assert d_req.body["stream"] is True and d_req.body["max_tokens"] == 8
+    assert d_req.body["min_tokens"] == 2 and d_req.body["stream_options"] == {"include_usage": True}
+    assert d_req.kv["remote_block_ids"] == [[1, 2, 3]]
+    assert d_req.kv["remote_engine_id"] == "fake-prefill"
+    assert p_req.request_id == d_req.request_id == r.headers["x-request-id"]
+    assert p_req.kv["transfer_id"] == d_req.kv["transfer_id"]
+    # Sequential: D only after P finished.
+    assert p_req.ended is not None and d_req.started >= p_req.ended
+
+
+async def test_client_ids_and_params_never_reach_engines(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("pull")
+    body = {**PROMPT, "request_id": "mine", "kv_transfer_params": {"remote_host": "10.9.9.9"}}
+    r = await client.post(url + "/v1/completions", json=body, headers={"x-request-id": "mine"})
+    assert r.status_code == 200
+    for engine in cluster.engines:
+        (req,) = engine.received
+        assert req.request_id != "mine" and "request_id" not in req.body
+        assert req.kv.get("remote_host") != "10.9.9.9"
+    r2 = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r2.headers["x-request-id"] != r.headers["x-request-id"]
+
+
+async def test_push_concurrent_legs_overlap_with_same_ids(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.delay = 0.3
+    cluster.prefill[0].behaviour.transfer_mode = "push"
+    url, _ = await cluster.router(
+        "push", prefill_extra={"engine_id": "p-0", "kv_host": "127.0.0.2", "kv_port": 5601}
+    )
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200 and sse_payloads(r.text)[-1] == "[DONE]"
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    # Both legs were in flight at the same time.
+    assert p_req.ended is not None and d_req.started < p_req.ended
+    assert p_req.request_id == d_req.request_id
+    assert p_req.kv["transfer_id"] == d_req.kv["transfer_id"]
+    assert d_req.kv["do_remote_prefill"] is True and "remote_block_ids" not in d_req.kv
+    assert (d_req.kv["remote_engine_id"], d_req.kv["remote_host"], d_req.kv["remote_port"]) == (
+        "p-0",
+        "127.0.0.2",
+        5601,
+    )
+    assert d_req.kv["remote_request_id"] == f"cmpl-{p_req.request_id}-0"
+
+
+async def test_push_learns_identity_then_goes_concurrent(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    p = cluster.prefill[0].behaviour
+    p.transfer_mode, p.engine_id, p.kv_port, p.delay = "push", "learned-p", 5999, 0.2
+    url, ctx = await cluster.router("push")
+    for _ in range(2):
+        r = await client.post(url + "/v1/completions", json=PROMPT)
+        assert r.status_code == 200
+    (p1, p2) = cluster.prefill[0].received
+    (d1, d2) = cluster.decode[0].received
+    assert p1.ended is not None and d1.started >= p1.ended  # first: sequential
+    assert p2.ended is not None and d2.started < p2.ended  # then: concurrent
+    assert d1.kv["remote_request_id"] == f"cmpl-{p1.request_id}-0-1a2b3c4d"
+    assert d2.kv["remote_engine_id"] == "learned-p" and d2.kv["remote_port"] == 5999
+    assert metric(ctx, "pdrouter_push_sequential_dispatches_total") == 1
+
+
+async def test_push_sequential_waits_for_prefill(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.transfer_mode = "push"
+    url, _ = await cluster.router(
+        "push-sequential", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
+    )
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 200
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    assert p_req.ended is not None and d_req.started >= p_req.ended
+    assert d_req.kv["remote_request_id"] == p_req.kv.get(
+        "remote_request_id", d_req.kv["remote_request_id"]
+    )
+
+
+async def test_pipelined_sends_each_leg_the_other_identity(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.delay = 0.2
+    url, _ = await cluster.router(
+        "pipelined",
+        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
+    )
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 200
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    assert p_req.kv["remote_engine_id"] == "D" and p_req.kv["remote_port"] == 7002
+    assert d_req.kv["remote_engine_id"] == "P" and d_req.kv["remote_host"] == "10.0.0.1"
+    assert p_req.kv["transfer_id"] == d_req.kv["transfer_id"]
+    assert p_req.ended is not None and d_req.started < p_req.ended
+
+
+async def test_aggregated_never_calls_prefill(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("aggregated")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "kv_transfer_params": {"x": 1}})
+    assert r.status_code == 200
+    assert cluster.prefill[0].received == []
+    (d_req,) = cluster.decode[0].received
+    assert "kv_transfer_params" not in d_req.body
+
+
+async def test_short_prompts_and_n_above_one_skip_prefill(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull", model={"disagg_min_prompt_tokens": 100})
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    long_prompt = {**PROMPT, "prompt": "word " * 200}
+    assert (await client.post(url + "/v1/completions", json=long_prompt)).status_code == 200
+    assert (
+        await client.post(url + "/v1/completions", json={**long_prompt, "n": 2})
+    ).status_code == 200
+    assert len(cluster.prefill[0].received) == 1
+    assert len(cluster.decode[0].received) == 3
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_short") == 1
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_n") == 1
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="pull") == 1
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_openai_sdk_chat_and_completions(cluster: Cluster, mode: str) -> None:
+    cluster.prefill[0].behaviour.transfer_mode = mode
+    url, _ = await cluster.router(mode)
+    sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        chat = await sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert chat.choices[0].message.content == "t0 t1 t2 t3 "
+        stream = await sdk.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        pieces = [c.choices[0].delta.content async for c in stream]
+        assert "".join(p or "" for p in pieces) == "t0 t1 t2 t3 "
+        comp = await sdk.completions.create(model="tiny", prompt="x", max_tokens=4)
+        assert comp.choices[0].text == "t0 t1 t2 t3 "
+        models = await sdk.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+    finally:
+        await sdk.close()
+    # Chat legs hit the same endpoint on both engines (push matches by request id + path).
+    assert {r.path for r in cluster.prefill[0].received} == {
+        "/v1/chat/completions",
+        "/v1/completions",
+    }
