@@ -63,7 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from router.stack import demo
+    import router.stack.demo as demo
 
     code: int = demo.run(args)
     return code
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="start a local P/D stack on real vLLM engines")
     try:
-        from router.stack import demo as demo_module
+        import router.stack.demo as demo_module
     except ImportError:
         demo.set_defaults(func=lambda _a: _missing_stack())
     else:
