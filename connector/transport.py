@@ -83,7 +83,8 @@ class RealNixlAgent:
             self._agent: Any = _build_agent(api, name, conf, progress_delay_us)
 
     def register(self, regions: Sequence[Desc], mem_type: str) -> None:
-        self._agent.register_memory(list(regions), mem_type)
+        # Registration descriptors carry a fourth field (a per-region label), unused here.
+        self._agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type)
 
     def fetch_remote(self, agent: str, host: str, port: int) -> None:
         self._agent.fetch_remote_metadata(agent, host, port)
