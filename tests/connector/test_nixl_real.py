@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import pytest
@@ -40,10 +40,8 @@ class Proc:
 
     def close(self) -> None:
         if self.proc.is_alive():
-            try:
+            with suppress(AssertionError, OSError):
                 self.call("exit")
-            except (AssertionError, OSError):
-                pass
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
