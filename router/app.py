@@ -246,6 +246,7 @@ def create_app(
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
 
     app = FastAPI(title="pd-router", version="0.1.0", lifespan=lifespan)

@@ -154,8 +154,9 @@ class RelayResponse(Response):
                     itl.observe(t - now)
                     now = t
         except UpstreamError as exc:
-            log.warning("decode stream broke after the first byte: %s", exc.message)
-            await self._end(send, sse_error_event(exc.message, exc.type, exc.code))
+            err = dispatch.prefill_error or exc
+            log.warning("stream failed after the first byte: %s", err.message)
+            await self._end(send, sse_error_event(err.message, err.type, err.code))
             return False
         await self._end(send, b"")
         return True

@@ -32,7 +32,7 @@ def map_errors(role: str, instance: str) -> Iterator[None]:
             instance=instance,
             code=f"{role}_timeout",
         ) from exc
-    except httpx.TransportError as exc:
+    except (httpx.TransportError, httpx.StreamError) as exc:
         raise UpstreamError(
             f"{role} engine {instance} failed: {type(exc).__name__}: {exc}",
             role=role,

@@ -32,6 +32,7 @@ from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd import pipelined_params as pp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
+from router.pd.settle import Settler, cancel_task, discard_decode
 from router.registry import ModelPool
 from router.workers.instance import Instance
 from router.workers.ledger import Reservation
@@ -55,6 +56,8 @@ class Dispatch:
     request_id: str
     prefill_task: asyncio.Task[PrefillResult] | None = None
     prefill_done_at: float | None = None
+    prefill_instance: Instance | None = None
+    prefill_error: UpstreamError | None = None  # P failed after D's first bytes
     finished: bool = field(default=False)
 
 
@@ -76,12 +79,6 @@ def _routing_key(creq: ClientRequest) -> str:
     return str(body.get("prompt"))[:_PREFIX_KEY_CHARS]
 
 
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    if not task.done():
-        task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-
-
 class Dispatcher:
     def __init__(
         self,
@@ -92,6 +89,7 @@ class Dispatcher:
     ) -> None:
         self._legs = legs
         self.metrics = self._metrics = metrics
+        self.settler = Settler(legs.timeouts)
         self._retries = retries
         self._clock = clock
 
@@ -143,7 +141,8 @@ class Dispatcher:
                 raise NoCapacity(f"no healthy prefill engine for model {pool.name!r}", 5.0)
             return await self._by_mode(pool, creq, reservation, prefill, ids)
         except BaseException:
-            pool.ledger.release(reservation)
+            if not reservation.detached:
+                pool.ledger.release(reservation)
             raise
 
     async def _by_mode(
@@ -189,7 +188,7 @@ class Dispatcher:
             result.kv_params, ids.transfer_id, pool.kv_hosts.get(p.url)
         )
         leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
-        return self._opened(pool, res, leg, ids, None, result.finished_at)
+        return self._opened(pool, res, leg, ids, p, None, result.finished_at)
 
     async def _push_sequential(
         self,
@@ -215,7 +214,7 @@ class Dispatcher:
             remote_id = kp.predicted_prefill_request_id(creq.endpoint, ids.request_id)
         d_params = kp.push_decode_params(identity, remote_id, ids.transfer_id)
         leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
-        return self._opened(pool, res, leg, ids, None, result.finished_at)
+        return self._opened(pool, res, leg, ids, p, None, result.finished_at)
 
     async def _pipelined(
         self,
@@ -262,19 +261,45 @@ class Dispatcher:
             p_error = p_task.exception() if p_task in done else None
             d_ok = d_task in done and d_task.exception() is None
             if p_error is not None and not d_ok:
-                await _discard_decode(d_task)
+                await discard_decode(d_task)
                 self._after_prefill_failure(pool, p, res.instance)
                 raise p_error
             leg = await d_task
+        except asyncio.CancelledError:
+            if pool.mode is Mode.PUSH and not p_task.done() and not d_task.done():
+                self._hand_over(pool, res, p, p_task, d_task, creq.stream)
+            else:
+                await discard_decode(d_task)
+                await cancel_task(p_task)
+            raise
         except BaseException:
-            await _discard_decode(d_task)
-            await _cancel(p_task)
+            await discard_decode(d_task)
+            await cancel_task(p_task)
             raise
         finished_at = None
         if p_task.done() and p_task.exception() is None:
             finished_at = p_task.result().finished_at
             self._refresh_identity(pool, p, p_task.result())
-        return self._opened(pool, res, leg, ids, p_task, finished_at)
+        return self._opened(pool, res, leg, ids, p, p_task, finished_at)
+
+    def _hand_over(
+        self,
+        pool: ModelPool,
+        res: Reservation,
+        p: Instance,
+        p_task: asyncio.Task[PrefillResult],
+        d_task: asyncio.Task[DecodeLeg],
+        streaming: bool,
+    ) -> None:
+        res.detached = True  # the settler releases it once D is closed
+
+        def release() -> None:
+            pool.ledger.release(res)
+
+        def on_leak() -> None:
+            self._after_prefill_failure(pool, p, res.instance)
+
+        self.settler.settle_push(p_task, d_task, streaming, release, on_leak)
 
     # -- helpers -------------------------------------------------------------
 
@@ -319,6 +344,7 @@ class Dispatcher:
         res: Reservation,
         leg: DecodeLeg,
         ids: kp.DispatchIds,
+        p: Instance,
         p_task: asyncio.Task[PrefillResult] | None,
         prefill_done_at: float | None,
     ) -> Dispatch:
@@ -326,7 +352,23 @@ class Dispatcher:
             self._metrics.handoff.labels(pool.name, pool.mode.value).observe(
                 max(0.0, self._clock() - prefill_done_at)
             )
-        return Dispatch(pool, res, leg, pool.mode.value, ids.request_id, p_task, prefill_done_at)
+        dispatch = Dispatch(
+            pool, res, leg, pool.mode.value, ids.request_id, p_task, prefill_done_at, p
+        )
+        if p_task is not None and not p_task.done():
+            p_task.add_done_callback(lambda t: self._on_late_prefill(dispatch, t))
+        return dispatch
+
+    def _on_late_prefill(self, dispatch: Dispatch, task: asyncio.Task[PrefillResult]) -> None:
+        """P failed while D was already streaming: end D so the client sees the error."""
+        if task.cancelled() or dispatch.finished:
+            return
+        exc = task.exception()
+        if isinstance(exc, UpstreamError):
+            dispatch.prefill_error = exc
+            self.settler.spawn(dispatch.leg.stream.aclose())
+        elif exc is None and dispatch.prefill_instance is not None:
+            self._refresh_identity(dispatch.pool, dispatch.prefill_instance, task.result())
 
     def _after_prefill_failure(self, pool: ModelPool, p: Instance, d: Instance) -> None:
         pool.forget_identity(p.url)
@@ -362,16 +404,9 @@ class Dispatcher:
             if success:
                 await asyncio.gather(task, return_exceptions=True)
             else:
-                await _cancel(task)
+                await cancel_task(task)
         if task is not None and task.done() and not task.cancelled() and task.exception():
             log.warning("prefill leg failed after decode started: %s", task.exception())
-
-
-async def _discard_decode(task: asyncio.Task[DecodeLeg]) -> None:
-    """Cancel a decode leg, or close its stream if it already opened."""
-    await _cancel(task)
-    if not task.cancelled() and task.exception() is None:
-        await asyncio.shield(task.result().stream.aclose())
 
 
 def _all(pool: ModelPool) -> list[Instance]:

@@ -84,7 +84,7 @@ class LegRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._upstream = upstream
-        self._timeouts = timeouts
+        self.timeouts = self._timeouts = timeouts
         self._metrics = metrics
         self._clock = clock
 

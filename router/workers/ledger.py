@@ -26,6 +26,7 @@ __all__ = ["Reservation", "SlotLedger"]
 class Reservation:
     instance: Instance
     released: bool = False
+    detached: bool = False  # handed to a background owner that releases it later
 
 
 @dataclass(eq=False, slots=True)

@@ -36,6 +36,7 @@ class Behaviour:
     omit_kv_params: bool = False
     malformed_json: bool = False  # P: invalid JSON body
     malformed_sse: bool = False  # D: a broken SSE line mid-stream
+    fail_after_kv: float | None = None  # P: hand D its KV, then fail after this many seconds
     transfer_mode: str = "pull"
     engine_id: str = "fake-prefill"
     kv_host: str = "127.0.0.1"
@@ -186,6 +187,10 @@ class FakeEngine:
                 "transfer_mode": b.transfer_mode,
             }
         self.bus.event(rec.request_id).set()
+        if b.fail_after_kv is not None:
+            await asyncio.sleep(b.fail_after_kv)
+            await _respond(send, 500, b'{"error": {"message": "prefill died late"}}')
+            return
         await _respond(send, 200, json.dumps(doc).encode())
 
     async def _stream(self, rec: Received, send: Send) -> None:

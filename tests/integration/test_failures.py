@@ -378,3 +378,43 @@ async def test_ready_reflects_health(cluster: Cluster, client: httpx.AsyncClient
     assert r.status_code == 503 and r.json()["models"]["tiny"]["ready"] is False
     # Health checks never send a generate request to any engine.
     assert all(e.received == [] for e in cluster.engines)
+
+
+async def test_push_prefill_failure_after_first_byte_ends_stream_with_error(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.prefill[0].behaviour.fail_after_kv = 0.2
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 200, 0.01
+    url, _ = await cluster.router(
+        "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
+    )
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200
+    last = [e for e in r.text.split("\n\n") if e][-1]
+    assert json.loads(last.removeprefix("data: "))["error"]["code"] == "500"
+    assert "[DONE]" not in r.text
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+
+
+async def test_push_disconnect_during_prefill_lets_decode_receive_its_kv(
+    cluster: Cluster,
+) -> None:
+    """vLLM 0.32's push connector leaks a D request closed while it waits for KV:
+    after a client disconnect the router closes D only once P has written it."""
+    cluster.prefill[0].behaviour.delay = 0.6
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.01
+    url, ctx = await cluster.router(
+        "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
+    )
+    await _disconnect_after(url + "/v1/completions", {**PROMPT, "stream": True}, 0.2)
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    assert ctx.registry.slots_in_use() == 1  # D still open, its slot still held
+    await eventually(lambda: d_req.ended is not None)
+    assert p_req.ended is not None and not p_req.closed_by_client  # P ran to completion
+    assert d_req.closed_by_client and d_req.ended > p_req.ended
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None and not pool.decode[0].suspect
