@@ -418,3 +418,36 @@ async def test_push_disconnect_during_prefill_lets_decode_receive_its_kv(
     await eventually(lambda: ctx.registry.slots_in_use() == 0)
     pool = ctx.registry.get("tiny")
     assert pool is not None and not pool.decode[0].suspect
+
+
+async def test_stalled_stream_hits_idle_timeout(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 3, 5.0
+    url, ctx = await cluster.router("pull", timeouts={"idle": 0.3})
+    t0 = time.monotonic()
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert time.monotonic() - t0 < 2.0
+    last = [e for e in r.text.split("\n\n") if e][-1]
+    assert json.loads(last.removeprefix("data: "))["error"]["type"] == "timeout"
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+
+
+async def test_total_timeout_bounds_a_stream(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.05
+    url, ctx = await cluster.router("pull", timeouts={"total": 0.5})
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    last = [e for e in r.text.split("\n\n") if e][-1]
+    assert json.loads(last.removeprefix("data: "))["error"]["code"] == "total_timeout"
+    assert metric(ctx, "pdrouter_requests_total", outcome="timeout") == 1
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+
+
+async def test_openapi_document_lists_the_endpoints(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("pull")
+    doc = (await client.get(url + "/openapi.json")).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready"} <= set(doc["paths"])
