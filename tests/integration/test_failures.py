@@ -425,7 +425,7 @@ async def test_stalled_stream_hits_idle_timeout(
 ) -> None:
     d = cluster.decode[0].behaviour
     d.tokens, d.token_delay = 3, 5.0
-    url, ctx = await cluster.router("pull", timeouts={"idle": 0.3})
+    url, _ = await cluster.router("pull", timeouts={"idle": 0.3})
     t0 = time.monotonic()
     r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
     assert time.monotonic() - t0 < 2.0
