@@ -36,6 +36,7 @@ from router.pd.dispatch import Dispatcher
 from router.pd.legs import LegRunner
 from router.registry import ModelPool, Registry
 from router.relay import RelayResponse
+from router.reload import ConfigReloader
 from router.upstream import UpstreamClient
 from router.workers.health import HealthMonitor
 from router.workers.instance import Instance
@@ -229,28 +230,43 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     clock: Callable[[], float] = time.monotonic,
     health_checks: bool = True,
+    config_path: str | None = None,
+    watch_interval: float | None = None,
 ) -> FastAPI:
-    """Build the router app. ``health_checks=False`` skips the background monitor
-    (instances then count as healthy until proven otherwise)."""
+    """Build the router app.
+
+    ``health_checks=False`` skips the background monitor (instances then count as
+    healthy until proven otherwise). With ``config_path``, SIGHUP reloads the
+    models from that file, and so does any change to it when ``watch_interval``
+    is set.
+    """
     ctx = _build_context(config, transport, clock)
+    reloader = ConfigReloader(config_path, ctx.registry, config) if config_path else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = None
+        tasks = []
         if health_checks:
             await ctx.health.check_all()
-            task = asyncio.create_task(ctx.health.run())
+            tasks.append(asyncio.create_task(ctx.health.run()))
+        if reloader is not None:
+            reloader.install_sighup()
+            if watch_interval:
+                tasks.append(asyncio.create_task(reloader.watch(watch_interval)))
         try:
             yield
         finally:
-            if task is not None:
+            if reloader is not None:
+                reloader.remove_sighup()
+            for task in tasks:
                 task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
 
     app = FastAPI(title="pd-router", version="0.1.0", lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.reloader = reloader
     _register_routes(app, ctx)
     _register_errors(app)
     return app

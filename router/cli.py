@@ -49,8 +49,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     print(_summary(cfg), file=sys.stderr)
+    app = create_app(cfg, config_path=args.config, watch_interval=args.watch_config or None)
     uvicorn.run(
-        create_app(cfg),
+        app,
         host=host,
         port=port,
         log_level=cfg.log_level,
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log every request")
     serve.add_argument(
         "--grace", type=float, default=30.0, help="seconds open streams may finish on SIGTERM"
+    )
+    serve.add_argument(
+        "--watch-config",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="reload models when the file changes, checking this often (SIGHUP always reloads)",
     )
     serve.set_defaults(func=_cmd_serve)
 

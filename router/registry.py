@@ -1,14 +1,26 @@
 """Model pools: each model's prefill and decode instances, policies, ledger and
 learned prefill identities. The registry is the single owner of instance state.
+
+Pools are reconciled, not rebuilt: :meth:`Registry.apply` (config reload) and
+:meth:`Registry.set_instances` (service discovery) keep the :class:`Instance`
+objects of engines that stay, so their load, health and breaker survive, add new
+ones and drop vanished ones. A dropped instance is no longer selected; requests
+already on it keep their reference and finish normally.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from router.config import Mode, ModelConfig, RouterConfig
+from router.config import (
+    DecodeInstanceConfig,
+    Mode,
+    ModelConfig,
+    PrefillInstanceConfig,
+    RouterConfig,
+)
 from router.pd.kv_params import PrefillIdentity
 from router.workers.breaker import Breaker
 from router.workers.instance import Instance, Role
@@ -65,53 +77,126 @@ class ModelPool:
         return d_ok and any(p.healthy is True for p in self.prefill)
 
 
-def _build_pool(
-    cfg: ModelConfig, router_cfg: RouterConfig, clock: Callable[[], float]
-) -> ModelPool:
-    def breaker() -> Breaker:
-        b = router_cfg.breaker
-        return Breaker(b.failure_threshold, b.open_seconds, clock)
-
-    prefill = [Instance(p.base_url, Role.PREFILL, cfg.name, breaker()) for p in cfg.prefill]
-    decode = [
-        Instance(d.base_url, Role.DECODE, cfg.name, breaker(), slots=d.slots) for d in cfg.decode
-    ]
-    ledger = SlotLedger(
-        cfg.name,
-        decode,
-        make_policy(cfg.policy.decode),
-        router_cfg.admission.queue_size,
-        router_cfg.admission.max_wait,
-    )
-    pool = ModelPool(cfg, prefill, decode, ledger, make_policy(cfg.policy.prefill))
-    configured = set()
-    for p in cfg.prefill:
-        pool.kv_hosts[p.base_url] = p.kv_host
-        if p.engine_id and p.kv_host and p.kv_port:
-            pool.identities[p.base_url] = PrefillIdentity(
-                p.engine_id, p.kv_host, p.kv_port, p.tp_size, p.pp_size
-            )
-            configured.add(p.base_url)
-    pool.configured_identities = frozenset(configured)
-    return pool
+def _reconcile(
+    current: Sequence[Instance], wanted: Sequence[str], make: Callable[[str], Instance]
+) -> list[Instance]:
+    by_url = {i.url: i for i in current}
+    return [by_url.get(url) or make(url) for url in wanted]
 
 
 class Registry:
     """All model pools, by client-visible model name."""
 
     def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self._pools = {m.name: _build_pool(m, config, clock) for m in config.models}
+        self._clock = clock
+        self._pools: dict[str, ModelPool] = {}
+        self._config = config
+        self.apply(config)
+
+    # -- reading -------------------------------------------------------------
 
     def get(self, model: str) -> ModelPool | None:
         return self._pools.get(model)
 
     def pools(self) -> Iterator[ModelPool]:
-        return iter(self._pools.values())
+        return iter(list(self._pools.values()))
 
     def instances(self) -> Iterator[Instance]:
-        for pool in self._pools.values():
+        for pool in list(self._pools.values()):
             yield from pool.prefill
             yield from pool.decode
 
     def slots_in_use(self) -> int:
         return sum(p.ledger.slots_in_use for p in self._pools.values())
+
+    # -- reconciling ---------------------------------------------------------
+
+    def apply(self, config: RouterConfig) -> list[str]:
+        """Make the pools match ``config``; returns a description of each change."""
+        self._config = config
+        changes = [
+            f"model {name!r} removed"
+            for name in self._pools
+            if name not in {m.name for m in config.models}
+        ]
+        self._pools = {
+            m.name: self._pools[m.name] if m.name in self._pools else self._new_pool(m)
+            for m in config.models
+        }
+        for m in config.models:
+            changes += self.set_instances(m.name, m.prefill, m.decode, model_config=m)
+        return changes
+
+    def set_instances(
+        self,
+        model: str,
+        prefill: Sequence[PrefillInstanceConfig],
+        decode: Sequence[DecodeInstanceConfig],
+        *,
+        model_config: ModelConfig | None = None,
+    ) -> list[str]:
+        """Replace one model's instance lists (config reload or discovery)."""
+        pool = self._pools[model]
+        if model_config is not None:
+            self._update_settings(pool, model_config)
+        cfg = pool.config.model_copy(update={"prefill": list(prefill), "decode": list(decode)})
+        pool.config = cfg
+        before = {i.url for i in (*pool.prefill, *pool.decode)}
+        pool.prefill = _reconcile(
+            pool.prefill,
+            [p.base_url for p in prefill],
+            lambda u: self._instance(u, Role.PREFILL, model),
+        )
+        pool.decode = _reconcile(
+            pool.decode,
+            [d.base_url for d in decode],
+            lambda u: self._instance(u, Role.DECODE, model),
+        )
+        for inst, d_cfg in zip(pool.decode, decode, strict=True):
+            inst.slots = d_cfg.slots
+        self._set_identities(pool, prefill)
+        pool.ledger.set_instances(pool.decode)
+        after = {i.url for i in (*pool.prefill, *pool.decode)}
+        return [f"model {model!r}: + {u}" for u in sorted(after - before)] + [
+            f"model {model!r}: - {u}" for u in sorted(before - after)
+        ]
+
+    def _update_settings(self, pool: ModelPool, cfg: ModelConfig) -> None:
+        old = pool.config
+        pool.config = cfg
+        if cfg.policy.prefill != old.policy.prefill:
+            pool.prefill_policy = make_policy(cfg.policy.prefill)
+        if cfg.policy.decode != old.policy.decode:
+            pool.ledger.set_policy(make_policy(cfg.policy.decode))
+        admission = self._config.admission
+        pool.ledger.set_limits(admission.queue_size, admission.max_wait)
+
+    def _new_pool(self, cfg: ModelConfig) -> ModelPool:
+        admission = self._config.admission
+        ledger = SlotLedger(
+            cfg.name, [], make_policy(cfg.policy.decode), admission.queue_size, admission.max_wait
+        )
+        return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill))
+
+    def _instance(self, url: str, role: Role, model: str) -> Instance:
+        b = self._config.breaker
+        return Instance(url, role, model, Breaker(b.failure_threshold, b.open_seconds, self._clock))
+
+    @staticmethod
+    def _set_identities(pool: ModelPool, prefill: Sequence[PrefillInstanceConfig]) -> None:
+        urls = {p.base_url for p in prefill}
+        learned = {
+            u: ident
+            for u, ident in pool.identities.items()
+            if u in urls and u not in pool.configured_identities
+        }
+        configured: dict[str, PrefillIdentity] = {}
+        pool.kv_hosts = {}
+        for p in prefill:
+            pool.kv_hosts[p.base_url] = p.kv_host
+            if p.engine_id and p.kv_host and p.kv_port:
+                configured[p.base_url] = PrefillIdentity(
+                    p.engine_id, p.kv_host, p.kv_port, p.tp_size, p.pp_size
+                )
+        pool.identities = {**learned, **configured}
+        pool.configured_identities = frozenset(configured)

@@ -66,6 +66,18 @@ class SlotLedger:
     def slots_in_use(self) -> int:
         return sum(i.in_flight for i in self._instances)
 
+    def set_instances(self, instances: Sequence[Instance]) -> None:
+        """Replace the decode instances (reload, discovery); waiters may now fit."""
+        self._instances = list(instances)
+        self.poke()
+
+    def set_policy(self, policy: Policy) -> None:
+        self._policy = policy
+
+    def set_limits(self, queue_size: int, max_wait: float) -> None:
+        self._queue_size = queue_size
+        self._max_wait = max_wait
+
     async def reserve(
         self, key: str | None = None, avoid: frozenset[Instance] = frozenset()
     ) -> Reservation:
