@@ -22,7 +22,8 @@ from connector.transport import NixlAgent
 
 __all__ = ["Link", "LinkState", "PeerTable"]
 
-log = logging.getLogger(__name__)
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class LinkState(enum.Enum):

@@ -24,7 +24,8 @@ from connector.metadata import PeerAddr, RecvSpec, SendSpec, StepMeta
 
 __all__ = ["SchedulerSide", "TransferParams"]
 
-log = logging.getLogger(__name__)
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
 
 _OK_FINISH = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 

@@ -1,0 +1,191 @@
+"""Real vLLM CPU engines running this connector, for the e2e tests and the benchmark.
+
+``EnginePair`` starts a P and a D engine (each pinned to its own core, with the stack's run-time
+fixes) and drives a pipelined request the way the router does: both legs at once, one
+``X-Request-Id``, a fresh ``transfer_id``, each leg naming the other engine. A request without
+``kv_transfer_params`` is an ordinary local request on that engine: the aggregated reference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from router.pd.pipelined_params import PeerIdentity, decode_params, prefill_params
+from router.stack import engines as eng
+from router.stack import model as tiny_model
+from router.stack.metrics import Metrics, scrape
+from router.stack.ports import pick_ports
+from router.stack.procs import ManagedProcess, stop_all
+
+HTTP_PORTS = range(9100, 9300)
+KV_PORTS = range(6600, 6800)
+
+
+@dataclass
+class Engine:
+    spec: eng.EngineSpec
+    proc: ManagedProcess
+    identity: PeerIdentity
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def metrics(self) -> Metrics:
+        return scrape(self.url)
+
+
+def connector_config(role: str, engine_id: str, kv_port: int,
+                     connector: str = "PipelinedPushConnector",
+                     extra: dict[str, Any] | None = None) -> str:
+    cfg: dict[str, Any] = {
+        "kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+    }
+    if connector == "PipelinedPushConnector":
+        cfg["kv_connector_module_path"] = "connector"
+        cfg["kv_connector_extra_config"] = {"side_channel_host": eng.LOCALHOST,
+                                            "side_channel_port": kv_port, **(extra or {})}
+    return json.dumps(cfg)
+
+
+@contextmanager
+def engine_pair(run_dir: Path, *, variant: str = "tiny", max_model_len: int = 4096,
+                connector: str = "PipelinedPushConnector",
+                extra: dict[str, Any] | None = None,
+                engine_args: tuple[str, ...] = (),
+                startup_timeout_s: float = 240.0) -> Iterator[tuple[Engine, Engine]]:
+    """Start P (core 0) and D (core 1); always stops both (process groups) on exit."""
+    model_path = tiny_model.ensure_model(variant)
+    per_token = tiny_model.VARIANTS[variant].kv_bytes_per_token()
+    opts = eng.EngineOptions(model_path=model_path, max_model_len=max_model_len,
+                             kv_cache_bytes=eng.kv_cache_bytes_for(per_token, max_model_len))
+    http = pick_ports(2, HTTP_PORTS)
+    kv = pick_ports(2, KV_PORTS)
+    tag = uuid.uuid4().hex[:6]
+    engines: list[Engine] = []
+    try:
+        for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
+            engine_id = f"{name}-{tag}"
+            cfg = connector_config(role, engine_id, kv[i], connector, extra)
+            spec = eng.EngineSpec(f"{name}-0", "prefill" if i == 0 else "decode", http[i], i,
+                                  None, kv[i], engine_id,
+                                  ("--kv-transfer-config", cfg, *engine_args))
+            env = eng.engine_env(spec, os.environ)
+            proc = ManagedProcess(spec.name, eng.engine_argv(spec, opts), env,
+                                  run_dir / f"{spec.name}.log")
+            engines.append(Engine(spec, proc, PeerIdentity(engine_id, eng.LOCALHOST, kv[i])))
+        _wait_healthy(engines, startup_timeout_s)
+        yield engines[0], engines[1]
+    finally:
+        stop_all([e.proc for e in engines], grace_s=10.0)
+
+
+def _wait_healthy(engines: list[Engine], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(engines)
+    while pending:
+        for e in list(pending):
+            if e.proc.exit_code() is not None:
+                raise RuntimeError(f"{e.spec.name} died:\n{e.proc.log_tail()}")
+            try:
+                if httpx.get(f"{e.url}/health", timeout=2).status_code == 200:
+                    pending.remove(e)
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            names = [e.spec.name for e in pending]
+            raise RuntimeError(f"engines not healthy in {timeout_s}s: {names}")
+        time.sleep(0.5)
+
+
+def completion_body(prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream}
+
+
+def local(engine: Engine, prompt: str, max_tokens: int = 16) -> str:
+    """The aggregated reference: the whole request on one engine, no transfer."""
+    r = httpx.post(f"{engine.url}/v1/completions", json=completion_body(prompt, max_tokens),
+                   timeout=120)
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["text"])
+
+
+@dataclass
+class PdResult:
+    text: str
+    status: int
+    prefill_status: int
+    ttft_s: float
+    total_s: float
+
+
+def pipelined(p: Engine, d: Engine, prompt: str, max_tokens: int = 16,
+              pool: cf.ThreadPoolExecutor | None = None, timeout_s: float = 120) -> PdResult:
+    """Both legs at once, the way the router's pipelined mode sends them; D streams."""
+    xid, tid = uuid.uuid4().hex, f"xfer-{uuid.uuid4().hex}"
+    headers = {"X-Request-Id": xid}
+    p_body = {**completion_body(prompt, 1), "kv_transfer_params": prefill_params(tid, d.identity)}
+    d_body = {**completion_body(prompt, max_tokens, stream=True),
+              "kv_transfer_params": decode_params(tid, p.identity)}
+    own = pool is None
+    pool = pool or cf.ThreadPoolExecutor(1)
+    try:
+        t0 = time.monotonic()
+        fut = pool.submit(httpx.post, f"{p.url}/v1/completions", json=p_body, headers=headers,
+                          timeout=timeout_s)
+        text, status, ttft = _stream(f"{d.url}/v1/completions", d_body, headers, t0, timeout_s)
+        total = time.monotonic() - t0
+        p_status = fut.result().status_code
+    finally:
+        if own:
+            pool.shutdown()
+    return PdResult(text, status, p_status, ttft, total)
+
+
+def _stream(url: str, body: dict[str, Any], headers: dict[str, str], t0: float,
+            timeout_s: float) -> tuple[str, int, float]:
+    parts: list[str] = []
+    ttft = float("nan")
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.text, r.status_code, ttft
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return json.dumps(chunk), 500, ttft
+            if ttft != ttft:
+                ttft = time.monotonic() - t0
+            parts.append(chunk["choices"][0].get("text", ""))
+    return "".join(parts), 200, ttft
+
+
+def kv_usage(engine: Engine) -> float:
+    return engine.metrics().total("vllm:kv_cache_usage_perc")
+
+
+def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
+    """True once the engine has no running/waiting request and no KV blocks in use."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = engine.metrics()
+        busy = m.total("vllm:num_requests_running") + m.total("vllm:num_requests_waiting")
+        if busy == 0 and m.total("vllm:kv_cache_usage_perc") == 0:
+            return True
+        time.sleep(0.1)
+    return False
