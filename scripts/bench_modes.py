@@ -151,4 +151,8 @@ def _print_table(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the stacks are already down (context managers)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -18,6 +18,7 @@ from router.stack.launcher import Stack, StackError
 from router.stack.metrics import Metrics
 
 BYTES_METRIC = "vllm:nixl_bytes_transferred_sum"
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_PROMPT = "Explain in one paragraph why prefill and decode run on different engines."
 
 
@@ -40,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code (0 on success)."""
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    # Explicit handlers: a shell starts background jobs with SIGINT ignored, and Python's
+    # default SIGTERM action would skip the teardown.
+    previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in _STOP_SIGNALS}
     try:
         with Stack(
             mode=args.mode, variant=args.variant, cache_dir=args.cache_dir, router_port=args.port
@@ -57,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

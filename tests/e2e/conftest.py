@@ -63,6 +63,8 @@ def reference(prompts: list[str]) -> Reference:
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
+    # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
+    assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
     return Reference(prompts, completions, chats)
 
 

@@ -39,17 +39,28 @@ def _mismatches(got: list[h.Output], want: list[h.Output]) -> list[str]:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_completions_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
     client = h.client_for(stack.router_url)
+    before = stack.engine_metrics("decode-0")
     got = [h.complete(client, MODEL, p, stream=stream) for p in reference.prompts]
     assert all(len(o.token_ids) == h.MAX_TOKENS for o in got), "token ids missing or truncated"
     assert _mismatches(got, reference.completions) == []
+    _assert_decode_computed_no_prompt(stack, before)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
     client = h.client_for(stack.router_url)
+    before = stack.engine_metrics("decode-0")
     got = [h.chat(client, MODEL, c, stream=stream) for c in CONVERSATIONS]
     assert all(o.finish_reason == "length" for o in got)
     assert _mismatches(got, reference.chats) == []
+    _assert_decode_computed_no_prompt(stack, before)
+
+
+def _assert_decode_computed_no_prompt(stack: Stack, before: Metrics) -> None:
+    """Every request went through P: D took all prompt tokens from NIXL, computed none."""
+    after = stack.engine_metrics("decode-0")
+    assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") > 0
+    assert h.delta(after, before, BY_SOURCE, source="local_compute") == 0
 
 
 def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
