@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import resource
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +39,47 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each open stream holds two sockets (client, D) and a pull/push request briefly a
+# third (P); the default soft limit of 1,024 descriptors fails near 500 streams.
+_WANTED_FILES = 65536
+# Listen queue for connection bursts (thousands of clients connecting at once);
+# the kernel caps it at net.core.somaxconn.
+_BACKLOG = 8192
+
+
+def _raise_file_limit() -> None:
+    """Raise the soft RLIMIT_NOFILE towards the hard limit (never above it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _WANTED_FILES if hard == resource.RLIM_INFINITY else min(_WANTED_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logging.getLogger("pd_router").warning("cannot raise the file limit: %s", exc)
+
+
+def _tune_gc() -> None:
+    """Move everything built at start out of the collector's sight; collect less often.
+
+    Profiled at 256 streams, the cyclic GC took about a quarter of the router's
+    CPU: every request allocates hundreds of short-lived objects, so gen0 ran
+    every few requests and the older generations kept re-walking the long-lived
+    app (FastAPI, pydantic, prometheus) and every open stream. Request objects
+    are freed by reference counting; the collector only has cycles (exception
+    tracebacks, futures) to find, which a larger gen0 threshold still bounds.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+
+
+def _quiet_client_logs() -> None:
+    # httpx logs every upstream request at INFO (two lines per client request):
+    # formatting and writing them cost more than relaying the request. Failures
+    # still surface through the router's own warnings and metrics.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -49,7 +92,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     print(_summary(cfg), file=sys.stderr)
+    _quiet_client_logs()
+    _raise_file_limit()
     app = create_app(cfg, config_path=args.config, watch_interval=args.watch_config or None)
+    _tune_gc()
     uvicorn.run(
         app,
         host=host,
@@ -59,6 +105,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         loop="uvloop",
         http="httptools",
         timeout_graceful_shutdown=args.grace,
+        backlog=_BACKLOG,
     )
     return 0
 
