@@ -276,7 +276,7 @@ class WorkerSide:
                 or send.queued):
             return
         send.done_sent = True
-        log.info("pd-connector: DONE %s after %d writes, %.1f ms after the plan", send.tid,
+        log.debug("pd-connector: DONE %s after %d writes, %.1f ms after the plan", send.tid,
                   send.writes, 1000 * (self._clock() - send.started))
         self._notice(send.link, encode("DONE", send.tid, writes=send.writes,
                                        tokens=send.num_tokens))
@@ -362,7 +362,7 @@ class WorkerSide:
             self._notice(link.name, encode("REG", spec.tid, start=spec.start_block,
                                            blocks=spec.block_ids))
             recv.reg_sent = True
-            log.info("pd-connector: REG %s sent %.1f ms after the receive began", spec.tid,
+            log.debug("pd-connector: REG %s sent %.1f ms after the receive began", spec.tid,
                       1000 * (self._clock() - recv.started))
         elif link.settled:
             kind = "refused" if link.state is LinkState.REFUSED else "handshake"
@@ -384,7 +384,7 @@ class WorkerSide:
         if recv.finished or recv.expected is None or recv.writes_seen < recv.expected:
             return
         recv.finished = True
-        log.info("pd-connector: receive %s complete after %.1f ms (%d writes)", recv.spec.tid,
+        log.debug("pd-connector: receive %s complete after %.1f ms (%d writes)", recv.spec.tid,
                   1000 * (self._clock() - recv.started), recv.writes_seen)
         if self._layout is not None:
             nblocks = len(recv.spec.block_ids)
@@ -538,7 +538,7 @@ class WorkerSide:
         try:
             self._agent.release(handle)
         except Exception as exc:  # releasing a stuck WRITE may fail; nothing else to do
-            log.info("pd-connector: release failed: %s", exc)
+            log.debug("pd-connector: release failed: %s", exc)
 
 
 def _layer_key(name: str) -> tuple[int, str]:
