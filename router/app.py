@@ -40,6 +40,7 @@ from router.reload import ConfigReloader
 from router.upstream import UpstreamClient
 from router.workers.health import HealthMonitor
 from router.workers.instance import Instance
+from router.workers.load import LoadWatcher
 
 __all__ = ["AppContext", "create_app"]
 
@@ -55,6 +56,7 @@ class AppContext:
     dispatcher: Dispatcher
     health: HealthMonitor
     clock: Callable[[], float]
+    load: LoadWatcher | None  # several router replicas: engine-reported decode load
 
 
 def _build_context(
@@ -76,7 +78,17 @@ def _build_context(
             pool.ledger.poke()
 
     health = HealthMonitor(registry.instances, upstream, config.health, on_routable)
-    return AppContext(config, registry, metrics, upstream, dispatcher, health, clock)
+    load = None
+    if config.admission.replicas > 1:
+        load = LoadWatcher(
+            lambda: (d for p in registry.pools() for d in p.decode),
+            upstream,
+            config.admission.replicas,
+            config.health.load_interval,
+            config.health.timeout,
+            on_routable,
+        )
+    return AppContext(config, registry, metrics, upstream, dispatcher, health, clock, load)
 
 
 def _json(status: int, content: bytes, headers: dict[str, str] | None = None) -> Response:
@@ -249,6 +261,9 @@ def create_app(
         if health_checks:
             await ctx.health.check_all()
             tasks.append(asyncio.create_task(ctx.health.run()))
+        if ctx.load is not None:
+            ctx.load.initial_caps()
+            tasks.append(asyncio.create_task(ctx.load.run()))
         if reloader is not None:
             reloader.install_sighup()
             if watch_interval:

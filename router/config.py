@@ -164,6 +164,10 @@ class AdmissionConfig(_Strict):
     queue_size: int = Field(default=1024, ge=0)
     max_wait: PositiveFloat = 30.0
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # Router replicas sharing the same decode engines. Above 1, each replica reads
+    # every decode engine's own load (see router/workers/load.py) and takes only its
+    # fair part of the capacity the engine reports free.
+    replicas: int = Field(default=1, ge=1)
 
 
 class RetryConfig(_Strict):
@@ -185,6 +189,8 @@ class HealthConfig(_Strict):
     unhealthy_after: int = Field(default=2, ge=1)
     # KV usage (0..1) above which an idle decode engine counts as holding leaked blocks.
     leak_usage_epsilon: float = Field(default=0.0, ge=0, lt=1)
+    # With admission.replicas > 1: how often each decode engine's load is read.
+    load_interval: PositiveFloat = 1.0
 
 
 class AuthConfig(_Strict):

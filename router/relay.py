@@ -154,10 +154,12 @@ class RelayResponse(Response):
                     itl.observe(t - now)
                     now = t
         except UpstreamError as exc:
+            leg.mark_ended()
             err = dispatch.prefill_error or exc
             log.warning("stream failed after the first byte: %s", err.message)
             await self._end(send, sse_error_event(err.message, err.type, err.code))
             return False
+        leg.mark_ended()
         await self._end(send, b"")
         return True
 

@@ -394,7 +394,7 @@ class Dispatcher:
         dispatch.finished = True
         leg = dispatch.leg
         try:
-            await asyncio.shield(leg.stream.aclose())
+            await leg.close()
         finally:
             dispatch.pool.ledger.release(dispatch.reservation)
         if success is not None:

@@ -58,6 +58,29 @@ class DecodeLeg:
     stream: UpstreamStream
     first: bytes
     rest: AsyncIterator[bytes] | None
+    closed: bool = False
+    counted: bool = False  # in instance.at_engine (see router/workers/load.py)
+
+    def __post_init__(self) -> None:
+        # A streaming leg whose first bytes are in is surely running at the engine
+        # until its end is read; a complete (non-streaming) body is not.
+        if self.rest is not None:
+            self.counted = True
+            self.instance.at_engine += 1
+
+    def mark_ended(self) -> None:
+        """D's stream has ended (or is being abandoned): the engine is done with it."""
+        if self.counted:
+            self.counted = False
+            self.instance.at_engine -= 1
+
+    async def close(self) -> None:
+        """Close D's connection (vLLM aborts the request there); idempotent."""
+        self.mark_ended()
+        if self.closed:
+            return
+        self.closed = True
+        await _close_quietly(self.stream)
 
     @property
     def status(self) -> int:

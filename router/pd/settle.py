@@ -39,7 +39,7 @@ async def discard_decode(task: asyncio.Task[DecodeLeg]) -> None:
     """Cancel a decode leg, or close its stream if it already opened."""
     await cancel_task(task)
     if not task.cancelled() and task.exception() is None:
-        await asyncio.shield(task.result().stream.aclose())
+        await task.result().close()
 
 
 class Settler:

@@ -240,24 +240,39 @@ class Stack:
 
     def router_config(self) -> dict[str, Any]:
         """The router config for this stack (the shape ``pd-router serve --config`` reads)."""
-        prefill = [
-            {"url": s.url, "engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
-            for s in self.engines
-            if s.role == "prefill"
-        ]
-        decode = [
-            {"url": s.url, "slots": self.decode_slots}
-            for s in self.engines
-            if s.role in ("decode", "aggregated")
-        ]
-        model = {"name": self.model_name, "mode": self.mode.value}
-        return {
-            "listen": {"host": eng.LOCALHOST, "port": self.router_port},
-            "models": [{**model, "prefill": prefill, "decode": decode}],
-        }
+        assert self.router_port is not None
+        return router_config(
+            self.mode, self.engines, self.model_name, self.router_port, self.decode_slots
+        )
 
     def _say(self, message: str) -> None:
         print(f"[stack {self.mode.value}] {message}", file=self._log, flush=True)
+
+
+def router_config(
+    mode: eng.Mode,
+    engines: list[eng.EngineSpec],
+    model_name: str,
+    port: int,
+    decode_slots: int = 64,
+) -> dict[str, Any]:
+    """Router config routing ``model_name`` over ``engines`` in ``mode``, listening on ``port``.
+
+    P entries carry the NIXL identity (pinned engine id, side channel) that push mode needs
+    before the first request; the single engine of aggregated mode is a decode entry.
+    """
+    prefill = [
+        {"url": s.url, "engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
+        for s in engines
+        if s.role == "prefill"
+    ]
+    decode = [
+        {"url": s.url, "slots": decode_slots} for s in engines if s.role in ("decode", "aggregated")
+    ]
+    return {
+        "listen": {"host": eng.LOCALHOST, "port": port},
+        "models": [{"name": model_name, "mode": mode.value, "prefill": prefill, "decode": decode}],
+    }
 
 
 def _http_ok(url: str) -> Callable[[], bool]:

@@ -30,6 +30,7 @@ class Instance:
     breaker: Breaker
     slots: int = 0  # decode: capacity offered to this router
     in_flight: int = 0  # requests currently using the instance
+    at_engine: int = 0  # decode: streams with first bytes in and no end seen yet
     healthy: bool | None = None
     health_failures: int = 0
     degraded: bool = False
@@ -42,6 +43,11 @@ class Instance:
     def routable(self) -> bool:
         return self.healthy is not False and not self.degraded and self.breaker.allows()
 
+    # Decode, several router replicas: how many requests this replica may hold here
+    # now (its fair part of what the engine reports free); None = all ``slots``.
+    cap: int | None = None
+
     @property
     def free_slots(self) -> int:
-        return self.slots - self.in_flight
+        limit = self.slots if self.cap is None else min(self.slots, self.cap)
+        return limit - self.in_flight

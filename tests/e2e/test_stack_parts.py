@@ -1,0 +1,121 @@
+"""The stack's parts that need no engine: router config, commands, metrics, process teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from router.config import parse_config
+from router.stack import engines as eng
+from router.stack.launcher import router_config
+from router.stack.metrics import Metrics
+from router.stack.procs import ManagedProcess, live_group_members, stop_all
+
+ENGINE_ID = "prefill-0-test"
+
+
+def _plan(mode: eng.Mode) -> list[eng.EngineSpec]:
+    return eng.plan_engines(mode, [8101, 8102], [5601, 5602], ENGINE_ID)
+
+
+@pytest.mark.parametrize("mode", list(eng.Mode))
+def test_router_accepts_the_stack_config(mode: eng.Mode) -> None:
+    cfg = parse_config(router_config(mode, _plan(mode), "tiny", 8001))
+    model = cfg.models[0]
+    assert model.mode.value == mode.value
+    assert len(model.decode) == 1
+    assert len(model.prefill) == (0 if mode is eng.Mode.AGGREGATED else 1)
+
+
+@pytest.mark.parametrize(
+    ("mode", "connector"),
+    [
+        (eng.Mode.PULL, "NixlConnector"),
+        (eng.Mode.PUSH, "NixlPushConnector"),
+        (eng.Mode.PUSH_SEQUENTIAL, "NixlPushConnector"),
+    ],
+)
+def test_pd_engines_pair_one_connector_on_two_cores(mode: eng.Mode, connector: str) -> None:
+    p, d = _plan(mode)
+    p_cfg = json.loads(eng.kv_transfer_config(p) or "{}")
+    d_cfg = json.loads(eng.kv_transfer_config(d) or "{}")
+    assert (p_cfg["kv_connector"], d_cfg["kv_connector"]) == (connector, connector)
+    assert (p_cfg["kv_role"], d_cfg["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p_cfg["engine_id"] == ENGINE_ID and "engine_id" not in d_cfg
+    p_env, d_env = eng.engine_env(p, {}), eng.engine_env(d, {})
+    assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert p_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert "--no-enable-prefix-caching" in eng.engine_argv(d, eng.EngineOptions(Path("m")))
+
+
+def test_aggregated_engine_has_no_connector() -> None:
+    (only,) = _plan(eng.Mode.AGGREGATED)
+    assert eng.kv_transfer_config(only) is None
+    assert "--kv-transfer-config" not in eng.engine_argv(only, eng.EngineOptions(Path("m")))
+
+
+def test_engine_fixes_reach_engines_only() -> None:
+    (only,) = _plan(eng.Mode.AGGREGATED)
+    path = eng.engine_env(only, {"PYTHONPATH": "x"})["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(eng.ENGINE_SITE_DIR), "x"]
+    assert str(eng.ENGINE_SITE_DIR) not in sys.path
+
+
+def test_affinity_fix_ignores_only_nixl_base_worker(tmp_path: Path) -> None:
+    """Run the fixes in a child; a call from a file named nixl/base_worker.py is a no-op."""
+    fake = tmp_path / "nixl" / "base_worker.py"
+    fake.parent.mkdir()
+    fake.write_text("import os\ndef pin():\n    os.sched_setaffinity(0, {0})\n")
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        before = os.sched_getaffinity(0)
+        sys.path.insert(0, {str(fake.parent)!r})
+        import base_worker
+        base_worker.pin()
+        assert os.sched_getaffinity(0) == before, "NIXL call was not ignored"
+        os.sched_setaffinity(0, {{min(before)}})
+        assert os.sched_getaffinity(0) == {{min(before)}}, "other calls must still work"
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(eng.ENGINE_SITE_DIR)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=60)
+
+
+def test_metrics_parse_and_sum() -> None:
+    m = Metrics.parse(
+        "# TYPE x_total counter\n"
+        'x_total{engine="0",source="a"} 2\n'
+        'x_total{engine="0",source="b"} 3\n'
+    )
+    assert m.total("x_total") == 5
+    assert m.total("x_total", source="b") == 3
+    assert m.total("missing") == 0
+
+
+def test_stop_all_kills_the_whole_group(tmp_path: Path) -> None:
+    """A leader ignoring SIGTERM and its grandchild both die; nothing of the group survives."""
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('up', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = ManagedProcess("stubborn", [sys.executable, "-c", script], os.environ, tmp_path / "l")
+    deadline = time.monotonic() + 30
+    while "up" not in proc.log_tail() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # let the grandchild exist
+    assert len(live_group_members(proc.pgid)) == 2
+    killed = stop_all([proc], grace_s=0.5)
+    assert killed == ["stubborn"]
+    assert live_group_members(proc.pgid) == []
+    assert not proc.alive()
