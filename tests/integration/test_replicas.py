@@ -83,7 +83,7 @@ async def drive(urls: list[str], clients_per_router: int, seconds: float) -> lis
 async def run_pair(cluster: Cluster, tmp_path: Path, replicas: int) -> tuple[int, list[int]]:
     for engine in cluster.decode:
         engine.peak = 0
-        engine.behaviour.tokens, engine.behaviour.token_delay = 6, 0.02
+        engine.behaviour.tokens, engine.behaviour.token_delay = 6, 0.05
     cfg = cluster.config(
         "aggregated",
         decode_extra={"slots": SLOTS},
