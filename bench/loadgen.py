@@ -34,6 +34,9 @@ class Totals:
     errors: int = 0
     chunks: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    connect: list[float] = field(default_factory=list)
+    inflight: int = 0  # requests sent and not yet complete, right now
+    inflight_samples: list[int] = field(default_factory=list)
 
     def error(self, kind: str) -> None:
         self.errors += 1
@@ -132,18 +135,22 @@ async def _worker(
         if client is None or client.lost.done():
             try:
                 async with connect_gate:
+                    c0 = time.perf_counter()
                     _, client = await loop.create_connection(Client, args.host, args.port)
+                    totals.connect.append(time.perf_counter() - c0)
             except OSError as exc:
                 totals.error(f"connect:{type(exc).__name__}")
                 client = None
                 await asyncio.sleep(0.05)
                 continue
         t0 = time.perf_counter()
+        totals.inflight += 1
         try:
             status, ttft, events, clean = await asyncio.wait_for(
                 client.request(raw), args.request_timeout
             )
         except (ConnectionError, httptools.HttpParserError, TimeoutError) as exc:
+            totals.inflight -= 1
             if t0 >= t_start:
                 totals.error(type(exc).__name__)
             if client.transport is not None:
@@ -151,6 +158,7 @@ async def _worker(
             client = None
             continue
         t1 = time.perf_counter()
+        totals.inflight -= 1
         if t0 < t_start:
             continue  # warm-up
         if status != 200 or not clean:
@@ -162,6 +170,14 @@ async def _worker(
         totals.e2e.append(t1 - t0)
     if client is not None and client.transport is not None:
         client.transport.close()
+
+
+async def _sample_inflight(totals: Totals, t_start: float, t_end: float) -> None:
+    """How many streams are really open: the concurrency the target actually saw."""
+    while (now := time.perf_counter()) < t_end:
+        if now >= t_start:
+            totals.inflight_samples.append(totals.inflight)
+        await asyncio.sleep(0.05)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -187,7 +203,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     gate = asyncio.Semaphore(256)  # bounded connect storm: the listen backlog is finite
     cpu0 = os.times()
     await asyncio.gather(
-        *(_worker(args, raw, totals, t_start, t_end, gate) for _ in range(args.concurrency))
+        _sample_inflight(totals, t_start, t_end),
+        *(_worker(args, raw, totals, t_start, t_end, gate) for _ in range(args.concurrency)),
     )
     cpu1 = os.times()
     elapsed = args.duration  # only requests started in the window are counted
@@ -202,6 +219,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p99_ms": _pct(totals.ttft, 0.99) * 1e3,
         "e2e_p50_ms": _pct(totals.e2e, 0.50) * 1e3,
         "e2e_p99_ms": _pct(totals.e2e, 0.99) * 1e3,
+        "inflight_avg": sum(totals.inflight_samples) / max(1, len(totals.inflight_samples)),
+        "inflight_max": max(totals.inflight_samples, default=0),
+        "connect_p99_ms": _pct(totals.connect, 0.99) * 1e3,
         "client_cpu_pct": 100.0 * cpu / (time.perf_counter() - now),
     }
 

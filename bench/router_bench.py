@@ -278,10 +278,11 @@ def _report(table: dict[int, dict[str, Stats]], args: argparse.Namespace) -> str
     lines = []
     head = (
         "| conc | target | req/s | events/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | errors "
-        "| RSS idle→peak MB | KB/stream | CPU ms/req | client CPU% | req/s vs vllm-router "
+        "| open streams avg/max | RSS idle→peak MB | KB/stream | CPU ms/req | client CPU% "
+        "| req/s vs vllm-router "
         "| req/s vs direct | added TTFT p50 (ms) vs vllm-router's |"
     )
-    lines += [head, "|" + "---|" * 16]
+    lines += [head, "|" + "---|" * 17]
     for conc, by_target in table.items():
         direct = by_target.get("direct")
         vr = by_target.get("vllm-router")
@@ -289,12 +290,14 @@ def _report(table: dict[int, dict[str, Stats]], args: argparse.Namespace) -> str
         vr_added = vr.med("ttft_p50_ms") - d_ttft if vr else float("nan")
         for name, st in by_target.items():
             rps, idle, peak = st.med("rps"), st.med_attr("rss_idle_mb"), st.med_attr("rss_peak_mb")
-            per_stream = (peak - idle) * 1024 / conc if conc >= 1000 else float("nan")
+            open_streams = st.med("inflight_max")
+            per_stream = (peak - idle) * 1024 / open_streams if conc >= 1000 else float("nan")
             added = st.med("ttft_p50_ms") - d_ttft if name != "direct" else float("nan")
             lines.append(
                 f"| {conc} | {name} | {_fmt(rps)} | {_fmt(st.med('chunks_per_s'), 0)} "
                 f"| {_fmt(st.med('ttft_p50_ms'))} | {_fmt(st.med('ttft_p99_ms'))} "
                 f"| {_fmt(st.med('e2e_p50_ms'))} | {_fmt(st.med('e2e_p99_ms'))} | {st.errors()} "
+                f"| {_fmt(st.med('inflight_avg'), 0)}/{_fmt(open_streams, 0)} "
                 f"| {_fmt(idle, 0)}→{_fmt(peak, 0)} | {_fmt(per_stream)} "
                 f"| {_fmt(st.med_attr('cpu_ms_per_req'), 2)} | {_fmt(st.med('client_cpu_pct'), 0)} "
                 f"| {_ratio(rps, vr.med('rps')) if vr else '-'} "
@@ -374,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(
                         f"c={conc} round={rnd} {t.name}: {r['rps']:.0f} req/s "
                         f"ttft p50 {r['ttft_p50_ms']:.1f} ms errors {r['errors']} "
+                        f"open {r['inflight_avg']:.0f}/{r['inflight_max']} "
+                        f"connect p99 {r['connect_p99_ms']:.0f} ms "
                         f"{r['error_kinds'] or ''} cpu {s.cpu_ms_per_req:.2f} ms/req",
                         file=sys.stderr,
                         flush=True,
