@@ -264,6 +264,11 @@ def create_app(
         if ctx.load is not None:
             ctx.load.initial_caps()
             tasks.append(asyncio.create_task(ctx.load.run()))
+        if any(m.discovery for m in config.models):
+            # Lazy: the k8s extra is needed only by configs that use discovery.
+            from router.discovery import start_discovery
+
+            tasks += start_discovery(config, ctx.registry)
         if reloader is not None:
             reloader.install_sighup()
             if watch_interval:

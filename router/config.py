@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -32,7 +33,9 @@ __all__ = [
     "BreakerConfig",
     "ConfigError",
     "DecodeInstanceConfig",
+    "DiscoveryConfig",
     "HealthConfig",
+    "KubernetesDiscoveryConfig",
     "ListenConfig",
     "Mode",
     "ModelConfig",
@@ -115,19 +118,61 @@ class PolicyConfig(_Strict):
     decode: PolicyName = "least_loaded"
 
 
+class KubernetesDiscoveryConfig(_Strict):
+    """Find a model's P and D pods by label selector (see :mod:`router.discovery`).
+
+    A pod's NIXL identity comes from its annotations (``pd-router.io/engine-id``,
+    ``pd-router.io/kv-port``, ``pd-router.io/slots``, ``pd-router.io/port``) with the
+    defaults below; its IP is both the HTTP host and ``kv_host``.
+    """
+
+    namespace: str | None = None  # None: the router pod's own namespace, else "default"
+    prefill_selector: str | None = None
+    decode_selector: str = Field(min_length=1)
+    port: int = Field(default=8000, ge=1, le=65535)
+    kv_port_default: int = Field(default=5600, ge=1, le=65535)
+    slots_default: int = Field(default=64, ge=1)
+    # Talk to this URL without credentials (``kubectl proxy``, tests); None: the
+    # in-cluster service account, else the local kubeconfig.
+    api_url: AnyHttpUrl | None = None
+    # Server-side watch timeout: each watch is renewed after this long.
+    watch_seconds: int = Field(default=300, ge=1)
+
+
+class DiscoveryConfig(_Strict):
+    kubernetes: KubernetesDiscoveryConfig
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     mode: Mode = Mode.PUSH
+    # Instances found at run time; the static lists below may then be empty. Declared
+    # before them so that their validator can see it.
+    discovery: DiscoveryConfig | None = None
     prefill: list[PrefillInstanceConfig] = Field(default_factory=list)
-    decode: list[DecodeInstanceConfig] = Field(min_length=1)
+    decode: list[DecodeInstanceConfig] = Field(default_factory=list, validate_default=True)
     policy: PolicyConfig = PolicyConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)
 
+    @field_validator("decode")
+    @classmethod
+    def _decode_given(
+        cls, v: list[DecodeInstanceConfig], info: ValidationInfo
+    ) -> list[DecodeInstanceConfig]:
+        if not v and info.data.get("discovery") is None:
+            raise ValueError("List should have at least 1 item (or add a discovery section)")
+        return v
+
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
-        if self.mode.uses_prefill and not self.prefill:
+        if self.discovery is not None:
+            if self.mode.uses_prefill and not self.discovery.kubernetes.prefill_selector:
+                raise ValueError(
+                    f"mode {self.mode.value!r} needs discovery.kubernetes.prefill_selector"
+                )
+        elif self.mode.uses_prefill and not self.prefill:
             raise ValueError(f"mode {self.mode.value!r} needs at least one prefill instance")
         if self.mode is Mode.PIPELINED:
             insts: list[PrefillInstanceConfig | DecodeInstanceConfig] = [

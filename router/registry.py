@@ -124,6 +124,12 @@ class Registry:
             for m in config.models
         }
         for m in config.models:
+            if m.discovery is not None:
+                # Discovery owns this model's instances: a reload changes settings only.
+                pool = self._pools[m.name]
+                kept = {"prefill": pool.config.prefill, "decode": pool.config.decode}
+                self._update_settings(pool, m.model_copy(update=kept))
+                continue
             changes += self.set_instances(m.name, m.prefill, m.decode, model_config=m)
         return changes
 

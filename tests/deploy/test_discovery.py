@@ -1,0 +1,178 @@
+"""Kubernetes discovery against a fake API server on a real socket (the real client).
+
+The router's pool follows pods being added, made ready, deleted; a stream in
+flight on a removed pod completes; an expired watch (410) is healed by a fresh
+list; an API outage keeps the last known pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import AppContext, create_app
+from router.config import parse_config
+from router.registry import ModelPool
+from tests.conftest import Cluster, eventually
+from tests.deploy.fake_kube import FakeKube
+from tests.fakes.servers import serve
+
+pytest.importorskip("kubernetes_asyncio")
+
+PROMPT = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def discovery_config(kube_url: str, mode: str = "pull") -> dict[str, Any]:
+    return {
+        "models": [
+            {
+                "name": "tiny",
+                "mode": mode,
+                "discovery": {
+                    "kubernetes": {
+                        "namespace": "llm",
+                        "prefill_selector": "app=vllm,pd-router.io/role=prefill",
+                        "decode_selector": "app=vllm,pd-router.io/role=decode",
+                        "slots_default": 4,
+                        "api_url": kube_url,
+                        "watch_seconds": 30,
+                    }
+                },
+            }
+        ],
+        "timeouts": {"prefill": 5, "decode_first_byte": 5, "idle": 5, "total": 30},
+        "retries": {"max_attempts": 1},
+    }
+
+
+async def start_router(cluster: Cluster, kube: FakeKube) -> tuple[str, AppContext]:
+    kube_url = await cluster.stack.enter_async_context(serve(kube))
+    app = create_app(parse_config(discovery_config(kube_url)), health_checks=False)
+    url = await cluster.stack.enter_async_context(serve(app))
+    ctx: AppContext = app.state.ctx
+    cluster.routers.append(ctx)
+    return url, ctx
+
+
+def urls(pool: ModelPool) -> tuple[list[str], list[str]]:
+    return [p.url for p in pool.prefill], [d.url for d in pool.decode]
+
+
+async def test_pool_follows_pods_and_streams_survive_removal(
+    cluster2: Cluster, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    (p0, p1), (d0, d1) = cluster2.prefill_urls, cluster2.decode_urls
+    kube = FakeKube()
+    await kube.add_pod("p-0", "prefill", port_of(p0), annotations={"pd-router.io/kv-port": "7001"})
+    await kube.add_pod("d-0", "decode", port_of(d0), ready=False)
+    url, ctx = await start_router(cluster2, kube)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+
+    await eventually(lambda: urls(pool) == ([p0], []))  # d-0 not Ready: not routed to
+    assert pool.identities[p0].engine_id == "p-0" and pool.identities[p0].port == 7001
+
+    await kube.set_ready("d-0", True)
+    await eventually(lambda: urls(pool) == ([p0], [d0]))
+    assert pool.decode[0].slots == 4
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+
+    slow = cluster2.decode[0].behaviour
+    slow.tokens, slow.token_delay = 30, 0.02
+    in_flight = asyncio.create_task(
+        client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    )
+    await eventually(lambda: cluster2.decode[0].active == 1)
+    await kube.add_pod("d-1", "decode", port_of(d1), annotations={"pd-router.io/slots": "2"})
+    await kube.add_pod("p-1", "prefill", port_of(p1))
+    await kube.delete_pod("d-0")
+    await kube.delete_pod("p-0")
+    await eventually(lambda: urls(pool) == ([p1], [d1]))
+    assert pool.decode[0].slots == 2
+
+    r = await in_flight  # started on d-0 before it went away: completes normally
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    assert len(cluster2.decode[1].received) == 1 and len(cluster2.prefill[1].received) == 1
+    # Followed by the watch alone: one list per role, no error, no relist.
+    assert kube.lists() == 2
+    assert not [
+        r
+        for r in caplog.records
+        if r.name.startswith("pd_router.discovery") and r.levelno >= logging.WARNING
+    ]
+
+
+async def test_expired_watch_lists_again_and_sees_missed_changes(cluster2: Cluster) -> None:
+    (p0, p1), (d0, _) = cluster2.prefill_urls, cluster2.decode_urls
+    kube = FakeKube()
+    await kube.add_pod("p-0", "prefill", port_of(p0))
+    await kube.add_pod("d-0", "decode", port_of(d0))
+    _, ctx = await start_router(cluster2, kube)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: urls(pool) == ([p0], [d0]))
+    lists = kube.lists()
+
+    kube.hold_watches.clear()  # the connection drops and stays down a while...
+    await kube.end_watches()
+    await kube.add_pod("p-1", "prefill", port_of(p1))  # ...while pods change
+    await kube.delete_pod("p-0")
+    kube.compact()  # and the history those changes were in is gone
+    kube.hold_watches.set()
+
+    await eventually(lambda: urls(pool) == ([p1], [d0]))
+    assert kube.lists() >= lists + 2  # both roles listed again after the 410
+    assert any(r.watch and r.resource_version for r in kube.requests)
+
+
+async def test_api_outage_keeps_last_pods_then_recovers(cluster2: Cluster) -> None:
+    (p0, _), (d0, d1) = cluster2.prefill_urls, cluster2.decode_urls
+    kube = FakeKube()
+    await kube.add_pod("p-0", "prefill", port_of(p0))
+    await kube.add_pod("d-0", "decode", port_of(d0))
+    _, ctx = await start_router(cluster2, kube)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: urls(pool) == ([p0], [d0]))
+
+    kube.fail_status = 503
+    await kube.end_watches()
+    await asyncio.sleep(0.3)
+    assert urls(pool) == ([p0], [d0])  # an API outage takes nothing out of rotation
+    await kube.add_pod("d-1", "decode", port_of(d1))
+    kube.fail_status = None
+    await eventually(lambda: urls(pool) == ([p0], [d0, d1]), timeout=5)
+
+
+async def test_reload_keeps_discovered_instances(cluster: Cluster, tmp_path: Any) -> None:
+    import yaml
+
+    (p0,), (d0,) = cluster.prefill_urls, cluster.decode_urls
+    kube = FakeKube()
+    await kube.add_pod("p-0", "prefill", port_of(p0))
+    await kube.add_pod("d-0", "decode", port_of(d0))
+    kube_url = await cluster.stack.enter_async_context(serve(kube))
+    path = tmp_path / "router.yaml"
+    cfg = discovery_config(kube_url)
+    path.write_text(yaml.safe_dump(cfg))
+    app = create_app(parse_config(cfg), health_checks=False, config_path=str(path))
+    await cluster.stack.enter_async_context(serve(app))
+    ctx: AppContext = app.state.ctx
+    cluster.routers.append(ctx)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: urls(pool) == ([p0], [d0]))
+
+    cfg["models"][0]["policy"] = {"decode": "round_robin"}
+    path.write_text(yaml.safe_dump(cfg))
+    assert app.state.reloader.reload() == []
+    assert urls(pool) == ([p0], [d0]) and pool.config.policy.decode == "round_robin"
