@@ -96,8 +96,9 @@ class PeerTable:
         failed: list[Link] = []
         now = self._clock()
         for link in self._links.values():
-            if link.state is not LinkState.CONNECTING:
+            if link.state in (LinkState.FAILED, LinkState.REFUSED):
                 continue
+            # A link can be READY (their HELLO checked) before ours could be sent: keep trying.
             if not link.hello_sent and self.can_notify(link.name):
                 self._send(link, encode("HELLO", **self._hello))
                 link.hello_sent = True

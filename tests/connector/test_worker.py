@@ -219,3 +219,20 @@ def test_vanished_decode_times_out_stuck_writes() -> None:
     assert idle(p)[0] == set()  # WRITE still in flight: blocks stay held
     clock.advance(4)
     assert idle(p)[0] == {"p1"}
+
+
+def test_hello_is_sent_once_the_peer_becomes_reachable() -> None:
+    """Regression: P checked D's HELLO while D's metadata was not yet loaded on P; P's own
+    HELLO was then never sent, and D timed out its handshake."""
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10]))  # D reaches P and sends HELLO
+    fabric.hold_metadata = True
+    idle(p)  # P reads D's HELLO but cannot answer yet
+    fabric.hold_metadata = False
+    seen = set()
+    for _ in range(3):
+        idle(p)
+        seen |= idle(d)[2]
+    assert seen == set()
+    forward(p, send("p1", 0, [1], final=True))
+    assert idle(d)[1] == {"d1"}
