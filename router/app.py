@@ -21,7 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.client_request import ClientRequest, Endpoint, parse_client_request
+from router.client_request import (
+    ClientRequest,
+    Endpoint,
+    parse_client_request,
+    request_json_schema,
+)
 from router.config import RouterConfig
 from router.errors import (
     BodyTooLarge,
@@ -155,22 +160,17 @@ async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Resp
     return _relay(ctx, pool, creq, started)
 
 
-_REQUEST_SCHEMA: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": {"type": "object", "additionalProperties": True}}
-        },
-    }
-}
+def _openapi_body(endpoint: Endpoint) -> dict[str, Any]:
+    schema = request_json_schema(endpoint)
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 def _register_routes(app: FastAPI, ctx: AppContext) -> None:
-    @app.post("/v1/completions", openapi_extra=_REQUEST_SCHEMA)
+    @app.post("/v1/completions", openapi_extra=_openapi_body(Endpoint.COMPLETIONS))
     async def completions(request: Request) -> Any:
         return await _handle(ctx, request, Endpoint.COMPLETIONS)
 
-    @app.post("/v1/chat/completions", openapi_extra=_REQUEST_SCHEMA)
+    @app.post("/v1/chat/completions", openapi_extra=_openapi_body(Endpoint.CHAT))
     async def chat_completions(request: Request) -> Any:
         return await _handle(ctx, request, Endpoint.CHAT)
 

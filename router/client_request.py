@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from router.errors import InvalidRequest
 
-__all__ = ["ClientRequest", "Endpoint", "parse_client_request"]
+__all__ = ["ClientRequest", "Endpoint", "parse_client_request", "request_json_schema"]
 
 
 class Endpoint(enum.StrEnum):
@@ -61,6 +61,12 @@ class ClientRequest:
         if self.prompt_is_tokens:
             return self.prompt_chars
         return int(self.prompt_chars / chars_per_token)
+
+
+def request_json_schema(endpoint: Endpoint) -> dict[str, Any]:
+    """JSON schema of the fields the router checks (others pass through), for OpenAPI."""
+    model = _Chat if endpoint is Endpoint.CHAT else _Completion
+    return model.model_json_schema()
 
 
 def _decode_json(raw: bytes) -> dict[str, Any]:
