@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import resource
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -96,6 +97,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _raise_file_limit()
     app = create_app(cfg, config_path=args.config, watch_interval=args.watch_config or None)
     _tune_gc()
+    # uvicorn drains on SIGTERM, then re-raises the signal to the handler that was
+    # installed before it; a no-op one makes a graceful shutdown exit with 0.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     uvicorn.run(
         app,
         host=host,

@@ -100,6 +100,9 @@ class RelayResponse(Response):
                 outcome = await self._run(send)
         except asyncio.CancelledError:
             if not self._disconnected:
+                # The server is shutting down past its grace period: end the
+                # response properly so the client sees why, then stop.
+                await self._fail_late_or_early(send, _shutdown_error())
                 raise
             task.uncancel()
             outcome = Outcome.DISCONNECT
@@ -173,6 +176,14 @@ class RelayResponse(Response):
                 await send_error(send, exc)
             elif not self._complete:
                 await self._end(send, sse_error_event(exc.message, exc.type, exc.code))
+
+
+def _shutdown_error() -> RouterError:
+    err = RouterError("the router is shutting down; retry the request")
+    err.status = 503
+    err.type = "service_unavailable"
+    err.code = "shutting_down"
+    return err
 
 
 def _total_timeout_error(seconds: float) -> RouterError:

@@ -5,64 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
-import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
-import yaml
 
 from tests.conftest import Cluster
+from tests.fakes.router_proc import router_process
 
 SLOTS = 4
 REPLICAS = 2
 # The stated margin: (replicas - 1) from splitting free capacity rounded up, plus one
 # reservation per other replica still on its way to the engine at report time.
 MARGIN = 2 * (REPLICAS - 1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.asynccontextmanager
-async def router_process(cfg: dict[str, Any], path: Path) -> AsyncIterator[str]:
-    port = free_port()
-    path.write_text(yaml.safe_dump({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router",
-        "serve",
-        "--config",
-        str(path),
-        "--grace",
-        "1",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 30
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await c.get(url + "/ready")).status_code == 200:
-                        break
-                assert proc.returncode is None, await proc.stderr.read()  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "router did not become ready"
-                await asyncio.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), 10)
 
 
 async def drive(urls: list[str], clients_per_router: int, seconds: float) -> list[int]:
@@ -92,7 +47,7 @@ async def run_pair(cluster: Cluster, tmp_path: Path, replicas: int) -> tuple[int
     )
     async with contextlib.AsyncExitStack() as stack:
         urls = [
-            await stack.enter_async_context(router_process(cfg, tmp_path / f"r{i}.yaml"))
+            (await stack.enter_async_context(router_process(cfg, tmp_path / f"r{i}.yaml")))[0]
             for i in range(2)
         ]
         statuses = await drive(urls, clients_per_router=3 * SLOTS, seconds=2.0)

@@ -1,0 +1,53 @@
+"""Run ``pd-router serve`` as a real subprocess for tests that need process boundaries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def router_process(
+    cfg: dict[str, Any], path: Path, grace: float = 1.0
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """A ready router subprocess serving ``cfg``; yields its URL and the process."""
+    port = free_port()
+    path.write_text(yaml.safe_dump({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "router", "serve", "--config", str(path), "--grace", str(grace)),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as c:
+            deadline = time.monotonic() + 30
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(url + "/ready")).status_code == 200:
+                        break
+                assert proc.returncode is None, await proc.stderr.read()  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "router did not become ready"
+                await asyncio.sleep(0.1)
+        yield url, proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
