@@ -124,7 +124,24 @@ def _wait_http(port: int, path: str, proc: subprocess.Popen[bytes], timeout: flo
     raise RuntimeError(f"port {port} not ready in {timeout}s")
 
 
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its children (the workers of ``--workers N``)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *(int(k) for k in kids)]
+
+
 def _rss_mb(pid: int) -> float:
+    return sum(_rss_one(p) for p in _tree(pid))
+
+
+def _cpu_s(pid: int) -> float:
+    return sum(_cpu_one(p) for p in _tree(pid))
+
+
+def _rss_one(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -134,7 +151,7 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def _cpu_s(pid: int) -> float:
+def _cpu_one(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
@@ -177,19 +194,29 @@ def _router_config(mode: str, port: int, p_url: str, d_url: str, log_level: str)
     )
 
 
+def _split_workers(spec: str) -> tuple[str, int]:
+    """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``."""
+    mode, sep, n = spec.rpartition("-w")
+    return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
+
+
 def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> list[Target]:
     port = args.port_base + 10
     out: list[Target] = []
     for name in args.targets:
         if name == "direct":
             out.append(Target("direct", None, args.port_base + 2))
-        elif name.partition("@")[0] in ROUTER_MODES:
-            # "pull@base": the same mode from the checkout at --baseline-root (before/after).
-            mode, _, base = name.partition("@")
+        elif _split_workers(name.partition("@")[0])[0] in ROUTER_MODES:
+            # "pull@base": the same mode from the checkout at --baseline-root (before/after);
+            # "pull-w2": the router with --workers 2.
+            spec, _, base = name.partition("@")
+            mode, workers = _split_workers(spec)
             cwd = Path(args.baseline_root).resolve() if base else ROOT
             cfg = tmp / f"{name}.yaml"
             cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level))
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
+            if workers > 1:
+                argv += ["--workers", str(workers)]
             out.append(Target(name, argv, port, "/ready", cwd))
             port += 1
         elif name == "vllm-router":

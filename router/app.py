@@ -42,6 +42,7 @@ from router.pd.legs import LegRunner
 from router.registry import ModelPool, Registry
 from router.relay import RelayResponse
 from router.reload import ConfigReloader
+from router.shared_slots import WorkerSlots
 from router.upstream import UpstreamClient
 from router.workers.health import HealthMonitor
 from router.workers.instance import Instance
@@ -65,10 +66,13 @@ class AppContext:
 
 
 def _build_context(
-    config: RouterConfig, transport: httpx.AsyncBaseTransport | None, clock: Callable[[], float]
+    config: RouterConfig,
+    transport: httpx.AsyncBaseTransport | None,
+    clock: Callable[[], float],
+    shared_slots: WorkerSlots | None = None,
 ) -> AppContext:
-    registry = Registry(config, clock)
-    metrics = Metrics()
+    registry = Registry(config, clock, shared_slots)
+    metrics = Metrics(multiprocess=shared_slots is not None)
     metrics.attach_state(registry.pools)
     key = config.auth.upstream_api_key
     upstream = UpstreamClient(
@@ -244,15 +248,18 @@ def create_app(
     health_checks: bool = True,
     config_path: str | None = None,
     watch_interval: float | None = None,
+    shared_slots: WorkerSlots | None = None,
 ) -> FastAPI:
     """Build the router app.
 
     ``health_checks=False`` skips the background monitor (instances then count as
     healthy until proven otherwise). With ``config_path``, SIGHUP reloads the
     models from that file, and so does any change to it when ``watch_interval``
-    is set.
+    is set. ``shared_slots``: this worker's view of the slot table shared by the
+    workers of ``pd-router serve --workers N`` (metrics then need the supervisor's
+    ``PROMETHEUS_MULTIPROC_DIR``); health checks and breakers stay per worker.
     """
-    ctx = _build_context(config, transport, clock)
+    ctx = _build_context(config, transport, clock, shared_slots)
     reloader = ConfigReloader(config_path, ctx.registry, config) if config_path else None
 
     @contextlib.asynccontextmanager

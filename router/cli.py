@@ -95,6 +95,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     print(_summary(cfg), file=sys.stderr)
     _quiet_client_logs()
     _raise_file_limit()
+    if args.workers > 1:
+        return _serve_workers(args, cfg, host, port)
     app = create_app(cfg, config_path=args.config, watch_interval=args.watch_config or None)
     _tune_gc()
     # uvicorn drains on SIGTERM, then re-raises the signal to the handler that was
@@ -112,6 +114,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         backlog=_BACKLOG,
     )
     return 0
+
+
+def _serve_workers(args: argparse.Namespace, cfg: RouterConfig, host: str, port: int) -> int:
+    """``--workers N``: the supervisor forks N workers sharing one socket and slot table."""
+    from router.supervisor import ServeOptions, serve_workers
+
+    opts = ServeOptions(
+        host=host,
+        port=port,
+        grace=args.grace,
+        access_log=args.access_log,
+        backlog=_BACKLOG,
+        config_path=args.config,
+        watch_interval=args.watch_config or None,
+        log_level=cfg.log_level,
+        prepare=_tune_gc,
+    )
+    return serve_workers(cfg, opts, args.workers)
+
+
+def _workers(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -141,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SECONDS",
         help="reload models when the file changes, checking this often (SIGHUP always reloads)",
+    )
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="worker processes sharing the socket and the decode slot table (default 1)",
     )
     serve.set_defaults(func=_cmd_serve)
 

@@ -3,6 +3,16 @@
 Counters and histograms are updated on the request path; instance state
 (slots, queue depth, breaker, health) is read from its single owner at scrape
 time by :class:`StateCollector`, so the hot path pays nothing for it.
+
+With ``--workers N`` (``Metrics(multiprocess=True)``), every worker writes its
+counters and histograms to prometheus_client's multiprocess files (the
+supervisor sets ``PROMETHEUS_MULTIPROC_DIR``) and a scrape of any worker reads
+all of them with ``MultiProcessCollector``. Decode slots in use come from the
+shared slot table (router-wide). The state each worker keeps for itself (queue,
+prefill legs, breakers, health: health checks and breakers are per worker) is
+copied into multiprocess gauges every :data:`WORKER_STATE_INTERVAL` seconds and
+on each scrape: queue depth and prefill legs are summed over live workers, the
+breaker and degraded flags take the worst (max) and health the worst (min) view.
 """
 
 from __future__ import annotations
@@ -10,14 +20,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from router.registry import ModelPool
 
-__all__ = ["Metrics", "Outcome"]
+__all__ = ["WORKER_STATE_INTERVAL", "Metrics", "Outcome"]
+
+# Seconds between copies of a worker's own state into the multiprocess gauges.
+WORKER_STATE_INTERVAL = 1.0
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -58,10 +72,15 @@ class Outcome:
 class StateCollector(Collector):
     """Reads slots, queues, breakers and health from the model pools at scrape time."""
 
-    def __init__(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
+    def __init__(self, pools: Callable[[], Iterable[ModelPool]], per_worker: bool = True) -> None:
+        """``per_worker=False``: only the slot families (the rest comes from gauges)."""
         self._pools = pools
+        self._per_worker = per_worker
 
     def collect(self) -> Iterator[Metric]:
+        if not self._per_worker:
+            yield from self._slots()
+            return
         slots = GaugeMetricFamily(
             "pdrouter_decode_slots", "Decode slots offered", labels=["model", "instance"]
         )
@@ -93,7 +112,7 @@ class StateCollector(Collector):
             queue.add_metric([pool.name], pool.ledger.queue_depth)
             for d in pool.decode:
                 slots.add_metric([pool.name, d.url], d.slots)
-                in_use.add_metric([pool.name, d.url], d.in_flight)
+                in_use.add_metric([pool.name, d.url], d.in_use)
                 degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
             for p in pool.prefill:
                 inflight.add_metric([pool.name, p.url], p.in_flight)
@@ -104,11 +123,88 @@ class StateCollector(Collector):
                 healthy.add_metric(labels, health)
         yield from (slots, in_use, queue, inflight, breaker, healthy, degraded)
 
+    def _slots(self) -> Iterator[Metric]:
+        slots = GaugeMetricFamily(
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "instance"]
+        )
+        in_use = GaugeMetricFamily(
+            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "instance"]
+        )
+        for pool in self._pools():
+            for d in pool.decode:
+                slots.add_metric([pool.name, d.url], d.slots)
+                in_use.add_metric([pool.name, d.url], d.in_use)
+        yield from (slots, in_use)
+
+
+class WorkerStateGauges:
+    """One worker's own state as multiprocess gauges, merged over live workers."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        mi, mri = ["model", "instance"], ["model", "role", "instance"]
+        self.queue = Gauge(
+            "pdrouter_queue_depth",
+            "Requests waiting for a decode slot",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.prefill = Gauge(
+            "pdrouter_prefill_in_flight",
+            "Prefill legs in flight",
+            mi,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.breaker = Gauge(
+            "pdrouter_breaker_state",
+            "Circuit breaker state (0 closed, 1 open, 2 half-open), worst worker",
+            mri,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.healthy = Gauge(
+            "pdrouter_instance_healthy",
+            "Active health check result (1 healthy, 0 unhealthy, -1 unknown), worst worker",
+            mri,
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.degraded = Gauge(
+            "pdrouter_instance_degraded",
+            "1 while a decode engine holds leaked KV blocks and is out of rotation",
+            mi,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+
+    def refresh(self, pools: Iterable[ModelPool]) -> None:
+        """Copy the current state. Series of removed instances keep their last
+        value until the worker restarts (multiprocess files cannot drop a series)."""
+        for pool in pools:
+            self.queue.labels(pool.name).set(pool.ledger.queue_depth)
+            for d in pool.decode:
+                self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
+            for p in pool.prefill:
+                self.prefill.labels(pool.name, p.url).set(p.in_flight)
+            for inst in (*pool.prefill, *pool.decode):
+                labels = (pool.name, inst.role.value, inst.url)
+                self.breaker.labels(*labels).set(int(inst.breaker.state))
+                self.healthy.labels(*labels).set(-1 if inst.healthy is None else int(inst.healthy))
+
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, multiprocess: bool = False) -> None:
+        """``multiprocess``: one of ``--workers N`` (needs ``PROMETHEUS_MULTIPROC_DIR``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._pools: Callable[[], Iterable[ModelPool]] | None = None
+        self._worker_state = WorkerStateGauges(r) if multiprocess else None
+        self._scrape = r
+        if multiprocess:
+            # A scrape reads every worker's files, never this process's registry.
+            self._scrape = CollectorRegistry()
+            MultiProcessCollector(self._scrape)  # type: ignore[no-untyped-call]
         self.requests = Counter(
             "pdrouter_requests", "Client requests", ["model", "mode", "outcome"], registry=r
         )
@@ -170,7 +266,15 @@ class Metrics:
         )
 
     def attach_state(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
-        self.registry.register(StateCollector(pools))
+        self._pools = pools
+        per_worker = self._worker_state is None
+        self._scrape.register(StateCollector(pools, per_worker=per_worker))
+
+    def refresh_worker_state(self) -> None:
+        """Copy this worker's own state into the multiprocess gauges (no-op otherwise)."""
+        if self._worker_state is not None and self._pools is not None:
+            self._worker_state.refresh(self._pools())
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        self.refresh_worker_state()
+        return generate_latest(self._scrape)

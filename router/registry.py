@@ -22,6 +22,7 @@ from router.config import (
     RouterConfig,
 )
 from router.pd.kv_params import PrefillIdentity
+from router.shared_slots import WorkerSlots
 from router.workers.breaker import Breaker
 from router.workers.instance import Instance, Role
 from router.workers.ledger import SlotLedger
@@ -87,8 +88,15 @@ def _reconcile(
 class Registry:
     """All model pools, by client-visible model name."""
 
-    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        clock: Callable[[], float] = time.monotonic,
+        shared_slots: WorkerSlots | None = None,
+    ) -> None:
+        """``shared_slots``: this worker's view of the slot table of ``--workers N``."""
         self._clock = clock
+        self._shared_slots = shared_slots
         self._pools: dict[str, ModelPool] = {}
         self._config = config
         self.apply(config)
@@ -180,7 +188,12 @@ class Registry:
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
         admission = self._config.admission
         ledger = SlotLedger(
-            cfg.name, [], make_policy(cfg.policy.decode), admission.queue_size, admission.max_wait
+            cfg.name,
+            [],
+            make_policy(cfg.policy.decode),
+            admission.queue_size,
+            admission.max_wait,
+            shared=self._shared_slots,
         )
         return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.workers.breaker import Breaker
@@ -47,7 +48,21 @@ class Instance:
     # now (its fair part of what the engine reports free); None = all ``slots``.
     cap: int | None = None
 
+    # Decode, ``--workers N``: reads the router-wide count of this instance from the
+    # shared slot table (set by the ledger); None = this process is the router.
+    shared_in_use: Callable[[], int] | None = None
+
+    @property
+    def limit(self) -> int:
+        """Slots this router may hold here now (``slots``, or its replica ``cap``)."""
+        return self.slots if self.cap is None else min(self.slots, self.cap)
+
+    @property
+    def in_use(self) -> int:
+        """Slots held here by the whole router: every worker's with a shared table,
+        else this process's ``in_flight``."""
+        return self.in_flight if self.shared_in_use is None else self.shared_in_use()
+
     @property
     def free_slots(self) -> int:
-        limit = self.slots if self.cap is None else min(self.slots, self.cap)
-        return limit - self.in_flight
+        return self.limit - self.in_use

@@ -6,20 +6,36 @@ no slot is free the request waits in a bounded FIFO queue; a full queue answers
 429, a wait past ``max_wait`` answers 503, both with ``Retry-After``. A
 reservation is released exactly once, on every exit path (the dispatcher holds it
 in a ``try/finally``); a waiter cancelled after being handed a slot gives it back.
+
+With ``--workers N`` each worker has its own ledger (queue, policy) and all of them
+share a :class:`~router.shared_slots.WorkerSlots` table: an instance's free slots
+come from the router-wide total, a reservation is taken with ``try_acquire`` (on a
+lost race the next candidate is tried) and a release gives it back there. The
+queue is FIFO per worker, not across workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from router.errors import NoCapacity, QueueFull
+from router.shared_slots import WorkerSlots, slot_key
 from router.workers.instance import Instance
 from router.workers.policies import Policy
 
 __all__ = ["Reservation", "SlotLedger"]
+
+# Waiters re-check the shared table this often while (and only while) this worker
+# has waiters. Why a poller rather than a pipe or eventfd per worker: a release in
+# another worker would otherwise cost a write syscall on every release, waiters or
+# not, plus N x N descriptors kept across restarts; waiting only happens when the
+# engines are full, where a few milliseconds are small next to a decode stream
+# (seconds), and an idle or unsaturated worker pays nothing.
+_SHARED_POLL_S = 0.005
 
 
 @dataclass(eq=False, slots=True)
@@ -46,9 +62,13 @@ class SlotLedger:
         policy: Policy,
         queue_size: int,
         max_wait: float,
+        shared: WorkerSlots | None = None,
     ) -> None:
         self.model = model
+        self._shared = shared
+        self._poll: asyncio.TimerHandle | None = None
         self._instances = list(instances)
+        self._attach(self._instances)
         self._policy = policy
         self._queue_size = queue_size
         self._max_wait = max_wait
@@ -69,6 +89,7 @@ class SlotLedger:
     def set_instances(self, instances: Sequence[Instance]) -> None:
         """Replace the decode instances (reload, discovery); waiters may now fit."""
         self._instances = list(instances)
+        self._attach(self._instances)
         self.poke()
 
     def set_policy(self, policy: Policy) -> None:
@@ -96,6 +117,7 @@ class SlotLedger:
             )
         waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key)
         self._waiters.append(waiter)
+        self._schedule_poll()
         try:
             async with asyncio.timeout(self._max_wait):
                 return await waiter.fut
@@ -117,7 +139,10 @@ class SlotLedger:
         if reservation.released:
             return
         reservation.released = True
-        reservation.instance.in_flight -= 1
+        inst = reservation.instance
+        inst.in_flight -= 1
+        if self._shared is not None:
+            self._shared.release(slot_key(self.model, inst.url))
         self.poke()
 
     def poke(self) -> None:
@@ -138,11 +163,42 @@ class SlotLedger:
         free = [i for i in self._instances if i.free_slots > 0 and i.routable]
         if not free:
             return None
-        preferred = [i for i in free if i not in avoid] or free
-        inst = self._policy.select(preferred, key)
-        inst.in_flight += 1
-        inst.breaker.on_dispatch()
-        return Reservation(inst)
+        while free:
+            preferred = [i for i in free if i not in avoid] or free
+            inst = self._policy.select(preferred, key)
+            if self._acquire(inst):
+                inst.in_flight += 1
+                inst.breaker.on_dispatch()
+                return Reservation(inst)
+            # Another worker took the last slot between our read and its lock.
+            free.remove(inst)
+        return None
+
+    def _acquire(self, inst: Instance) -> bool:
+        """Take the slot router-wide (always granted without a shared table)."""
+        if self._shared is None:
+            return True
+        return self._shared.try_acquire(slot_key(self.model, inst.url), inst.limit)
+
+    def _attach(self, instances: Sequence[Instance]) -> None:
+        """Make ``free_slots`` of these instances read the shared total."""
+        shared = self._shared
+        if shared is None:
+            return
+        for inst in instances:
+            if inst.shared_in_use is None:
+                inst.shared_in_use = functools.partial(shared.total, slot_key(self.model, inst.url))
+
+    def _schedule_poll(self) -> None:
+        if self._shared is not None and self._poll is None:
+            self._poll = asyncio.get_running_loop().call_later(_SHARED_POLL_S, self._on_poll)
+
+    def _on_poll(self) -> None:
+        """Serve waiters with slots released by other workers; re-arm while any wait."""
+        self._poll = None
+        self.poke()
+        if self._waiters:
+            self._schedule_poll()
 
     def _reclaim(self, waiter: _Waiter) -> None:
         fut = waiter.fut

@@ -10,7 +10,9 @@ real push-mode D waits for P's WRITE, and hangs forever if P never finishes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ class Behaviour:
     malformed_json: bool = False  # P: invalid JSON body
     malformed_sse: bool = False  # D: a broken SSE line mid-stream
     fail_after_kv: float | None = None  # P: hand D its KV, then fail after this many seconds
+    chaos: float = 0.0  # probability that a request gets one random fault (soak runs)
+    chaos_hang: float = 30.0  # how long a "hang" fault lasts
     transfer_mode: str = "pull"
     engine_id: str = "fake-prefill"
     kv_host: str = "127.0.0.1"
@@ -141,8 +145,23 @@ class FakeEngine:
 
     # -- generation ----------------------------------------------------------
 
-    async def _generate(self, rec: Received, send: Send) -> None:
+    def _for_request(self) -> Behaviour:
+        """The behaviour for one request: with ``chaos``, one random fault applied."""
         b = self.behaviour
+        if not b.chaos or random.random() >= b.chaos:
+            return b
+        faults: list[dict[str, Any]] = [
+            {"status": random.choice([400, 500, 503])},
+            {"delay": b.chaos_hang},
+            {"drop_after": random.randint(0, max(0, b.tokens - 1))},
+            {"malformed_sse": True},
+            {"omit_kv_params": True},
+            {"malformed_json": True},
+        ]
+        return dataclasses.replace(b, **random.choice(faults))
+
+    async def _generate(self, rec: Received, send: Send) -> None:
+        b = self._for_request()
         if b.hang:
             await asyncio.Event().wait()
         if b.delay:
@@ -158,18 +177,17 @@ class FakeEngine:
             return
         kv = rec.kv
         if kv.get("do_remote_decode"):
-            await self._prefill(rec, send)
+            await self._prefill(rec, send, b)
             return
         if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
             # Push-style D: wait for "the KV" from the P leg with the same request id.
             await self.bus.event(rec.request_id).wait()
         if rec.body.get("stream"):
-            await self._stream(rec, send)
+            await self._stream(rec, send, b)
         else:
             await _respond(send, 200, json.dumps(_full(rec, b.tokens)).encode())
 
-    async def _prefill(self, rec: Received, send: Send) -> None:
-        b = self.behaviour
+    async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
         if b.malformed_json:
             await _respond(send, 200, b'{"id": "cmpl-1", "choices": [')
             return
@@ -195,8 +213,7 @@ class FakeEngine:
             return
         await _respond(send, 200, json.dumps(doc).encode())
 
-    async def _stream(self, rec: Received, send: Send) -> None:
-        b = self.behaviour
+    async def _stream(self, rec: Received, send: Send, b: Behaviour) -> None:
         await send(
             {
                 "type": "http.response.start",

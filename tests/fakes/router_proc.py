@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,14 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def router_process(
-    cfg: dict[str, Any], path: Path, grace: float = 1.0
+    cfg: dict[str, Any], path: Path, grace: float = 1.0, args: Sequence[str] = ()
 ) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     """A ready router subprocess serving ``cfg``; yields its URL and the process."""
     port = free_port()
     path.write_text(yaml.safe_dump({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-m", "router", "serve", "--config", str(path), "--grace", str(grace)),
+        *args,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

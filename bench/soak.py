@@ -1,0 +1,261 @@
+"""Soak: many concurrent streams for minutes, with random client disconnects and
+random engine faults, against fake engines. Not a test: it prints figures.
+
+    .venv/bin/python bench/soak.py --minutes 10 --streams 500 --mode push
+
+Processes: one fake P and one fake D engine (``tests/fakes/fake_vllm.py`` with
+``chaos``: each request may get a random fault — an error status, a hang past
+the router's timeouts, a stream dropped mid-way, a malformed SSE line or JSON
+body, missing ``kv_transfer_params``), the router (``pd-router serve``), and this
+process driving ``--streams`` client loops; a share of them disconnect at a
+random moment. Every ``--sample`` seconds it records the router's RSS and
+decode slots in use. At the end it waits for in-flight work to settle and
+reports outcomes by kind, slots in use (must be 0), every fake engine's open
+requests (must be 0), and RSS over time (must be flat: the last third's median
+within ``--rss-tolerance`` of the first third's after warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.fakes.fake_vllm import FakeEngine, KvBus  # noqa: E402
+from tests.fakes.router_proc import free_port  # noqa: E402
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _serve_engine(engine: FakeEngine, port: int) -> asyncio.Task[None]:
+    import uvicorn
+
+    config = uvicorn.Config(
+        engine,
+        host="127.0.0.1",
+        port=port,
+        log_level="critical",
+        lifespan="off",
+        http="httptools",
+        loop="none",
+        timeout_keep_alive=60,
+        backlog=4096,
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return task
+
+
+def _router_config(args: argparse.Namespace, p_url: str, d_url: str, port: int) -> dict[str, Any]:
+    prefill: dict[str, Any] = {"url": p_url}
+    if args.mode == "push":
+        prefill |= {"engine_id": "soak-p", "kv_host": "127.0.0.1", "kv_port": 5600}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "log_level": "error",
+        "models": [
+            {
+                "name": "tiny",
+                "mode": args.mode,
+                "prefill": [prefill],
+                "decode": [{"url": d_url, "slots": args.streams}],
+            }
+        ],
+        "timeouts": {"prefill": 2, "decode_first_byte": 3, "idle": 2, "total": 30},
+        "admission": {"queue_size": args.streams * 2, "max_wait": 10},
+        "retries": {"max_attempts": 2, "backoff_initial": 0.01},
+        # Faults are injected on purpose: keep the breakers from taking the only
+        # engines out of rotation, which would turn the soak into a 503 test.
+        "breaker": {"failure_threshold": 1_000_000, "open_seconds": 1},
+        "health": {"interval": 2, "timeout": 2},
+    }
+
+
+def _outcome(status: int, text: str) -> str:
+    if status != 200:
+        return f"http_{status}"
+    if '"error"' in text:
+        return "sse_error_event"
+    return "ok" if "[DONE]" in text else "truncated"
+
+
+async def _client_loop(
+    client: httpx.AsyncClient,
+    url: str,
+    stop: float,
+    p_disconnect: float,
+    outcomes: collections.Counter[str],
+) -> None:
+    body = {"model": "tiny", "prompt": "soak " * 40, "max_tokens": 16, "stream": True}
+    while time.monotonic() < stop:
+        leave_after = random.uniform(0.0, 0.3) if random.random() < p_disconnect else None
+        try:
+            async with (
+                asyncio.timeout(leave_after),
+                client.stream("POST", url + "/v1/completions", json=body) as r,
+            ):
+                chunks = [c async for c in r.aiter_text()]
+                outcomes[_outcome(r.status_code, "".join(chunks))] += 1
+        except TimeoutError:
+            outcomes["client_disconnect"] += 1
+        except httpx.HTTPError as exc:
+            outcomes[f"client_saw_{type(exc).__name__}"] += 1
+
+
+async def _slots_in_use(client: httpx.AsyncClient, url: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdrouter_decode_slots_in_use{")
+    )
+
+
+async def _sample(
+    client: httpx.AsyncClient,
+    url: str,
+    pid: int,
+    stop: float,
+    every: float,
+    samples: list[tuple[float, float, float]],
+    t0: float,
+) -> None:
+    while time.monotonic() < stop:
+        await asyncio.sleep(every)
+        with contextlib.suppress(httpx.HTTPError):
+            slots = await _slots_in_use(client, url)
+            samples.append((time.monotonic() - t0, _rss_mb(pid), slots))
+            print(
+                f"  t={samples[-1][0]:6.0f}s rss={samples[-1][1]:7.1f} MB slots={slots:.0f}",
+                flush=True,
+            )
+
+
+async def _settle(client: httpx.AsyncClient, url: str, engines: list[FakeEngine]) -> float:
+    deadline = time.monotonic() + 40
+    slots = await _slots_in_use(client, url)
+    while (slots or any(e.active for e in engines)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        slots = await _slots_in_use(client, url)
+    return slots
+
+
+async def run(args: argparse.Namespace) -> int:
+    bus = KvBus()
+    engines = [FakeEngine("p", bus), FakeEngine("d", bus)]
+    for e in engines:
+        e.behaviour.tokens, e.behaviour.token_delay = 16, 0.02
+        e.behaviour.chaos, e.behaviour.chaos_hang = args.fault_rate, 5.0
+        e.behaviour.transfer_mode = "push" if args.mode == "push" else "pull"
+    ports = [free_port() for _ in engines]
+    servers = [await _serve_engine(e, p) for e, p in zip(engines, ports, strict=True)]
+    r_port = free_port()
+    cfg = _router_config(args, *(f"http://127.0.0.1:{p}" for p in ports), port=r_port)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(cfg, f)
+    router = subprocess.Popen(
+        [sys.executable, "-m", "router", "serve", "--config", f.name, "--grace", "2"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{r_port}"
+    limits = httpx.Limits(max_connections=args.streams + 16, max_keepalive_connections=args.streams)
+    try:
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(url + "/health")).status_code == 200:
+                        break
+                await asyncio.sleep(0.2)
+            outcomes: collections.Counter[str] = collections.Counter()
+            samples: list[tuple[float, float, float]] = []
+            t0 = time.monotonic()
+            stop = t0 + args.minutes * 60
+            print(
+                f"soak: {args.streams} streams, {args.minutes} min, mode {args.mode}, "
+                f"fault rate {args.fault_rate}, disconnect rate {args.disconnect_rate}"
+            )
+            await asyncio.gather(
+                _sample(client, url, router.pid, stop, args.sample, samples, t0),
+                *(
+                    _client_loop(client, url, stop, args.disconnect_rate, outcomes)
+                    for _ in range(args.streams)
+                ),
+            )
+            final_slots = await _settle(client, url, engines)
+        return _report(args, outcomes, samples, final_slots, engines)
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)
+        os.unlink(f.name)
+        for s in servers:
+            s.cancel()
+
+
+def _report(
+    args: argparse.Namespace,
+    outcomes: collections.Counter[str],
+    samples: list[tuple[float, float, float]],
+    final_slots: float,
+    engines: list[FakeEngine],
+) -> int:
+    total = sum(outcomes.values())
+    print(f"\nrequests: {total} ({total / (args.minutes * 60):.0f}/s)")
+    for kind, n in outcomes.most_common():
+        print(f"  {kind:32s} {n:8d}  {100 * n / max(total, 1):5.1f}%")
+    open_requests = {e.name: e.active for e in engines}
+    print(f"decode slots in use at the end: {final_slots:.0f} (must be 0)")
+    print(f"requests still open on the fake engines: {open_requests} (must be 0)")
+    steady = [rss for t, rss, _ in samples if t >= args.warmup]
+    third = max(1, len(steady) // 3)
+    first, last = statistics.median(steady[:third]), statistics.median(steady[-third:])
+    growth = (last - first) / first
+    print(
+        f"router RSS: first third {first:.1f} MB, last third {last:.1f} MB "
+        f"({100 * growth:+.1f}%; flat means within {100 * args.rss_tolerance:.0f}%)"
+    )
+    ok = final_slots == 0 and not any(open_requests.values()) and growth <= args.rss_tolerance
+    print("RESULT:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--streams", type=int, default=500)
+    p.add_argument("--mode", choices=["pull", "push", "push-sequential"], default="push")
+    p.add_argument("--fault-rate", type=float, default=0.02, help="per engine request")
+    p.add_argument("--disconnect-rate", type=float, default=0.1, help="per client request")
+    p.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
+    p.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS counts")
+    p.add_argument("--rss-tolerance", type=float, default=0.10)
+    args = p.parse_args()
+    raise SystemExit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()

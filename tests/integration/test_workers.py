@@ -1,0 +1,98 @@
+"""``pd-router serve --workers 2`` as a real subprocess: the decode slot bound holds
+across workers, /metrics reports the whole router, a killed worker's slots come
+back, and SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import Cluster, eventually
+from tests.fakes.router_proc import router_process
+
+SLOTS = 4
+STREAMS = 4 * SLOTS
+BODY = {"model": "tiny", "prompt": "x", "max_tokens": 8, "stream": True}
+
+
+def workers_of(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()]
+
+
+async def scrape(c: httpx.AsyncClient, url: str, name: str) -> float:
+    text = (await c.get(url + "/metrics")).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name
+    )
+
+
+async def stream_all(c: httpx.AsyncClient, url: str) -> tuple[int, str]:
+    r = await c.post(url + "/v1/completions", json=BODY)
+    return r.status_code, r.text
+
+
+async def test_two_workers_share_the_slot_bound(cluster: Cluster, tmp_path: Path) -> None:
+    d = cluster.decode[0]
+    d.behaviour.tokens, d.behaviour.token_delay = 6, 0.03
+    cfg = cluster.config("pull", decode_extra={"slots": SLOTS}, admission={"max_wait": 20})
+    args = ("--workers", "2")
+    async with router_process(cfg, tmp_path / "r.yaml", args=args) as (url, proc):
+        assert len(workers_of(proc.pid)) == 2
+        limits = httpx.Limits(max_connections=STREAMS)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+            for _ in range(3):
+                results = await asyncio.gather(*(stream_all(c, url) for _ in range(STREAMS)))
+                assert {s for s, _ in results} == {200}
+                assert all(t.rstrip().endswith("[DONE]") for _, t in results)
+            assert 1 <= d.peak <= SLOTS, d.peak
+            # Every worker's counters, whichever worker answers the scrape.
+            for _ in range(6):
+                total = await scrape(c, url, "pdrouter_requests_total")
+                assert total == 3 * STREAMS
+            assert await scrape(c, url, "pdrouter_decode_slots_in_use") == 0
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+
+
+async def test_a_killed_worker_gives_its_slots_back(cluster: Cluster, tmp_path: Path) -> None:
+    d = cluster.decode[0]
+    d.behaviour.tokens, d.behaviour.token_delay = 400, 0.025  # 10 s streams
+    cfg = cluster.config("aggregated", decode_extra={"slots": SLOTS}, admission={"max_wait": 1})
+    args = ("--workers", "2")
+    async with router_process(cfg, tmp_path / "r.yaml", args=args) as (url, proc):
+        before = workers_of(proc.pid)
+        async with httpx.AsyncClient(timeout=30) as c:
+            streams = [asyncio.create_task(stream_all(c, url)) for _ in range(SLOTS)]
+            await eventually(lambda: d.active == SLOTS, timeout=10)
+            assert await scrape(c, url, "pdrouter_decode_slots_in_use") == SLOTS
+            for pid in before:
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.gather(*streams, return_exceptions=True)
+            deadline = time.monotonic() + 20
+            while True:  # restarted workers, every slot free again
+                try:
+                    in_use = await scrape(c, url, "pdrouter_decode_slots_in_use")
+                    if in_use == 0 and len(workers_of(proc.pid)) == 2:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "slots not freed"
+                await asyncio.sleep(0.2)
+            after = workers_of(proc.pid)
+            assert len(after) == 2 and not set(after) & set(before)
+            d.behaviour.tokens = 4
+            results = await asyncio.gather(*(stream_all(c, url) for _ in range(SLOTS)))
+            assert {s for s, _ in results} == {200}
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+    await eventually(lambda: d.active == 0, timeout=10)
