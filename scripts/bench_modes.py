@@ -135,9 +135,11 @@ def _print_table(
     args: argparse.Namespace,
 ) -> None:
     base = modes[0]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"\nClient TTFT, median of {args.reps} (after {args.warmup} warm-up) per cell, "
-        f"model variant {args.variant!r}, {os.cpu_count()} CPUs; ratio = mode / {base}\n"
+        f"model variant {args.variant!r}, {os.cpu_count()} CPUs, load average at the end "
+        f"{load}; ratio = mode / {base}\n"
     )
     print("| prompt tokens | " + " | ".join(modes) + " |")
     print("|---" * (len(modes) + 1) + "|")
