@@ -207,6 +207,10 @@ class WorkerSide:
             self._sends[spec.req_id] = send
             self._sends_by_tid[spec.tid] = send
             self._adopt_early(send)
+        elif spec.first_block == 0:
+            # Resumed after preemption: queued layers may name blocks vLLM has since freed and
+            # reused. Everything is planned again from block 0.
+            send.queued.clear()
         send.step = (spec.first_block, spec.block_ids)
         send.step_final = spec.final
         send.num_tokens = spec.num_tokens

@@ -146,3 +146,18 @@ def test_mismatched_decode_is_refused() -> None:
         until(d_failed)
         stats = d.call("stats")
         assert stats["failures"].get("refused") == 1
+
+
+def test_real_agent_progress_thread_does_not_spin() -> None:
+    """nixl hard-codes a zero progress-thread delay; the adapter must not burn a core idle."""
+    import os
+
+    from connector.transport import RealNixlAgent
+
+    port = pick_ports(1, range(6600, 6800))[0]
+    agent = RealNixlAgent("idle-check", port)
+    t0 = os.times()
+    time.sleep(2)
+    t1 = os.times()
+    agent.close()
+    assert (t1.user + t1.system) - (t0.user + t0.system) < 0.5

@@ -236,3 +236,14 @@ def test_hello_is_sent_once_the_peer_becomes_reachable() -> None:
     assert seen == set()
     forward(p, send("p1", 0, [1], final=True))
     assert idle(d)[1] == {"d1"}
+
+
+def test_preempted_prefill_drops_stale_queued_layers() -> None:
+    fabric, _, p, d = pair()
+    forward(p, send("p1", 0, [1], final=False))  # queued: D has not registered yet
+    forward(p, send("p1", 0, [4, 5], final=True))  # resumed with new blocks from block 0
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    sources = {desc[0] for x in fabric.writes_to(d.name) for desc in x.local}
+    assert p.caches["model.layers.0.self_attn.attn"][1].data_ptr() not in sources
+    assert same_blocks(p, d, [4, 5], [10, 11])
