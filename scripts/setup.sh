@@ -8,14 +8,21 @@ cd "$(dirname "$0")/.."
 VENV=${PD_ROUTER_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
+
+pip_install() {
+  # Some machines list package indexes that are not all present; pip warns about
+  # each missing folder on every install. Those lines say nothing about this project.
+  "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+pip_install --upgrade pip
 if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
-  "$PY" -m pip install -q -e ".[test]"
+  pip_install -e ".[test]"
   exit 0
 fi
-"$PY" -m pip install -q -e ".[test,engine-cpu]"
+pip_install -e ".[test,engine-cpu]"
 # nixl's declared dependencies pull a CUDA torch; at run time it needs only numpy and torch.
-"$PY" -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+pip_install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # PyPI's torchvision/torchaudio builds do not load beside torch+cpu and break vLLM imports;
 # vLLM needs them only for multimodal models.
 "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
