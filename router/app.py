@@ -20,6 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from router.client_request import (
     ClientRequest,
@@ -40,7 +41,7 @@ from router.metrics import Metrics, Outcome
 from router.pd.dispatch import Dispatcher
 from router.pd.legs import LegRunner
 from router.registry import ModelPool, Registry
-from router.relay import RelayResponse
+from router.relay import Receive, RelayResponse, Scope, Send, send_error
 from router.reload import ConfigReloader
 from router.shared_slots import WorkerSlots
 from router.upstream import UpstreamClient
@@ -48,7 +49,7 @@ from router.workers.health import HealthMonitor
 from router.workers.instance import Instance
 from router.workers.load import LoadWatcher
 
-__all__ = ["AppContext", "create_app"]
+__all__ = ["AppContext", "RouterApp", "create_app"]
 
 log = logging.getLogger("pd_router")
 
@@ -146,7 +147,7 @@ def _relay(ctx: AppContext, pool: ModelPool, creq: ClientRequest, started: float
     )
 
 
-async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Response | Any:
+async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Response:
     started = ctx.clock()
     _authorize(ctx, request)
     raw = await _read_body(request, ctx.config.admission.max_body_bytes)
@@ -214,7 +215,7 @@ def _readiness(ctx: AppContext) -> Response:
                     "healthy": i.healthy,
                     "degraded": i.degraded,
                     "breaker": i.breaker.state.name.lower(),
-                    "slots_in_use": i.in_flight if i.slots else None,
+                    "slots_in_use": i.in_use if i.slots else None,
                     "slots": i.slots or None,
                 }
                 for i in (*pool.prefill, *pool.decode)
@@ -249,7 +250,7 @@ def create_app(
     config_path: str | None = None,
     watch_interval: float | None = None,
     shared_slots: WorkerSlots | None = None,
-) -> FastAPI:
+) -> RouterApp:
     """Build the router app.
 
     ``health_checks=False`` skips the background monitor (instances then count as
@@ -296,4 +297,52 @@ def create_app(
     app.state.reloader = reloader
     _register_routes(app, ctx)
     _register_errors(app)
-    return app
+    return RouterApp(app, ctx)
+
+
+_HOT_ROUTES = {e.value: e for e in Endpoint}
+
+
+class RouterApp:
+    """The ASGI entry point.
+
+    The two generate routes go straight to :func:`_handle` and the relay: on the
+    hot path, FastAPI's routing and its middleware stack (which wraps ``send``
+    for every streamed chunk) cost about a sixth of the router's CPU. Everything
+    else — lifespan, the other routes, the OpenAPI document, which still lists
+    the generate routes — is the FastAPI app.
+    """
+
+    def __init__(self, api: FastAPI, ctx: AppContext) -> None:
+        self.api = api
+        self._ctx = ctx
+
+    @property
+    def state(self) -> Any:
+        return self.api.state
+
+    def openapi(self) -> dict[str, Any]:
+        return self.api.openapi()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = _HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self.api(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await _handle(self._ctx, request, endpoint)
+        except RouterError as exc:
+            await send_error(send, exc)
+            return
+        except ClientDisconnect:
+            return  # gone while sending its body: nothing was reserved or sent upstream
+        except Exception:
+            log.exception("unhandled error on %s", endpoint.value)
+            await send_error(send, _internal_error())
+            return
+        await response(scope, receive, send)
+
+
+def _internal_error() -> RouterError:
+    return RouterError("internal router error")

@@ -22,6 +22,7 @@ from router.config import (
     RouterConfig,
 )
 from router.pd.kv_params import PrefillIdentity
+from router.pd.pipelined_params import PeerIdentity
 from router.shared_slots import WorkerSlots
 from router.workers.breaker import Breaker
 from router.workers.instance import Instance, Role
@@ -83,6 +84,12 @@ def _reconcile(
 ) -> list[Instance]:
     by_url = {i.url: i for i in current}
     return [by_url.get(url) or make(url) for url in wanted]
+
+
+def _peer(cfg: PrefillInstanceConfig | DecodeInstanceConfig) -> PeerIdentity | None:
+    if cfg.engine_id and cfg.kv_host and cfg.kv_port:
+        return PeerIdentity(cfg.engine_id, cfg.kv_host, cfg.kv_port)
+    return None
 
 
 class Registry:
@@ -166,8 +173,11 @@ class Registry:
             [d.base_url for d in decode],
             lambda u: self._instance(u, Role.DECODE, model),
         )
-        for inst, d_cfg in zip(pool.decode, decode, strict=True):
-            inst.slots = d_cfg.slots
+        for p_inst, p_cfg in zip(pool.prefill, prefill, strict=True):
+            p_inst.peer = _peer(p_cfg)
+        for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
+            d_inst.slots = d_cfg.slots
+            d_inst.peer = _peer(d_cfg)
         self._set_identities(pool, prefill)
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}

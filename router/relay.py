@@ -24,7 +24,7 @@ from router.pd.dispatch import Dispatch, Dispatcher
 from router.registry import ModelPool
 from router.upstream import map_errors
 
-__all__ = ["RelayResponse", "outcome_of"]
+__all__ = ["Receive", "RelayResponse", "Scope", "Send", "outcome_of", "send_error"]
 
 log = logging.getLogger("pd_router.relay")
 

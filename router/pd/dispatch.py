@@ -224,12 +224,16 @@ class Dispatcher:
         p: Instance,
         ids: kp.DispatchIds,
     ) -> Dispatch:
-        d_cfg = next(d for d in pool.config.decode if d.base_url == res.instance.url)
-        p_cfg = next(c for c in pool.config.prefill if c.base_url == p.url)
-        assert d_cfg.engine_id and d_cfg.kv_host and d_cfg.kv_port
-        assert p_cfg.engine_id and p_cfg.kv_host and p_cfg.kv_port
-        d_identity = pp.PeerIdentity(d_cfg.engine_id, d_cfg.kv_host, d_cfg.kv_port)
-        p_identity = pp.PeerIdentity(p_cfg.engine_id, p_cfg.kv_host, p_cfg.kv_port)
+        d_identity, p_identity = res.instance.peer, p.peer
+        for inst, ident in ((res.instance, d_identity), (p, p_identity)):
+            if ident is None:  # config validation requires it; discovery may not know it
+                raise UpstreamError(
+                    f"{inst.role} engine {inst.url} has no NIXL identity for pipelined mode",
+                    role=inst.role.value,
+                    instance=inst.url,
+                    code="nixl_identity_missing",
+                )
+        assert d_identity is not None and p_identity is not None
         return await self._concurrent(
             pool,
             creq,

@@ -6,6 +6,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from router.pd.pipelined_params import PeerIdentity
 from router.workers.breaker import Breaker
 
 __all__ = ["Instance", "Role"]
@@ -39,6 +40,8 @@ class Instance:
     idle_kv_usage: float = 0.0
     kv_usage: float | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # The engine's NIXL identity as configured or discovered (pipelined mode).
+    peer: PeerIdentity | None = None
 
     @property
     def routable(self) -> bool:

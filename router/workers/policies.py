@@ -25,8 +25,9 @@ class Policy(Protocol):
 
 
 def _load(inst: Instance) -> float:
-    # Decode load is relative to its slot count; prefill load is its in-flight count.
-    return inst.in_flight / inst.slots if inst.slots else float(inst.in_flight)
+    # Decode load is relative to its slot count (every worker's, with --workers);
+    # prefill load is its in-flight count.
+    return inst.in_use / inst.slots if inst.slots else float(inst.in_flight)
 
 
 class RoundRobin:
