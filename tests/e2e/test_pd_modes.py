@@ -15,7 +15,8 @@ from router.stack.metrics import Metrics
 from tests.e2e import helpers as h
 from tests.e2e.conftest import CONVERSATIONS, MODEL, Reference
 
-pytestmark = pytest.mark.e2e
+# The first test of each mode also pays for starting engines (30-120 s on a busy 2-core box).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BYTES = "vllm:nixl_bytes_transferred_sum"
 TRANSFERS = "vllm:nixl_bytes_transferred_count"
