@@ -65,7 +65,7 @@ def engine_pair(run_dir: Path, *, variant: str = "tiny", max_model_len: int = 40
                 connector: str = "PipelinedPushConnector",
                 extra: dict[str, Any] | None = None,
                 engine_args: tuple[str, ...] = (),
-                startup_timeout_s: float = 240.0) -> Iterator[tuple[Engine, Engine]]:
+                startup_timeout_s: float = 420.0) -> Iterator[tuple[Engine, Engine]]:
     """Start P (core 0) and D (core 1); always stops both (process groups) on exit."""
     model_path = tiny_model.ensure_model(variant)
     per_token = tiny_model.VARIANTS[variant].kv_bytes_per_token()
