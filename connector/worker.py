@@ -185,7 +185,8 @@ class WorkerSide:
         now or before) and no WRITE from its blocks is in flight. Every receive the scheduler
         handed us is reported exactly once, successful or not.
         """
-        self._finished_reqs |= finished_req_ids
+        # Only our sends matter; keeping every finished id would grow without bound.
+        self._finished_reqs |= finished_req_ids & self._sends.keys()
         self._poll()
         return self._collect_sends(), *self._collect_recvs()
 

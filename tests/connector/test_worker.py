@@ -247,3 +247,10 @@ def test_preempted_prefill_drops_stale_queued_layers() -> None:
     sources = {desc[0] for x in fabric.writes_to(d.name) for desc in x.local}
     assert p.caches["model.layers.0.self_attn.attn"][1].data_ptr() not in sources
     assert same_blocks(p, d, [4, 5], [10, 11])
+
+
+def test_finished_ids_of_other_requests_are_not_kept() -> None:
+    _, _, p, _ = pair()
+    p.finished.update({"plain-1", "plain-2"})
+    idle(p)
+    assert p.worker._finished_reqs == set()
