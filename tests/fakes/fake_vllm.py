@@ -206,7 +206,8 @@ class FakeEngine:
                 "pp_size": 1,
                 "transfer_mode": b.transfer_mode,
             }
-        self.bus.event(rec.request_id).set()
+        if not b.omit_kv_params:  # a P without a working connector sends D nothing
+            self.bus.event(rec.request_id).set()
         if b.fail_after_kv is not None:
             await asyncio.sleep(b.fail_after_kv)
             await _respond(send, 500, b'{"error": {"message": "prefill died late"}}')
