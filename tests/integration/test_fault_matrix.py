@@ -1,4 +1,4 @@
-"""The fault matrix on fake engines: every mode × every fault, the documented answer
+"""The fault matrix on fake engines: every mode and every fault, the documented answer
 within the configured timeout, and nothing left behind (the cluster fixture then
 asserts every slot free and every upstream connection closed).
 
