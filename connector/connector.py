@@ -193,7 +193,8 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
               "num_kv_heads": model.get_num_kv_heads(parallel),
               "head_size": model.get_head_size(), "tp_size": parallel.tensor_parallel_size}
     keys = {"handshake_s": "handshake_timeout_s", "reg_s": "registration_timeout_s",
-            "recv_s": "receive_timeout_s", "write_s": "write_timeout_s"}
+            "recv_s": "receive_timeout_s", "write_s": "write_timeout_s",
+            "idle_wait_s": "idle_wait_s"}
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
     agent = RealNixlAgent(agent_name(engine_id, rank), port + rank,
                           progress_delay_us=int(extra.get("progress_delay_us", 1000)),

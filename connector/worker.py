@@ -56,6 +56,7 @@ class Timeouts:
     recv_s: float = 120.0  # D: blocks registered, transfer not complete
     write_s: float = 30.0  # P: a WRITE still in progress
     memory_s: float = 300.0  # how long an early REG or ABORT for an unknown tid is kept
+    idle_wait_s: float = 0.002  # see WorkerSide._idle_wait; 0 turns it off
 
 
 @dataclass(slots=True)
@@ -95,8 +96,11 @@ class WorkerSide:
 
     def __init__(self, agent: NixlAgent, *, engine_id: str, tp_rank: int, host: str, port: int,
                  compat_fields: dict[str, Any], timeouts: Timeouts = Timeouts(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._agent = agent
+        self._sleep = sleep
+        self._forward_seen = False
         self._engine_id, self._rank, self._host, self._port = engine_id, tp_rank, host, port
         self._compat_fields = compat_fields
         self._t = timeouts
@@ -155,6 +159,7 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str) -> None:
         """After each attention layer: queue (and if possible post) that layer's new blocks."""
+        self._forward_seen = True
         idx = self._layer_idx.get(layer_name)
         if idx is None:
             return
@@ -188,7 +193,30 @@ class WorkerSide:
         # Only our sends matter; keeping every finished id would grow without bound.
         self._finished_reqs |= finished_req_ids & self._sends.keys()
         self._poll()
+        if not self._forward_seen:
+            self._idle_wait()
+        self._forward_seen = False
         return self._collect_sends(), *self._collect_recvs()
+
+    def _idle_wait(self) -> None:
+        """On a step without a forward, wait up to ``idle_wait_s`` for the peer.
+
+        vLLM steps an engine back to back while a request waits for remote KV (D) or while the
+        connector holds blocks for a peer (P); each empty step costs a scheduler pass and a
+        worker round trip, so both processes spin a core. On hosts where P and D share cores,
+        that spinning starves the other engine's forward. Pausing here returns as soon as a
+        notification arrives, so it adds no latency to a transfer that makes progress.
+        """
+        if self._t.idle_wait_s <= 0 or not (self._recvs or self._sends):
+            return
+        slices = max(1, int(self._t.idle_wait_s / 0.0001))
+        for _ in range(slices):
+            self._sleep(0.0001)
+            for send in self._sends.values():
+                if send.handles:  # completed WRITEs release their notices to D when checked
+                    self._check_handles(send, self._clock())
+            if self._drain_notifs():
+                return
 
     def shutdown(self) -> None:
         for send in list(self._sends.values()):
@@ -441,17 +469,19 @@ class WorkerSide:
         self._flush_notices()
         self._expire_memory()
 
-    def _drain_notifs(self) -> None:
+    def _drain_notifs(self) -> bool:
+        """Handle new notifications; True if there were any."""
         try:
             notifs = self._agent.get_notifs()
         except Exception as exc:
             log.warning("pd-connector: reading notifications failed: %s", exc)
-            return
+            return False
         for sender, raws in notifs.items():
             for raw in raws:
                 msg = decode(raw)
                 if msg is not None:
                     self._dispatch(sender, msg)
+        return bool(notifs)
 
     def _dispatch(self, sender: str, msg: Message) -> None:
         if msg.kind in ("HELLO", "REFUSE", "VERSION"):

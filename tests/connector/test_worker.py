@@ -254,3 +254,20 @@ def test_finished_ids_of_other_requests_are_not_kept() -> None:
     p.finished.update({"plain-1", "plain-2"})
     idle(p)
     assert p.worker._finished_reqs == set()
+
+
+def test_idle_steps_pause_only_while_waiting_for_a_peer() -> None:
+    """Empty engine steps wait briefly for the peer instead of spinning; steps with a forward
+    and steps with nothing pending do not wait."""
+    fabric, clock = Fabric(), Clock()
+    naps: list[float] = []
+    p = make_side(fabric, P_ADDR, clock)
+    d = make_side(fabric, D_ADDR, clock, fill=0.0)
+    d.worker._sleep = naps.append  # type: ignore[method-assign]
+    idle(d)
+    assert naps == []  # nothing pending
+    forward(d, recv("d1", 0, [10]))
+    assert naps == []  # a step with a forward
+    idle(p)
+    idle(d)
+    assert len(naps) == 20  # 2 ms in 0.1 ms slices: P has not written yet
