@@ -13,7 +13,9 @@ them all off (to reproduce the original failures).
    instructions only after ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``. A decode
    engine whose first forward is a decode step over transferred KV otherwise dies with SIGILL.
 3. NIXL progress thread: ``nixl_agent.__init__`` hard-codes ``pthrDelay = 0``, so the UCX
-   progress thread busy-spins about one core per engine even when idle.
+   progress thread busy-spins about one core per engine even when idle. The delay set instead
+   (``PD_ROUTER_NIXL_PTHR_DELAY_US``, default 1000) also paces the target side of emulated RMA
+   over TCP, so very large pushes may want a smaller value.
 4. NIXL CPU affinity: on the CPU platform vLLM's NIXL worker moves the *forward* thread onto the
    last core of each NUMA node, overriding ``VLLM_CPU_OMP_THREADS_BIND``; co-located engines then
    share one core and push-mode prefill can starve for minutes.
@@ -30,7 +32,7 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-# Progress-thread poll delay in microseconds: near-zero idle CPU, no measurable TTFT cost.
+# Progress-thread poll delay in microseconds (``PD_ROUTER_NIXL_PTHR_DELAY_US`` overrides it).
 _NIXL_PTHR_DELAY_US = 1000
 # NIXL backend modules whose ``_api`` builds the agent config (``nixl._api`` aliases one of them).
 _NIXL_API_MODULES = frozenset({"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"})
@@ -88,7 +90,8 @@ class _BindingsWithPollDelay(types.ModuleType):
     def nixlAgent(self, name: str, config: Any) -> Any:
         # The progress thread must stay on: on TCP loopback the target side has to progress.
         if getattr(config, "useProgThread", False):
-            config.pthrDelay = max(int(config.pthrDelay), _NIXL_PTHR_DELAY_US)
+            delay = int(os.environ.get("PD_ROUTER_NIXL_PTHR_DELAY_US", _NIXL_PTHR_DELAY_US))
+            config.pthrDelay = max(int(config.pthrDelay), delay)
         return self._real.nixlAgent(name, config)
 
 
