@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from connector.metadata import CONNECTOR_VERSION, PeerAddr
 from connector.worker import Timeouts, WorkerSide
 from tests.connector.fake_nixl import Fabric
+
+if TYPE_CHECKING:
+    import torch
 
 LAYERS = 3
 BLOCKS = 16
@@ -33,6 +34,8 @@ class Clock:
 
 def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
     """One CPU-layout tensor per layer; random contents unless ``fill`` is given."""
+    import torch  # lazily: the pure scheduler tests must run without the engine extra
+
     gen = torch.Generator().manual_seed(7)
     caches = {}
     for i in range(LAYERS):

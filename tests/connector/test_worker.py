@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import pytest
 
 from connector.metadata import RecvSpec, SendSpec, StepMeta, decode
 from connector.worker import Timeouts
@@ -17,6 +17,8 @@ from tests.connector.helpers import (
     idle,
     make_side,
 )
+
+torch = pytest.importorskip("torch")  # real tensors: needs the engine extra
 
 
 def pair(fabric: Fabric | None = None, clock: Clock | None = None,
