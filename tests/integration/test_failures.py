@@ -306,14 +306,19 @@ async def test_disconnect_while_queued_takes_no_slot(cluster: Cluster) -> None:
     d.tokens, d.token_delay = 1000, 0.01
     url, ctx = await cluster.router("aggregated", decode_extra={"slots": 1})
     body = {**PROMPT, "stream": True}
-    holder = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 0.6))
+    # The holder keeps the only slot until the queued request has come and gone.
+    holder = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 30))
     await eventually(lambda: ctx.registry.slots_in_use() == 1)
-    await _disconnect_after(url + "/v1/completions", body, 0.2)  # waits in the queue, leaves
     pool = ctx.registry.get("tiny")
     assert pool is not None
+    queued = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 0.3))
+    await eventually(lambda: pool.ledger.queue_depth == 1)
+    await queued  # it waited in the queue, then left
     await eventually(lambda: pool.ledger.queue_depth == 0)
-    await holder
-    assert len(cluster.decode[0].received) == 1
+    assert ctx.registry.slots_in_use() == 1 and len(cluster.decode[0].received) == 1
+    holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
 
 
 # -- admission -------------------------------------------------------------------
