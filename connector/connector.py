@@ -61,7 +61,8 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(vllm_config.cache_config.block_size)
+            self._sched = SchedulerSide(vllm_config.cache_config.block_size,
+                                        float(extra.get("idle_sleep_s", 0.001)))
         else:
             self._worker = _build_worker(vllm_config, self._kv_transfer_config, extra)
 

@@ -17,6 +17,8 @@ No networking happens here; the only channel to the workers is ``StepMeta``.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,8 +93,11 @@ class _SendTrack:
 class SchedulerSide:
     """Scheduler-role logic; one instance per engine, called from the scheduler thread only."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, idle_sleep_s: float = 0.0,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._block_size = block_size
+        self._idle_sleep_s = idle_sleep_s
+        self._sleep = sleep
         self._xfers: dict[str, TransferParams] = {}  # every live pipelined request
         self._sends: dict[str, _SendTrack] = {}
         self._recv_started: set[str] = set()  # D: registration planned (or nothing to receive)
@@ -150,6 +155,12 @@ class SchedulerSide:
         step, self._step = self._step, StepMeta()
         if self._sends:
             step.sends.extend(self._plan_sends(scheduler_output))
+        if (self._idle_sleep_s > 0 and step.is_empty()
+                and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+                and (self._recv_waiting or self._awaiting_send)):
+            # An empty step only waits for a peer; vLLM would run the next one at once and
+            # spin the engine-core process, which on small hosts slows the other engine.
+            self._sleep(self._idle_sleep_s)
         return step
 
     def request_finished(self, request: _Request,

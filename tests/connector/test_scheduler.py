@@ -102,3 +102,19 @@ def test_plain_and_malformed_requests_are_not_transfers() -> None:
         s.on_new_request(req)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
         assert s.request_finished(req, []) == (False, None)
+
+
+def test_empty_steps_nap_only_while_a_peer_is_pending() -> None:
+    naps: list[float] = []
+    s = SchedulerSide(BS, idle_sleep_s=0.001, sleep=naps.append)
+    empty = sched_output()
+    empty.total_num_scheduled_tokens = 0
+    s.build_connector_meta(empty)
+    assert naps == []  # nothing pending
+    req = request("d1", D_PARAMS, prompt_len=8)
+    s.on_new_request(req)
+    s.update_state_after_alloc(req, [1, 2], 8)
+    s.build_connector_meta(empty)
+    assert naps == []  # this step carries the registration
+    s.build_connector_meta(empty)
+    assert naps == [0.001]  # waiting for P's writes
