@@ -9,8 +9,8 @@ the router's timeouts, a stream dropped mid-way, a malformed SSE line or JSON
 body, missing ``kv_transfer_params``), the router (``pd-router serve``), and this
 process driving ``--streams`` client loops (the engines run in a process of their
 own); a share of them disconnect at a random moment. Every ``--sample`` seconds
-it records the router's RSS and decode slots in use. At the end it waits for in-flight work to settle and
-reports outcomes by kind, slots in use (must be 0), every fake engine's open
+it records the router's RSS and decode slots in use. At the end it waits for
+in-flight work to settle and reports outcomes by kind, slots in use (must be 0), every fake engine's open
 requests (must be 0), and RSS over time (must be flat: after warm-up, the last
 third's median within ``--rss-tolerance`` of the middle third's).
 """
