@@ -6,13 +6,14 @@ random engine faults, against fake engines. Not a test: it prints figures.
 Processes: one fake P and one fake D engine (``tests/fakes/fake_vllm.py`` with
 ``chaos``: each request may get a random fault — an error status, a hang past
 the router's timeouts, a stream dropped mid-way, a malformed SSE line or JSON
-body, missing ``kv_transfer_params``), the router (``pd-router serve``), and this
-process driving ``--streams`` client loops (the engines run in a process of their
-own); a share of them disconnect at a random moment. Every ``--sample`` seconds
-it records the router's RSS and decode slots in use. At the end it waits for
-in-flight work to settle and reports outcomes by kind, slots in use (must be 0), every fake engine's open
-requests (must be 0), and RSS over time (must be flat: after warm-up, the last
-third's median within ``--rss-tolerance`` of the middle third's).
+body, missing ``kv_transfer_params``) in a process of their own, the router
+(``pd-router serve``), and this process driving ``--streams`` client loops; a
+share of them disconnect at a random moment. Every ``--sample`` seconds it
+records the router's RSS and decode slots in use. At the end it waits for
+in-flight work to settle and reports outcomes by kind, slots in use (must be
+0), requests still open on the fake engines (must be 0), and RSS over time
+(must be flat: after warm-up, the last third's median within
+``--rss-tolerance`` of the middle third's).
 """
 
 from __future__ import annotations
