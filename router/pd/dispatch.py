@@ -182,13 +182,10 @@ class Dispatcher:
         p: Instance,
         ids: kp.DispatchIds,
     ) -> Dispatch:
-        result = await self._prefill(pool, creq, p, ids, kp.prefill_params(ids.transfer_id))
-        assert result.kv_params is not None
-        d_params = kp.pull_decode_params(
-            result.kv_params, ids.transfer_id, pool.kv_hosts.get(p.url)
-        )
-        leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
-        return self._opened(pool, res, leg, ids, p, None, result.finished_at)
+        def params(p_params: dict[str, Any]) -> dict[str, Any]:
+            return kp.pull_decode_params(p_params, ids.transfer_id, pool.kv_hosts.get(p.url))
+
+        return await self._sequential(pool, creq, res, p, ids, params)
 
     async def _push_sequential(
         self,
@@ -198,21 +195,36 @@ class Dispatcher:
         p: Instance,
         ids: kp.DispatchIds,
     ) -> Dispatch:
+        def params(p_params: dict[str, Any]) -> dict[str, Any]:
+            identity = kp.identity_from_params(p_params, pool.kv_hosts.get(p.url))
+            if identity is None:
+                raise UpstreamError(
+                    f"prefill engine {p.url} returned kv_transfer_params without its NIXL identity",
+                    role="prefill",
+                    instance=p.url,
+                    code="kv_transfer_params_incomplete",
+                )
+            pool.learn_identity(p.url, identity)
+            remote_id = p_params.get("remote_request_id")
+            if not isinstance(remote_id, str):
+                remote_id = kp.predicted_prefill_request_id(creq.endpoint, ids.request_id)
+            return kp.push_decode_params(identity, remote_id, ids.transfer_id)
+
+        return await self._sequential(pool, creq, res, p, ids, params)
+
+    async def _sequential(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        res: Reservation,
+        p: Instance,
+        ids: kp.DispatchIds,
+        decode_params: Callable[[dict[str, Any]], dict[str, Any]],
+    ) -> Dispatch:
+        """P to completion, then D with parameters derived from P's response."""
         result = await self._prefill(pool, creq, p, ids, kp.prefill_params(ids.transfer_id))
-        assert result.kv_params is not None
-        identity = kp.identity_from_params(result.kv_params, pool.kv_hosts.get(p.url))
-        if identity is None:
-            raise UpstreamError(
-                f"prefill engine {p.url} returned kv_transfer_params without its NIXL identity",
-                role="prefill",
-                instance=p.url,
-                code="kv_transfer_params_incomplete",
-            )
-        pool.learn_identity(p.url, identity)
-        remote_id = result.kv_params.get("remote_request_id")
-        if not isinstance(remote_id, str):
-            remote_id = kp.predicted_prefill_request_id(creq.endpoint, ids.request_id)
-        d_params = kp.push_decode_params(identity, remote_id, ids.transfer_id)
+        assert result.kv_params is not None  # required in these modes (legs.prefill)
+        d_params = decode_params(result.kv_params)
         leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
         return self._opened(pool, res, leg, ids, p, None, result.finished_at)
 
