@@ -18,6 +18,8 @@ from router.stack.launcher import Stack, StackError
 from router.stack.metrics import Metrics
 
 BYTES_METRIC = "vllm:nixl_bytes_transferred_sum"
+# This project's connector (pipelined mode) counts bytes under its own names.
+PIPELINED_BYTES_METRICS = ("vllm:pdr_bytes_written_total", "vllm:pdr_bytes_received_total")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DEFAULT_PROMPT = "Explain in one paragraph why prefill and decode run on different engines."
 
@@ -117,7 +119,8 @@ def _stream_chat(
 def _bytes_by_engine(stack: Stack) -> dict[str, float]:
     """NIXL bytes each engine reports (D in pull mode reads, P in push mode writes)."""
     totals: dict[str, float] = {}
+    names = PIPELINED_BYTES_METRICS if stack.mode is Mode.PIPELINED else (BYTES_METRIC,)
     for spec in stack.engines:
         metrics: Metrics = stack.engine_metrics(spec.name)
-        totals[spec.name] = metrics.total(BYTES_METRIC)
+        totals[spec.name] = sum(metrics.total(n) for n in names)
     return totals

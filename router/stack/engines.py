@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
 LOCALHOST = "127.0.0.1"
@@ -25,6 +25,7 @@ class Mode(StrEnum):
     PULL = "pull"
     PUSH = "push"
     PUSH_SEQUENTIAL = "push-sequential"
+    PIPELINED = "pipelined"
     AGGREGATED = "aggregated"
 
     @property
@@ -34,7 +35,13 @@ class Mode(StrEnum):
             return "NixlConnector"
         if self in (Mode.PUSH, Mode.PUSH_SEQUENTIAL):
             return "NixlPushConnector"
+        if self is Mode.PIPELINED:
+            return PIPELINED_CONNECTOR
         return None
+
+
+# This project's connector (connector/), loaded by vLLM from the installed package.
+PIPELINED_CONNECTOR = "PipelinedPushConnector"
 
 
 Role = Literal["prefill", "decode", "aggregated"]
@@ -84,9 +91,11 @@ def plan_engines(
     connector = mode.connector
     if connector is None:
         return [EngineSpec("aggregated-0", "aggregated", ports[0], cores[1])]
+    # The pipelined connector's P writes into D, so D's identity is pinned too.
+    d_engine_id = f"{engine_id}-decode" if mode is Mode.PIPELINED else None
     return [
         EngineSpec("prefill-0", "prefill", ports[0], cores[0], connector, kv_ports[0], engine_id),
-        EngineSpec("decode-0", "decode", ports[1], cores[1], connector, kv_ports[1]),
+        EngineSpec("decode-0", "decode", ports[1], cores[1], connector, kv_ports[1], d_engine_id),
     ]
 
 
@@ -94,13 +103,19 @@ def kv_transfer_config(spec: EngineSpec) -> str | None:
     """The ``--kv-transfer-config`` JSON for ``spec`` (None for an engine without connector)."""
     if spec.connector is None:
         return None
-    config: dict[str, str] = {
+    config: dict[str, Any] = {
         "kv_connector": spec.connector,
         "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
     }
     if spec.engine_id is not None:
         config["engine_id"] = spec.engine_id
+    if spec.connector == PIPELINED_CONNECTOR:
+        config["kv_connector_module_path"] = "connector"
+        config["kv_connector_extra_config"] = {
+            "side_channel_host": LOCALHOST,
+            "side_channel_port": spec.kv_port,
+        }
     return json.dumps(config, separators=(",", ":"))
 
 

@@ -266,9 +266,13 @@ def router_config(
         for s in engines
         if s.role == "prefill"
     ]
-    decode = [
+    decode: list[dict[str, Any]] = [
         {"url": s.url, "slots": decode_slots} for s in engines if s.role in ("decode", "aggregated")
     ]
+    if mode is eng.Mode.PIPELINED:  # P writes into D: the router gives P D's identity
+        d_specs = [s for s in engines if s.role == "decode"]
+        for entry, s in zip(decode, d_specs, strict=True):
+            entry |= {"engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
     return {
         "listen": {"host": eng.LOCALHOST, "port": port},
         "models": [{"name": model_name, "mode": mode.value, "prefill": prefill, "decode": decode}],

@@ -34,6 +34,21 @@ def test_router_accepts_the_stack_config(mode: eng.Mode) -> None:
     assert len(model.prefill) == (0 if mode is eng.Mode.AGGREGATED else 1)
 
 
+def test_pipelined_engines_load_this_projects_connector() -> None:
+    """Pipelined mode: both engines load connector/ and are named; the router config gives
+    P the decode engine's identity (side-channel port included)."""
+    p, d = _plan(eng.Mode.PIPELINED)
+    for spec, role in ((p, "kv_producer"), (d, "kv_consumer")):
+        cfg = json.loads(eng.kv_transfer_config(spec) or "{}")
+        assert cfg["kv_connector"] == "PipelinedPushConnector" and cfg["kv_role"] == role
+        assert cfg["kv_connector_module_path"] == "connector"
+        assert cfg["engine_id"] == spec.engine_id
+        assert cfg["kv_connector_extra_config"]["side_channel_port"] == spec.kv_port
+    model = parse_config(router_config(eng.Mode.PIPELINED, [p, d], "tiny", 8001)).models[0]
+    assert (model.decode[0].engine_id, model.decode[0].kv_port) == (d.engine_id, d.kv_port)
+    assert (model.prefill[0].engine_id, model.prefill[0].kv_port) == (ENGINE_ID, p.kv_port)
+
+
 @pytest.mark.parametrize(
     ("mode", "connector"),
     [
