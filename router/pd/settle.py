@@ -49,10 +49,6 @@ class Settler:
         self._timeouts = timeouts
         self._tasks: set[asyncio.Task[None]] = set()
 
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
-
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

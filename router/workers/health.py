@@ -106,10 +106,10 @@ class HealthMonitor:
             return
         if load is None:
             return
-        inst.kv_usage = load.kv_usage
         if load.running or load.waiting:
             return  # busy: a leak cannot be told apart from real use
-        leaked = load.kv_usage > inst.idle_kv_usage + self._config.leak_usage_epsilon
+        # An idle engine holds no KV: anything above the tolerance is leaked blocks.
+        leaked = load.kv_usage > self._config.leak_usage_epsilon
         if leaked and not inst.degraded:
             log.error(
                 "decode engine %s holds KV (usage %.4f) with no request: out of rotation",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.pd.pipelined_params import PeerIdentity
 from router.workers.breaker import Breaker
@@ -37,9 +37,6 @@ class Instance:
     health_failures: int = 0
     degraded: bool = False
     suspect: bool = False  # decode: a leg was closed while waiting for KV
-    idle_kv_usage: float = 0.0
-    kv_usage: float | None = None
-    labels: dict[str, str] = field(default_factory=dict)
     # The engine's NIXL identity as configured or discovered (pipelined mode).
     peer: PeerIdentity | None = None
 
