@@ -149,9 +149,17 @@ class RelayResponse(Response):
         now = self._clock()
         self._ttft = now - self._t0
         itl = self._dispatcher.metrics.itl.labels(self._pool.name, dispatch.decision)
+        stream = leg.stream
+        last = b""
         try:
             with map_errors("decode", leg.instance.url):
                 async for chunk in leg.rest:
+                    if stream.ended:
+                        # D's last bytes came with the end of its response: relay
+                        # both in one write.
+                        last = chunk
+                        itl.observe(self._clock() - now)
+                        break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     t = self._clock()
                     itl.observe(t - now)
@@ -163,7 +171,7 @@ class RelayResponse(Response):
             await self._end(send, sse_error_event(err.message, err.type, err.code))
             return False
         leg.mark_ended()
-        await self._end(send, b"")
+        await self._end(send, last)
         return True
 
     async def _end(self, send: Send, body: bytes) -> None:

@@ -19,6 +19,7 @@ import orjson
 
 from router.config import TimeoutConfig
 from router.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
+from router.http1 import Http1Response
 from router.metrics import Metrics
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 from router.workers.instance import Instance
@@ -93,6 +94,9 @@ class DecodeLeg:
 
 
 async def _close_quietly(stream: UpstreamStream) -> None:
+    if isinstance(stream, Http1Response):
+        stream.close()  # synchronous: nothing can interrupt it
+        return
     # Shielded so a second cancellation cannot leave the connection open.
     with contextlib.suppress(Exception):
         await asyncio.shield(stream.aclose())

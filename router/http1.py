@@ -1,0 +1,445 @@
+"""The HTTP/1.1 client for engine calls: an asyncio protocol, httptools, a keep-alive pool.
+
+Why not httpx's transport or aiohttp: at 256 streams the engine-call path through
+httpx + aiohttp profiled as ~38% of the router's CPU (request/response object
+layers, header multidicts, three async-iterator layers per chunk). Engine calls
+use a sliver of HTTP: a POST of a JSON body with headers the router builds
+itself, a GET of ``/health`` or ``/metrics``, a response read whole or chunk by
+chunk. This module does exactly that; httptools (the parser uvicorn uses) parses.
+
+Contract:
+
+* :meth:`Http1Pool.request` returns an :class:`Http1Response` once the status
+  line and headers are in; its body is then read with ``async for`` or
+  :meth:`Http1Response.read_all`.
+* Failures are raised as httpx's exception types (``ConnectError``,
+  ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``RemoteProtocolError``),
+  the vocabulary :func:`router.upstream.map_errors` translates for the router.
+* ``read_timeout`` bounds every wait for bytes (headers, then each body read).
+* Closing a response before its end closes the connection: that is how vLLM
+  learns to abort the request. A response read to its end gives its keep-alive
+  connection back to the pool; idle connections older than ``keepalive_expiry``
+  are dropped when met (keep it below the engines' keep-alive timeout, 5 s for
+  vLLM's uvicorn, so the router never writes into a connection being closed).
+* A reused connection the server closed before answering a single byte is
+  retried once on a fresh connection (the request never reached the server's
+  application); nothing else is retried here.
+* The pool has no connection cap: decode slots and admission bound how many
+  engine calls run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable
+from typing import Final, NamedTuple, cast
+from urllib.parse import urlsplit
+
+import httptools
+import httpx
+
+__all__ = ["Http1Pool", "Http1Response", "Origin", "split_url"]
+
+# Unread body bytes above this pause reading from the socket (back-pressure to the engine).
+_HIGH_WATER: Final = 256 * 1024
+
+
+class Origin(NamedTuple):
+    scheme: str
+    host: str
+    port: int
+
+    @property
+    def netloc(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def split_url(url: str) -> tuple[Origin, str]:
+    """``"http://h:8000/v1/x?y"`` -> ``(Origin("http", "h", 8000), "/v1/x?y")``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = parts.path or "/"
+    if parts.query:
+        target += "?" + parts.query
+    return Origin(parts.scheme, parts.hostname, port), target
+
+
+class _StaleConnection(Exception):
+    """A reused connection was closed by the server before any response byte."""
+
+
+def _expire(waiter: asyncio.Future[None], seconds: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout(f"no bytes from the engine for {seconds:g}s"))
+
+
+class Http1Response:
+    """One response: status and content type once headers are in, then the body.
+
+    Iterating yields whatever body bytes have arrived since the last read (chunks
+    that arrived together are joined: fewer, larger writes downstream).
+    """
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_complete",
+        "_conn",
+        "_error",
+        "_headers_in",
+        "_keep_alive",
+        "_loop",
+        "_read_timeout",
+        "_until_eof",
+        "_waiter",
+        "content_type",
+        "status",
+    )
+
+    def __init__(
+        self, conn: _Conn, loop: asyncio.AbstractEventLoop, read_timeout: float | None
+    ) -> None:
+        self.status = 0
+        self.content_type = "application/json"
+        self._conn = conn
+        self._loop = loop
+        self._read_timeout = read_timeout
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._headers_in = False
+        self._complete = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False
+        self._keep_alive = False
+        self._until_eof = True  # no Content-Length and no chunked coding: the body ends at EOF
+
+    # -- fed by the connection -------------------------------------------------
+
+    def _on_headers(self, status: int, keep_alive: bool) -> None:
+        self.status = status
+        self._keep_alive = keep_alive
+        self._headers_in = True
+        self._wake()
+
+    def _on_body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > _HIGH_WATER:
+            self._conn.pause_reading()
+        self._wake()
+
+    def _on_complete(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        if self._complete:
+            return
+        if exc is None and self._headers_in and self._until_eof:
+            self._on_complete()
+            return
+        if self._error is None:
+            if exc is None:
+                self._error = httpx.RemoteProtocolError("the engine closed the connection")
+            else:
+                self._error = httpx.ReadError(f"{type(exc).__name__}: {exc}")
+        self._wake()
+
+    def _on_malformed(self, message: str) -> None:
+        if self._error is None:
+            self._error = httpx.RemoteProtocolError(
+                f"malformed response from the engine: {message}"
+            )
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- read by the caller ----------------------------------------------------
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = self._loop.create_future()
+        timer = None
+        if self._read_timeout is not None:
+            timer = self._loop.call_later(self._read_timeout, _expire, waiter, self._read_timeout)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def wait_headers(self) -> None:
+        while not self._headers_in:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    def __aiter__(self) -> Http1Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while True:
+            if self._chunks:
+                return self._take()
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                raise StopAsyncIteration
+            await self._wait()
+
+    def _take(self) -> bytes:
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if self._buffered > _HIGH_WATER:
+            self._conn.resume_reading()
+        self._buffered = 0
+        return data
+
+    def chunks(self) -> Http1Response:
+        return self
+
+    async def read_all(self) -> bytes:
+        parts = [chunk async for chunk in self]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    @property
+    def ended(self) -> bool:
+        """Every body byte has been handed out and the response is complete."""
+        return self._complete and not self._chunks and self._error is None
+
+    @property
+    def reusable(self) -> bool:
+        return self._complete and self._keep_alive and self._error is None
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the connection back (response complete) or close it (vLLM aborts); idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._conn.release(self)
+
+
+class _Conn(asyncio.Protocol):
+    """One TCP connection to an engine, carrying at most one request at a time."""
+
+    def __init__(self, pool: Http1Pool, origin: Origin) -> None:
+        self.origin = origin
+        self.idle_since = 0.0
+        self.lost = False
+        self.got_bytes = False  # any byte of the current response
+        self.transport: asyncio.Transport | None = None
+        self._pool = pool
+        self._response: Http1Response | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._paused = False
+
+    # -- asyncio.Protocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        response = self._response
+        if response is None:  # bytes nobody asked for: the connection is unusable
+            self._close_transport()
+            return
+        self.got_bytes = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            response._on_malformed(str(exc))
+            self._close_transport()
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too; connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        response = self._response
+        if response is not None:
+            response._on_lost(exc)
+        else:
+            self._pool.forget(self)
+
+    # -- httptools callbacks -----------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self._response
+        if response is None:
+            return
+        lname = name.lower()
+        if lname == b"content-type":
+            response.content_type = value.decode("latin-1")
+        elif lname in (b"content-length", b"transfer-encoding"):
+            response._until_eof = False
+
+    def on_headers_complete(self) -> None:
+        if self._response is not None:
+            self._response._on_headers(
+                self._parser.get_status_code(), self._parser.should_keep_alive()
+            )
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response._on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._response is not None:
+            self._response._on_complete()
+
+    # -- used by the pool and the response ---------------------------------------
+
+    def start(self, head: bytes, body: bytes, read_timeout: float | None) -> Http1Response:
+        assert self.transport is not None
+        response = self._response = Http1Response(self, self._pool.loop, read_timeout)
+        self.got_bytes = False
+        self.transport.write(head + body if body else head)
+        return response
+
+    def release(self, response: Http1Response) -> None:
+        if response is not self._response:
+            return
+        self._response = None
+        if response.reusable and not self.lost:
+            self.resume_reading()
+            self._pool.give_back(self)
+        else:
+            self._close_transport()
+
+    def pause_reading(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._paused and self.transport is not None and not self.lost:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def _close_transport(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def close(self) -> None:
+        self._close_transport()
+
+
+class Http1Pool:
+    """Keep-alive connections per origin, most recently used first."""
+
+    def __init__(
+        self,
+        connect_timeout: float,
+        keepalive_expiry: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive_expiry
+        self._clock = clock
+        # Per origin, idle connections in the order they were given back (a dict:
+        # O(1) removal when the engine closes one, LIFO checkout with popitem()).
+        self._idle: dict[Origin, dict[_Conn, None]] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    async def request(
+        self, origin: Origin, head: bytes, body: bytes, read_timeout: float | None
+    ) -> Http1Response:
+        """Send one request; return once its response headers are in."""
+        conn = self._checkout(origin)
+        if conn is not None:
+            try:
+                return await self._send(conn, head, body, read_timeout, reused=True)
+            except _StaleConnection:
+                pass
+        conn = await self._connect(origin)
+        return await self._send(conn, head, body, read_timeout, reused=False)
+
+    async def _send(
+        self, conn: _Conn, head: bytes, body: bytes, read_timeout: float | None, *, reused: bool
+    ) -> Http1Response:
+        response = conn.start(head, body, read_timeout)
+        try:
+            await response.wait_headers()
+        except BaseException as exc:
+            response.close()
+            if reused and not conn.got_bytes and isinstance(exc, httpx.RemoteProtocolError):
+                raise _StaleConnection from exc
+            raise
+        return response
+
+    def _checkout(self, origin: Origin) -> _Conn | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        oldest_ok = self._clock() - self._keepalive
+        while idle:
+            conn, _ = idle.popitem()
+            if not conn.lost and conn.idle_since >= oldest_ok:
+                return conn
+            conn.close()
+        return None
+
+    def give_back(self, conn: _Conn) -> None:
+        conn.idle_since = self._clock()
+        idle = self._idle.get(conn.origin)
+        if idle is None:
+            idle = self._idle[conn.origin] = {}
+        idle[conn] = None
+
+    def forget(self, conn: _Conn) -> None:
+        """An idle connection was closed (by the engine, or expired): drop it."""
+        idle = self._idle.get(conn.origin)
+        if idle is not None:
+            idle.pop(conn, None)
+
+    async def _connect(self, origin: Origin) -> _Conn:
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await self.loop.create_connection(
+                    lambda: _Conn(self, origin),
+                    origin.host,
+                    origin.port,
+                    ssl=self._ssl_context() if origin.scheme == "https" else None,
+                )
+        except TimeoutError as exc:
+            raise httpx.ConnectTimeout(
+                f"connecting to {origin.netloc} took over {self._connect_timeout:g}s"
+            ) from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"cannot connect to {origin.netloc}: {exc}") from exc
+        return conn
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def close(self) -> None:
+        """Close every idle connection (those in use are closed by their responses)."""
+        idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn in list(conns):
+                conn.close()
