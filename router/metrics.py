@@ -215,12 +215,19 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            "pdrouter_inter_chunk_seconds",
-            "Client-observed time between streamed chunks",
+        # Per stream, not per chunk: a per-chunk histogram cost ~5% of the router's
+        # CPU with --workers (each observation is a locked write to a shared file),
+        # and the per-token distribution is the engine's own metric
+        # (vllm:inter_token_latency_seconds). The router's share is the worst stall.
+        self.max_chunk_gap = Histogram(
+            "pdrouter_stream_max_chunk_gap_seconds",
+            "Longest client-observed time between two chunks of a stream",
             ["model", "mode"],
             buckets=_ITL_BUCKETS,
             registry=r,
+        )
+        self.chunks = Counter(
+            "pdrouter_streamed_chunks", "Body chunks relayed to clients", ["model"], registry=r
         )
         self.prefill_duration = Histogram(
             "pdrouter_prefill_duration_seconds",

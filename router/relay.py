@@ -148,31 +148,40 @@ class RelayResponse(Response):
         await send({"type": "http.response.body", "body": leg.first, "more_body": True})
         now = self._clock()
         self._ttft = now - self._t0
-        itl = self._dispatcher.metrics.itl.labels(self._pool.name, dispatch.decision)
         stream = leg.stream
         last = b""
+        worst = 0.0
+        count = 1
         try:
             with map_errors("decode", leg.instance.url):
                 async for chunk in leg.rest:
+                    count += 1
+                    t = self._clock()
+                    worst = max(worst, t - now)
+                    now = t
                     if stream.ended:
                         # D's last bytes came with the end of its response: relay
                         # both in one write.
                         last = chunk
-                        itl.observe(self._clock() - now)
                         break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    t = self._clock()
-                    itl.observe(t - now)
-                    now = t
         except UpstreamError as exc:
             leg.mark_ended()
+            self._stream_stats(dispatch, count, worst)
             err = dispatch.prefill_error or exc
             log.warning("stream failed after the first byte: %s", err.message)
             await self._end(send, sse_error_event(err.message, err.type, err.code))
             return False
         leg.mark_ended()
+        self._stream_stats(dispatch, count, worst)
         await self._end(send, last)
         return True
+
+    def _stream_stats(self, dispatch: Dispatch, chunks: int, worst_gap: float) -> None:
+        metrics = self._dispatcher.metrics
+        metrics.chunks.labels(self._pool.name).inc(chunks)
+        if chunks > 1:
+            metrics.max_chunk_gap.labels(self._pool.name, dispatch.decision).observe(worst_gap)
 
     async def _end(self, send: Send, body: bytes) -> None:
         self._complete = True

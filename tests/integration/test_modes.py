@@ -196,3 +196,17 @@ async def test_openai_sdk_chat_and_completions(cluster: Cluster, mode: str) -> N
         "/v1/chat/completions",
         "/v1/completions",
     }
+
+
+async def test_stream_metrics_count_chunks_and_the_worst_gap(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull")
+    cluster.decode[0].behaviour.token_delay = 0.05  # each chunk alone on the wire
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200 and sse_payloads(r.text)[-1] == "[DONE]"
+    # 4 tokens and [DONE], ~50 ms apart; the last ones may share one read.
+    assert 2 <= metric(ctx, "pdrouter_streamed_chunks_total") <= 5
+    assert metric(ctx, "pdrouter_stream_max_chunk_gap_seconds_count") == 1
+    worst = metric(ctx, "pdrouter_stream_max_chunk_gap_seconds_sum")
+    assert 0.04 <= worst < 5
