@@ -16,7 +16,7 @@ and a decode (D) body, and which ``kv_transfer_params`` each mode sends:
 
 from __future__ import annotations
 
-import uuid
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,13 @@ class DispatchIds:
 
 
 def new_dispatch_ids() -> DispatchIds:
-    hex_ = uuid.uuid4().hex
+    """Fresh ids for one dispatch attempt: 128 random bits, never reused.
+
+    ``random`` rather than ``uuid4``: ids need uniqueness, not secrecy, and
+    uuid4's read of the OS's random source was a visible per-request cost. The
+    generator is seeded from the OS at start and reseeded in every forked worker.
+    """
+    hex_ = f"{random.getrandbits(128):032x}"
     return DispatchIds(request_id=f"pdr-{hex_}", transfer_id=f"xfer-{hex_}")
 
 
