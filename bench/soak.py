@@ -54,7 +54,7 @@ def _start_engines(args: argparse.Namespace, ports: list[int]) -> subprocess.Pop
     """Fake P and D in their own process: the load driver must not starve them."""
     behaviour = {
         "tokens": 16,
-        "token_delay": 0.02,
+        "token_delay": args.token_delay,
         "chaos": args.fault_rate,
         "chaos_hang": 5.0,
         "transfer_mode": "push" if args.mode == "push" else "pull",
@@ -114,16 +114,28 @@ def _outcome(status: int, text: str) -> str:
     return "ok" if "[DONE]" in text else "truncated"
 
 
+class OpenStreams:
+    """Client requests in flight right now (the concurrency the router really holds)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.seen: list[int] = []
+
+
 async def _client_loop(
     client: httpx.AsyncClient,
     url: str,
     stop: float,
-    p_disconnect: float,
+    args: argparse.Namespace,
     outcomes: collections.Counter[str],
+    open_streams: OpenStreams,
 ) -> None:
     body = {"model": "tiny", "prompt": "soak " * 40, "max_tokens": 16, "stream": True}
+    stream_s = 16 * args.token_delay
     while time.monotonic() < stop:
-        leave_after = random.uniform(0.0, 0.3) if random.random() < p_disconnect else None
+        leave = random.random() < args.disconnect_rate
+        leave_after = random.uniform(0.0, stream_s) if leave else None
+        open_streams.now += 1
         try:
             async with (
                 asyncio.timeout(leave_after),
@@ -135,6 +147,8 @@ async def _client_loop(
             outcomes["client_disconnect"] += 1
         except httpx.HTTPError as exc:
             outcomes[f"client_saw_{type(exc).__name__}"] += 1
+        finally:
+            open_streams.now -= 1
 
 
 async def _slots_in_use(client: httpx.AsyncClient, url: str) -> float:
@@ -151,17 +165,26 @@ async def _sample(
     url: str,
     pid: int,
     stop: float,
-    every: float,
+    args: argparse.Namespace,
     samples: list[tuple[float, float, float]],
-    t0: float,
+    open_streams: OpenStreams,
 ) -> None:
+    t0 = time.monotonic()
+    next_print = t0
     while time.monotonic() < stop:
-        await asyncio.sleep(every)
+        await asyncio.sleep(1.0)
+        t = time.monotonic() - t0
+        if t >= args.warmup:
+            open_streams.seen.append(open_streams.now)
+        if time.monotonic() < next_print:
+            continue
+        next_print += args.sample
         with contextlib.suppress(httpx.HTTPError):
             slots = await _slots_in_use(client, url)
-            samples.append((time.monotonic() - t0, _rss_mb(pid), slots))
+            samples.append((t, _rss_mb(pid), slots))
             print(
-                f"  t={samples[-1][0]:6.0f}s rss={samples[-1][1]:7.1f} MB slots={slots:.0f}",
+                f"  t={t:6.0f}s rss={samples[-1][1]:7.1f} MB slots={slots:.0f} "
+                f"open streams={open_streams.now}",
                 flush=True,
             )
 
@@ -200,21 +223,21 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.2)
             outcomes: collections.Counter[str] = collections.Counter()
             samples: list[tuple[float, float, float]] = []
-            t0 = time.monotonic()
-            stop = t0 + args.minutes * 60
+            open_streams = OpenStreams()
+            stop = time.monotonic() + args.minutes * 60
             print(
                 f"soak: {args.streams} streams, {args.minutes} min, mode {args.mode}, "
                 f"fault rate {args.fault_rate}, disconnect rate {args.disconnect_rate}"
             )
             await asyncio.gather(
-                _sample(client, url, router.pid, stop, args.sample, samples, t0),
+                _sample(client, url, router.pid, stop, args, samples, open_streams),
                 *(
-                    _client_loop(client, url, stop, args.disconnect_rate, outcomes)
+                    _client_loop(client, url, stop, args, outcomes, open_streams)
                     for _ in range(args.streams)
                 ),
             )
             final_slots, open_upstream = await _settle(client, url, engines)
-        return _report(args, outcomes, samples, final_slots, open_upstream)
+        return _report(args, outcomes, samples, open_streams, final_slots, open_upstream)
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(30)
@@ -227,11 +250,17 @@ def _report(
     args: argparse.Namespace,
     outcomes: collections.Counter[str],
     samples: list[tuple[float, float, float]],
+    open_streams: OpenStreams,
     final_slots: float,
     open_upstream: float,
 ) -> int:
     total = sum(outcomes.values())
     print(f"\nrequests: {total} ({total / (args.minutes * 60):.0f}/s)")
+    seen = open_streams.seen or [0]
+    print(
+        f"client streams open after warm-up (1 s samples): median {statistics.median(seen):.0f}, "
+        f"min {min(seen)}, max {max(seen)} of {args.streams}"
+    )
     for kind, n in outcomes.most_common():
         print(f"  {kind:32s} {n:8d}  {100 * n / max(total, 1):5.1f}%")
     print(f"decode slots in use at the end: {final_slots:.0f} (must be 0)")
@@ -262,6 +291,13 @@ def main() -> None:
     p.add_argument("--mode", choices=["pull", "push", "push-sequential"], default="push")
     p.add_argument("--fault-rate", type=float, default=0.02, help="per engine request")
     p.add_argument("--disconnect-rate", type=float, default=0.1, help="per client request")
+    p.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.1,
+        help="seconds between the 16 streamed tokens: long streams keep --streams open "
+        "at a request rate the shared machine sustains",
+    )
     p.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS counts")
     p.add_argument("--rss-tolerance", type=float, default=0.10)
