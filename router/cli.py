@@ -110,6 +110,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         loop="uvloop",
         http="httptools",
+        # Clients' X-Forwarded-* headers are not trusted, and the router never uses the
+        # client address: skip the middleware that rewrites it on every request.
+        proxy_headers=False,
+        server_header=False,
         timeout_graceful_shutdown=args.grace,
         backlog=_BACKLOG,
     )

@@ -129,6 +129,10 @@ def _worker_main(
         access_log=opts.access_log,
         loop="uvloop",
         http="httptools",
+        # Clients' X-Forwarded-* headers are not trusted, and the router never uses the
+        # client address: skip the middleware that rewrites it on every request.
+        proxy_headers=False,
+        server_header=False,
         timeout_graceful_shutdown=opts.grace,  # type: ignore[arg-type]  # a float works
         backlog=opts.backlog,
     )
