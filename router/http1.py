@@ -227,9 +227,16 @@ class Http1Response:
         self.close()
 
     def close(self) -> None:
-        """Give the connection back (response complete) or close it (vLLM aborts); idempotent."""
+        """Give the connection back (response complete) or close it (vLLM aborts); idempotent.
+
+        A read of an incomplete response waiting for bytes (another task's) then
+        raises ``ReadError`` at once rather than at its read timeout.
+        """
         if not self._closed:
             self._closed = True
+            if not self._complete and self._error is None:
+                self._error = httpx.ReadError("the response was closed before its end")
+                self._wake()
             self._conn.release(self)
 
 
@@ -357,6 +364,7 @@ class Http1Pool:
         self._idle: dict[Origin, dict[_Conn, None]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -403,6 +411,9 @@ class Http1Pool:
         return None
 
     def give_back(self, conn: _Conn) -> None:
+        if self._closed:  # a response read to its end after close()
+            conn.close()
+            return
         conn.idle_since = self._clock()
         idle = self._idle.get(conn.origin)
         if idle is None:
@@ -439,6 +450,7 @@ class Http1Pool:
 
     def close(self) -> None:
         """Close every idle connection (those in use are closed by their responses)."""
+        self._closed = True
         idle, self._idle = self._idle, {}
         for conns in idle.values():
             for conn in list(conns):
