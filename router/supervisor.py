@@ -85,6 +85,18 @@ def _use_multiprocess_metrics(path: str) -> None:
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
 
 
+def _pin_metrics_pid(pid: int) -> None:
+    """Give this worker's metric values a constant process id.
+
+    By default every multiprocess metric update asks the OS for the pid (to notice
+    a fork), which profiled at ~3% of a worker's CPU; a worker never forks, so its
+    pid, read once after the supervisor's fork, stays right.
+    """
+    from prometheus_client import values
+
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)  # type: ignore[no-untyped-call]
+
+
 async def _watch_worker(ctx: Any, server: Any, parent: int) -> None:
     """Keep the multiprocess gauges fresh; stop serving if the supervisor is gone."""
     from router.metrics import WORKER_STATE_INTERVAL
@@ -111,6 +123,7 @@ def _worker_main(
     from router.app import create_app
 
     os.setpgrp()
+    _pin_metrics_pid(os.getpid())
     # Inherited Python handlers are the supervisor's; uvicorn installs its own while
     # serving and re-raises SIGTERM to this no-op afterwards, so a drain exits 0.
     signal.signal(signal.SIGTERM, lambda _s, _f: None)
