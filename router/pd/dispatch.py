@@ -289,8 +289,13 @@ class Dispatcher:
                 await cancel_task(p_task)
             raise
         except BaseException:
+            delivered = p_task.done() and not p_task.cancelled() and p_task.exception() is None
             await discard_decode(d_task)
             await cancel_task(p_task)
+            if pool.mode is Mode.PUSH and not delivered:
+                # D failed before P delivered (e.g. D's first-byte timeout while P
+                # hangs): closed while it waited for KV, it may leak like above.
+                res.instance.suspect = True
             raise
         finished_at = None
         if p_task.done() and p_task.exception() is None:

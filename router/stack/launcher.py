@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -66,7 +67,12 @@ class Stack:
         cores: tuple[int, int] = (0, 1),
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         log: TextIO | None = None,
+        router_overrides: Mapping[str, Any] | None = None,
+        engine_args: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
+        """``router_overrides``: top-level sections merged into the router config (e.g.
+        ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
+        engine name (e.g. ``{"prefill-0": ["--max-model-len", "2048"]}``); later flags win."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -77,6 +83,8 @@ class Stack:
         self.startup_timeout_s = startup_timeout_s
         self.max_model_len = max_model_len
         self._router_port_wanted = router_port
+        self.router_overrides = dict(router_overrides or {})
+        self.engine_args = {name: tuple(args) for name, args in (engine_args or {}).items()}
         self._log = log if log is not None else sys.stderr
         self.engines: list[eng.EngineSpec] = []
         self.router_port: int | None = None
@@ -84,6 +92,7 @@ class Stack:
         self.model_path: Path | None = None
         self.startup_s: dict[str, float] = {}
         self._procs: list[ManagedProcess] = []
+        self._engine_options_used: eng.EngineOptions | None = None
         self._router_proc: ManagedProcess | None = None
         self._lock = threading.Lock()
 
@@ -117,23 +126,48 @@ class Stack:
             self._router_proc = None
         atexit.unregister(self.stop)
 
+    def signal_engine(self, name: str, sig: int) -> None:
+        """Send ``sig`` to every process of engine ``name`` (API server, EngineCore, Worker).
+
+        For fault injection: SIGKILL crashes the engine, SIGSTOP/SIGCONT freeze and thaw it.
+        """
+        self._engine_proc(name).signal_group(sig)
+
+    def restart_engine(self, name: str, grace_s: float = 5.0) -> float:
+        """Stop engine ``name`` (if still running) and start it again with the same ports,
+        flags and engine id; returns once its ``/health`` answers 200, with the seconds taken.
+
+        The router keeps running and sees the engine come back through its health checks.
+        An engine without a pinned engine id (D in pull and push mode) gets a fresh NIXL
+        identity; a restarted P keeps its pinned one, which peers may still have cached.
+        """
+        with self._lock:
+            old = self._engine_proc(name)
+            index = self._procs.index(old)
+            old.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
+            stop_all([old], grace_s=grace_s)
+            self._procs[index] = self._launch(self.engine(name))
+            proc = self._procs[index]
+        t0 = time.monotonic()
+        self._wait_ready({name: (proc, _http_ok(f"{self.engine(name).url}/health"))}, t0)
+        return time.monotonic() - t0
+
+    def _engine_proc(self, name: str) -> ManagedProcess:
+        self.engine(name)  # KeyError for an unknown name
+        for proc in self._procs:
+            if proc.name == name:
+                return proc
+        raise StackError(f"engine {name!r} is not running")
+
     def _start(self) -> None:
         t0 = time.monotonic()
         self.model_path = tiny_model.ensure_model(self.variant, self.cache_dir)
         self.startup_s["model"] = time.monotonic() - t0
         self.run_dir = _new_run_dir(self.cache_dir, self.mode.value)
         self.engines = self._plan()
-        opts = self._engine_options(self.model_path)
+        self._engine_options_used = self._engine_options(self.model_path)
         for spec in self.engines:
-            self._say(f"starting {spec.name} on :{spec.port} (core {spec.core}, {self.mode.value})")
-            self._procs.append(
-                ManagedProcess(
-                    spec.name,
-                    eng.engine_argv(spec, opts),
-                    eng.engine_env(spec, os.environ),
-                    self.run_dir / f"{spec.name}.log",
-                )
-            )
+            self._procs.append(self._launch(spec))
         checks = {
             proc.name: (proc, _http_ok(f"{spec.url}/health"))
             for proc, spec in zip(self._procs, self.engines, strict=True)
@@ -143,11 +177,27 @@ class Stack:
             self._start_router(t0)
         self._say(f"ready in {time.monotonic() - t0:.1f}s (logs: {self.run_dir})")
 
+    def _launch(self, spec: eng.EngineSpec) -> ManagedProcess:
+        assert self.run_dir is not None and self._engine_options_used is not None
+        self._say(f"starting {spec.name} on :{spec.port} (core {spec.core}, {self.mode.value})")
+        return ManagedProcess(
+            spec.name,
+            eng.engine_argv(spec, self._engine_options_used),
+            eng.engine_env(spec, os.environ),
+            self.run_dir / f"{spec.name}.log",
+        )
+
     def _plan(self) -> list[eng.EngineSpec]:
         http_ports = portmod.pick_ports(2, portmod.ENGINE_HTTP_PORTS)
         kv_ports = portmod.pick_ports(2, portmod.SIDE_CHANNEL_PORTS)
         engine_id = f"prefill-0-{uuid.uuid4().hex[:8]}"  # unique per P incarnation
-        return eng.plan_engines(self.mode, http_ports, kv_ports, engine_id, self.cores)
+        specs = eng.plan_engines(self.mode, http_ports, kv_ports, engine_id, self.cores)
+        unknown = set(self.engine_args) - {s.name for s in specs}
+        if unknown:
+            raise StackError(f"engine_args for engines this stack does not run: {sorted(unknown)}")
+        return [
+            replace(s, extra_args=s.extra_args + self.engine_args.get(s.name, ())) for s in specs
+        ]
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:
         per_token = tiny_model.VARIANTS[self.variant].kv_bytes_per_token()
@@ -241,9 +291,10 @@ class Stack:
     def router_config(self) -> dict[str, Any]:
         """The router config for this stack (the shape ``pd-router serve --config`` reads)."""
         assert self.router_port is not None
-        return router_config(
+        config = router_config(
             self.mode, self.engines, self.model_name, self.router_port, self.decode_slots
         )
+        return config | self.router_overrides
 
     def _say(self, message: str) -> None:
         print(f"[stack {self.mode.value}] {message}", file=self._log, flush=True)

@@ -14,7 +14,7 @@ import pytest
 
 from router.config import parse_config
 from router.stack import engines as eng
-from router.stack.launcher import router_config
+from router.stack.launcher import Stack, StackError, router_config
 from router.stack.metrics import Metrics
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
@@ -68,6 +68,27 @@ def test_pd_engines_pair_one_connector_on_two_cores(mode: eng.Mode, connector: s
     assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
     assert p_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != d_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert "--no-enable-prefix-caching" in eng.engine_argv(d, eng.EngineOptions(Path("m")))
+
+
+def test_stack_options_reach_one_engine_and_the_router_config() -> None:
+    """Per-engine ``vllm serve`` flags go to that engine only (after the stack's own, so they
+    win); router overrides replace whole top-level sections of the router config."""
+    stack = Stack(
+        "push",
+        engine_args={"prefill-0": ["--max-model-len", "2048"]},
+        router_overrides={"timeouts": {"prefill": 5}, "retries": {"max_attempts": 1}},
+    )
+    p, d = stack._plan()
+    opts = eng.EngineOptions(Path("m"))
+    p_argv, d_argv = eng.engine_argv(p, opts), eng.engine_argv(d, opts)
+    assert p_argv[-2:] == ["--max-model-len", "2048"] and p_argv.count("--max-model-len") == 2
+    assert d_argv.count("--max-model-len") == 1
+    stack.engines, stack.router_port = [p, d], 8001
+    cfg = parse_config(stack.router_config())
+    assert cfg.timeouts.prefill == 5 and cfg.timeouts.decode_first_byte == 120
+    assert cfg.retries.max_attempts == 1
+    with pytest.raises(StackError, match="decode-1"):
+        Stack("push", engine_args={"decode-1": []})._plan()
 
 
 def test_aggregated_engine_has_no_connector() -> None:

@@ -211,6 +211,25 @@ async def test_push_prefill_timeout_is_504_and_closes_decode(
     await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
 
 
+async def test_push_decode_timeout_while_prefill_hangs_marks_decode_suspect(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """D's first-byte timeout fires before P's: D is closed while it waits for its KV
+    (a vLLM 0.32 push leak), so its own metrics must be checked before trusting it."""
+    cluster.prefill[0].behaviour.hang = True
+    url, ctx = await cluster.router(
+        "push",
+        prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1},
+        timeouts={"prefill": 5, "decode_first_byte": 0.4},
+    )
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 504 and error_of(r)["code"] == "decode_first_byte_timeout"
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None and pool.decode[0].suspect
+
+
 async def test_leaking_decode_is_taken_out_of_rotation(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:

@@ -1,0 +1,665 @@
+"""The fault matrix, real-engine half: faults only real vLLM engines show.
+
+vLLM CPU engines with the stock NIXL connectors run behind the router (``router.stack``). Each
+fault is injected at a chosen phase of a request: SIGSTOP/SIGCONT freeze and thaw an engine (so
+a phase lasts as long as the test needs, however slow the machine), SIGKILL crashes one, and a
+prompt too long for P alone makes P reject a request. After each fault the tests check the
+client's answer (status, OpenAI error body or SSE error event, time), the router's decode slots,
+both engines' running/waiting requests and KV usage, and the router's verdict on D.
+
+Router (``ROUTER``): one attempt per request, so the answer is the fault's own (retries are
+covered on fake engines in tests/integration), small timeouts, health checks every 0.5 s.
+
+Push (``NixlPushConnector``; P's max_model_len 3200, D's 4096; P prefills in 32-token chunks):
+
+* client disconnect mid-prefill: the router keeps D and the slot until P has written D's KV,
+  then closes D; after P's answer, before D's first byte: D is closed at once, the KV still
+  lands. Both engines idle, no leak;
+* P rejects the request: P's 400 reaches the client at once;
+* P frozen before it runs the request, so D's KV registration is never fulfilled: D's
+  first-byte timeout answers 504;
+* P SIGKILLed mid-prefill while D waits for its KV: 502 at once.
+
+In the last three, D is closed while it waits for KV that never comes, and vLLM 0.32 keeps that
+request's blocks for good (KV usage above idle with nothing running or waiting; vLLM issue
+#48633). The router reads D's metrics, marks it degraded (``/ready`` 503,
+``pdrouter_instance_degraded`` 1) and sends it nothing while its KV stays above idle. Seen in
+every run on vLLM 0.32; the check accepts either outcome (leak and degraded, or idle and in
+rotation) so it keeps holding if vLLM frees the blocks. A leaked D is restarted before the next
+test (``Stack.restart_engine``) and the router puts it back in rotation by itself.
+
+Pull (``NixlConnector``):
+
+* client disconnect while the P leg is open, or between P's answer and D's first byte: both
+  engines idle, P keeps no blocks;
+* P SIGKILLed after its answer, before D reads the KV: D's READ fails, D streams an SSE error
+  event after its 200, and the client gets it; D idle, not degraded.
+
+A pull P killed mid-prefill never involves D: a plain connection failure, covered with SIGKILLed
+fake engines in tests/integration/test_fault_matrix.py.
+
+Two stack starts (push, pull) and two restarts of the push D.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from router.stack import Stack, ensure_model
+from tests.e2e import helpers as h
+
+R = TypeVar("R")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+MODEL = "tiny"
+TIMEOUTS = {"connect": 2, "prefill": 10, "decode_first_byte": 6, "idle": 10, "total": 60}
+ROUTER: dict[str, Any] = {
+    "timeouts": TIMEOUTS,
+    "retries": {"max_attempts": 1},
+    "health": {"interval": 0.5, "timeout": 1.0},
+    "admission": {"max_wait": 2},
+}
+P_MAX_MODEL_LEN = 3200
+# Push P: small prefill chunks, so a long prompt takes many engine steps (about a second) and a
+# fault timed into its prefill finds part of the prompt's KV computed.
+SLOW_PREFILL = ("--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+LONG, TOO_LONG_FOR_P, SHORT = 2900, 3600, 300  # prompt tokens
+P, D = "prefill-0", "decode-0"
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+KV_USAGE, FINISHED = "vllm:kv_cache_usage_perc", "vllm:request_success_total"
+IDLE_KV = 1e-9  # an idle engine holds no KV blocks (no prefix caching)
+IDLE_DEADLINE_S = 5.0
+# After a push drop mid-prefill, P first finishes its prefill and D its first step (2-3 s seen).
+SETTLE_DEADLINE_S = 10.0
+VERDICT_DEADLINE_S = 5.0  # ten health intervals: the router has read D's metrics by then
+PHASE_DEADLINE_S = 10.0  # for a request to reach a phase (D waiting, P answered, ...)
+RESTART_READY_S = 15.0
+CATCH_ATTEMPTS = 5
+P_SETTLE_S = 3.0  # a thawed P reads its pending request and prefills it in well under this
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompts:
+    long: str
+    too_long_for_p: str
+    short: str
+
+
+@pytest.fixture(scope="module")
+def fault_prompts(engines_available: None) -> Prompts:
+    model_dir = ensure_model("tiny")
+    long, too_long, short = h.prompts_of_lengths(
+        model_dir / "tokenizer.json", [LONG, TOO_LONG_FOR_P, SHORT]
+    )
+    return Prompts(long, too_long, short)
+
+
+@pytest.fixture(scope="class")
+def push_stack(engines_available: None) -> Iterator[Stack]:
+    args = {P: ("--max-model-len", str(P_MAX_MODEL_LEN), *SLOW_PREFILL)}
+    with Stack(mode="push", router_overrides=ROUTER, engine_args=args) as stack:
+        _warm_up(stack)
+        yield stack
+
+
+@pytest.fixture(scope="class")
+def pull_stack(engines_available: None) -> Iterator[Stack]:
+    with Stack(mode="pull", router_overrides=ROUTER) as stack:
+        _warm_up(stack)
+        yield stack
+
+
+def _warm_up(stack: Stack) -> None:
+    """One request through the router: the NIXL handshakes are done before any fault."""
+    h.complete(h.client_for(stack.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
+
+
+def _serving(stack: Stack) -> None:
+    """Before a test: a D that still holds leaked KV is restarted (vLLM never frees it), then
+    both engines must be idle, the router ready, and a request must go through."""
+    if _load(stack, D).kv > IDLE_KV or _router(stack).degraded:
+        took = stack.restart_engine(D)
+        print(f"restarted {D} (leaked KV) in {took:.1f}s")
+    ok, what, _ = h.wait_until(
+        lambda: _all_idle(stack, need_ready=True), RESTART_READY_S, every_s=0.25
+    )
+    assert ok, f"stack not back to idle and ready: {what}"
+    _warm_up(stack)
+
+
+# -- observing engines and router ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Load:
+    running: float
+    waiting: float
+    kv: float
+
+    @property
+    def idle(self) -> bool:
+        return self.running == 0 and self.waiting == 0 and self.kv <= IDLE_KV
+
+
+def _gauges(stack: Stack, name: str) -> dict[str, float]:
+    """The few samples these tests read from an engine's ``/metrics``, summed over labels.
+
+    A line scan, not :meth:`Metrics.parse`: vLLM's page is about 60 KB and a full parse costs
+    about 80 ms, too slow for the probes that wait for a phase of a request."""
+    wanted = (RUNNING, WAITING, KV_USAGE, FINISHED)
+    text = httpx.get(f"{stack.engine(name).url}/metrics", timeout=5).text
+    values = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            sample, value = line.rsplit(" ", 1)
+            metric = sample.split("{", 1)[0]
+            if metric in values:
+                values[metric] += float(value)
+    return values
+
+
+def _load(stack: Stack, name: str) -> Load:
+    g = _gauges(stack, name)
+    return Load(g[RUNNING], g[WAITING], g[KV_USAGE])
+
+
+def _finished(stack: Stack, name: str) -> float:
+    """Requests the engine finished normally (aborted ones are not counted in vLLM 0.32)."""
+    return _gauges(stack, name)[FINISHED]
+
+
+@dataclass(frozen=True)
+class RouterView:
+    slots_in_use: float
+    degraded: float
+    ready: int
+    instances: dict[str, dict[str, Any]]  # by role: healthy, degraded, ... from /ready
+
+    def describe(self) -> str:
+        roles = {r: (i["healthy"], i["degraded"]) for r, i in self.instances.items()}
+        return f"slots={self.slots_in_use} degraded={self.degraded} ready={self.ready} {roles}"
+
+
+def _router(stack: Stack) -> RouterView:
+    m = stack.router_metrics()
+    ready = httpx.get(f"{stack.router_url}/ready", timeout=5)
+    (model,) = ready.json()["models"].values()
+    return RouterView(
+        m.total("pdrouter_decode_slots_in_use"),
+        m.total("pdrouter_instance_degraded"),
+        ready.status_code,
+        {i["role"]: i for i in model["instances"]},
+    )
+
+
+def _all_idle(
+    stack: Stack, *, need_ready: bool = False, engines: tuple[str, ...] = (P, D)
+) -> tuple[bool, str]:
+    loads = {name: _load(stack, name) for name in engines}
+    view = _router(stack)
+    idle = all(load.idle for load in loads.values()) and view.slots_in_use == 0
+    if need_ready:
+        idle = idle and view.ready == 200 and view.degraded == 0
+    return idle, f"{loads} router: {view.describe()}"
+
+
+def _wait_phase(stack: Stack, what: str, probe: Callable[[], bool]) -> float:
+    """Poll until the request reaches a phase; returns the seconds it took."""
+    slowest = 0.0
+    probes = 0
+
+    def timed() -> tuple[bool, str]:
+        nonlocal slowest, probes
+        t0 = time.monotonic()
+        reached = probe()
+        slowest, probes = max(slowest, time.monotonic() - t0), probes + 1
+        return reached, what
+
+    ok, _, waited = h.wait_until(timed, PHASE_DEADLINE_S, every_s=0.02)
+    if not ok:
+        try:
+            _, now = _all_idle(stack)
+        except httpx.HTTPError as exc:
+            now = repr(exc)
+        raise AssertionError(
+            f"request never reached: {what} ({probes} probes, slowest {slowest:.2f}s); now {now}"
+        )
+    return waited
+
+
+def _assert_idle_soon(
+    stack: Stack, why: str, engines: tuple[str, ...] = (P, D), deadline_s: float = IDLE_DEADLINE_S
+) -> float:
+    idle, what, waited = h.wait_until(lambda: _all_idle(stack, engines=engines), deadline_s)
+    assert idle, f"not idle {waited:.1f}s after {why}: {what}"
+    return waited
+
+
+def _assert_decode_leak_handled(stack: Stack) -> bool:
+    """After D was closed while waiting for KV: nothing runs or waits on D, no slot is held,
+    and the router's verdict matches D's own metrics: KV above idle means degraded and out of
+    rotation (``/ready`` 503, ``pdrouter_instance_degraded`` 1); idle KV means in rotation.
+    Returns whether D leaked."""
+
+    def verdict() -> tuple[bool, str]:
+        d, view = _load(stack, D), _router(stack)
+        what = f"{D} {d}, router {view.describe()}"
+        if d.running or d.waiting or view.slots_in_use:
+            return False, what
+        if d.kv > IDLE_KV:
+            entry = view.instances["decode"]
+            return view.degraded == 1 and view.ready == 503 and entry["degraded"] is True, what
+        return view.degraded == 0, what
+
+    ok, what, waited = h.wait_until(verdict, VERDICT_DEADLINE_S)
+    assert ok, f"router verdict does not match D after {waited:.1f}s: {what}"
+    leaked = _load(stack, D).kv > IDLE_KV
+    print(f"D leaked KV: {leaked}; router verdict after {waited:.1f}s: {what}")
+    return leaked
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+def _body(prompt: str) -> dict[str, Any]:
+    """A streamed greedy completion of 16 tokens."""
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    content_type: str
+    text: str
+    elapsed: float
+    ended_at: float  # time.monotonic() when the answer was complete
+    headers: dict[str, str]
+
+    def error(self) -> dict[str, Any]:
+        """The OpenAI error object of a JSON error answer."""
+        assert self.content_type.startswith("application/json"), self
+        err = json.loads(self.text)["error"]
+        assert isinstance(err, dict) and {"message", "type", "code"} <= err.keys(), self.text
+        return err
+
+    def events(self) -> list[str]:
+        """The ``data:`` payloads of an SSE answer."""
+        return [e.removeprefix("data: ") for e in self.text.split("\n\n") if e.startswith("data: ")]
+
+
+def _ask(stack: Stack, prompt: str) -> Answer:
+    """A streamed completion through the router, read to its end."""
+    t0 = time.monotonic()
+    with (
+        httpx.Client(timeout=TIMEOUTS["total"] + 10) as client,
+        client.stream("POST", f"{stack.router_url}/v1/completions", json=_body(prompt)) as r,
+    ):
+        text = r.read().decode("utf-8", "replace")
+    end = time.monotonic()
+    return Answer(
+        r.status_code, r.headers.get("content-type", ""), text, end - t0, end, dict(r.headers)
+    )
+
+
+class OpenRequest:
+    """A completion request over a plain socket, dropped by :meth:`drop` at a chosen moment
+    (the client going away; the router sees the connection close)."""
+
+    def __init__(self, base_url: str, body: dict[str, Any]) -> None:
+        url = urlsplit(base_url)
+        assert url.hostname is not None and url.port is not None
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
+            "Connection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        self._sock = socket.create_connection((url.hostname, url.port), timeout=5)
+        self._sock.sendall(head.encode() + payload)
+        self.received = b""
+        self.complete = False
+
+    def poll(self) -> bool:
+        """Take what has arrived; True once the whole answer is in (the router closed)."""
+        self._sock.setblocking(False)
+        try:
+            while not self.complete:
+                chunk = self._sock.recv(65536)
+                self.received += chunk
+                self.complete = chunk == b""
+        except BlockingIOError:
+            pass
+        finally:
+            self._sock.setblocking(True)
+        return self.complete
+
+    def answered(self) -> bool:
+        """Whether any byte of the answer arrived (a drop would then be too late)."""
+        self.poll()
+        return self.received != b""
+
+    def drop(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> OpenRequest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drop()
+
+
+def _prefill_legs_open(stack: Stack) -> float:
+    return stack.router_metrics().total("pdrouter_prefill_in_flight")
+
+
+def _disconnects(stack: Stack) -> float:
+    return stack.router_metrics().total(
+        "pdrouter_client_disconnects_total", phase="before_first_byte"
+    )
+
+
+# -- push ----------------------------------------------------------------------------------
+
+
+class TestPush:
+    """Push mode (``NixlPushConnector``), P and D dispatched together."""
+
+    @pytest.fixture(autouse=True)
+    def _ready(self, push_stack: Stack) -> None:
+        _serving(push_stack)
+
+    def test_disconnect_mid_prefill_lets_p_finish_and_leaves_both_idle(
+        self, push_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """Dropped while P prefills and D waits for the KV: the router does not close D at once
+        (that would leak its blocks); it keeps D and the slot until P has written the KV."""
+        st = push_stack
+        drops = 0.0
+
+        def start() -> OpenRequest:
+            nonlocal drops
+            drops = _disconnects(st)
+            return OpenRequest(st.router_url, _body(fault_prompts.long))
+
+        req, p_done = _freeze_p_mid_prefill(
+            st, fault_prompts.long, start, OpenRequest.poll, OpenRequest.drop
+        )
+        try:
+            assert not req.answered()
+            req.drop()
+            time.sleep(0.5)  # P frozen mid-prefill: the router must still hold D and the slot
+            assert _router(st).slots_in_use == 1
+            assert _load(st, D).waiting == 1
+        finally:
+            st.signal_engine(P, signal.SIGCONT)
+        waited = _assert_idle_soon(st, "the disconnect", deadline_s=SETTLE_DEADLINE_S)
+        assert _finished(st, P) == p_done + 1, "P's prefill was aborted (D would leak)"
+        assert _disconnects(st) == drops + 1
+        assert not _assert_decode_leak_handled(st)
+        print(f"push, dropped mid-prefill: idle {waited:.1f}s after P resumed")
+
+    def test_disconnect_after_p_answered_leaves_both_idle(
+        self, push_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """Dropped after P's answer but before D's first byte: the router closes D at once; the
+        KV P wrote still lands, so D frees its blocks. (P is frozen until D has registered its
+        blocks, then D until the drop: each phase lasts as long as the test needs.)"""
+        st = push_stack
+        p_done, drops = _finished(st, P), _disconnects(st)
+        st.signal_engine(P, signal.SIGSTOP)
+        with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
+            try:
+                _wait_phase(st, "D waiting for its KV", lambda: _load(st, D).waiting == 1)
+                st.signal_engine(D, signal.SIGSTOP)
+                st.signal_engine(P, signal.SIGCONT)
+                _wait_phase(st, "P answered", lambda: _finished(st, P) > p_done)
+                assert not req.answered()
+                req.drop()
+                _wait_phase(st, "router released the slot", lambda: _router(st).slots_in_use == 0)
+            finally:
+                st.signal_engine(P, signal.SIGCONT)
+                st.signal_engine(D, signal.SIGCONT)
+        waited = _assert_idle_soon(st, "the disconnect")
+        assert _disconnects(st) == drops + 1
+        assert not _assert_decode_leak_handled(st)
+        print(f"push, dropped between P and D: idle {waited:.1f}s after D resumed")
+
+    def test_prefill_rejects_request(self, push_stack: Stack, fault_prompts: Prompts) -> None:
+        """Only P rejects the prompt (too long for P's max_model_len): P's own 400 reaches the
+        client at once; D, opened at the same time, is closed while it waits for KV."""
+        st = push_stack
+        answer = _ask(st, fault_prompts.too_long_for_p)
+        assert answer.status == 400, answer
+        err = answer.error()
+        assert "maximum context length" in err["message"] and str(P_MAX_MODEL_LEN) in err["message"]
+        assert answer.elapsed < TIMEOUTS["decode_first_byte"], "waited for a timeout"
+        print(f"push, P rejects: 400 after {answer.elapsed:.2f}s")
+        if _assert_decode_leak_handled(st):
+            # Out of rotation: with its only D degraded, the router answers 503 from admission.
+            refused = _ask(st, fault_prompts.short)
+            assert refused.status == 503 and refused.error()["code"] == "no_capacity", refused
+            assert refused.headers.get("retry-after")
+            assert refused.elapsed < ROUTER["admission"]["max_wait"] + 2
+
+    def test_registration_never_fulfilled(self, push_stack: Stack, fault_prompts: Prompts) -> None:
+        """P frozen before it runs the request: D registers its blocks with P and waits; P never
+        writes. D's first-byte timeout (shorter than P's) ends the request with a 504."""
+        st = push_stack
+        assert TIMEOUTS["decode_first_byte"] < TIMEOUTS["prefill"]
+        st.signal_engine(P, signal.SIGSTOP)
+        try:
+            answer = _ask(st, fault_prompts.short)
+            assert answer.status == 504, answer
+            assert answer.error()["code"] == "decode_first_byte_timeout"
+            limit = TIMEOUTS["decode_first_byte"]
+            assert limit <= answer.elapsed < limit + 2.0, answer.elapsed
+            print(f"push, P frozen: 504 after {answer.elapsed:.2f}s")
+            leaked = _assert_decode_leak_handled(st)
+        finally:
+            st.signal_engine(P, signal.SIGCONT)
+        if leaked:
+            # P is back and healthy; its copy of the request was aborted when the router closed
+            # it, so it never writes: D keeps the blocks and stays out of rotation.
+            ok, what, _ = h.wait_until(
+                lambda: (_router(st).instances["prefill"]["healthy"] is True, "P healthy"),
+                IDLE_DEADLINE_S,
+            )
+            assert ok, what
+            time.sleep(1.0)
+            view = _router(st)
+            assert _load(st, D).kv > IDLE_KV and view.ready == 503, view.describe()
+            assert view.instances["decode"]["degraded"] is True
+
+    def test_prefill_killed_mid_prefill(self, push_stack: Stack, fault_prompts: Prompts) -> None:
+        """P SIGKILLed while it prefills and D waits for the KV: the router sees P's connection
+        die, closes D and answers 502 at once. Last push test: P stays dead."""
+        st = push_stack
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future, _ = _freeze_p_mid_prefill(
+                st,
+                fault_prompts.long,
+                lambda: pool.submit(_ask, st, fault_prompts.long),
+                lambda f: f.done(),
+                lambda f: f.result(),
+            )
+            d = _load(st, D)
+            assert d.running == 0 and d.waiting == 1, f"D got its KV before the kill: {d}"
+            st.signal_engine(P, signal.SIGKILL)
+            killed_at = time.monotonic()
+            answer = future.result(timeout=TIMEOUTS["total"])
+        assert answer.status == 502, answer
+        assert answer.error()["code"] == "prefill_unreachable"
+        assert answer.ended_at - killed_at < 3.0, "waited for a timeout"
+        print(f"push, P killed: 502 {answer.ended_at - killed_at:.2f}s after the kill")
+        _assert_decode_leak_handled(st)
+        ok, what, _ = h.wait_until(
+            lambda: (_router(st).instances["prefill"]["healthy"] is False, "P unhealthy"),
+            IDLE_DEADLINE_S,
+        )
+        assert ok, what
+        assert _router(st).ready == 503
+
+
+def _freeze_p_mid_prefill(
+    stack: Stack,
+    prompt: str,
+    start: Callable[[], R],
+    ended: Callable[[R], bool],
+    discard: Callable[[R], object],
+) -> tuple[R, float]:
+    """Start a request for ``prompt`` and freeze P (SIGSTOP) about a third of the way through
+    its prefill, with D waiting for the KV; returns the request and the number of requests P
+    had finished before it.
+
+    The moment is timed, not probed: on a busy 2-core machine P's /metrics can stay silent for a
+    whole prefill. A first request measures how long the router waits for P on this prompt;
+    then P is frozen before the request reaches it, thawed once D waits for the KV, and frozen
+    again a third of that time later. If P answered or wrote the KV meanwhile (it was faster
+    than measured), that request runs to its end and another one is tried."""
+    before = stack.router_metrics()
+    assert _ask(stack, prompt).status == 200
+    after = stack.router_metrics()
+    name = "pdrouter_prefill_duration_seconds"
+    prefill_s = h.delta(after, before, f"{name}_sum") / h.delta(after, before, f"{name}_count")
+    print(f"P's prefill of the long prompt: {prefill_s:.2f}s")
+    for _ in range(CATCH_ATTEMPTS):
+        _wait_phase(stack, "router ready", lambda: _router(stack).ready == 200)
+        p_done = _finished(stack, P)
+        stack.signal_engine(P, signal.SIGSTOP)
+        try:
+            request = start()
+            _wait_phase(stack, "P leg open, D waiting", lambda: _p_pending_d_waiting(stack))
+        finally:
+            stack.signal_engine(P, signal.SIGCONT)
+        time.sleep(prefill_s / 3)
+        stack.signal_engine(P, signal.SIGSTOP)
+        time.sleep(0.1)
+        if _p_pending_d_waiting(stack):
+            return request, p_done
+        stack.signal_engine(P, signal.SIGCONT)
+        _wait_phase(stack, "request ended", functools.partial(ended, request))
+        discard(request)
+        print(f"P answered within {prefill_s / 3:.2f}s; trying another request")
+    raise AssertionError(f"P not frozen mid-prefill in {CATCH_ATTEMPTS} attempts")
+
+
+def _p_pending_d_waiting(stack: Stack) -> bool:
+    """P has not answered (the router still waits for it) and D waits for the KV."""
+    d = _load(stack, D)
+    return _prefill_legs_open(stack) == 1 and d.running == 0 and d.waiting == 1
+
+
+# -- pull ----------------------------------------------------------------------------------
+
+
+class TestPull:
+    """Pull mode (``NixlConnector``): P to completion, then D READs P's blocks."""
+
+    @pytest.fixture(autouse=True)
+    def _ready(self, pull_stack: Stack) -> None:
+        _serving(pull_stack)
+
+    def test_disconnect_before_p_answers_aborts_p(
+        self, pull_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """Dropped while the P leg is open: the router closes it, P aborts the request and keeps
+        no blocks (a P that finished would keep them for D until its 30 s lease ends).
+
+        P is frozen before the request reaches it, so the phase lasts until the drop. (Unlike
+        in push, a drop in the middle of P's prefill cannot be timed here: a pull P prefills
+        a long prompt in about a second and its /metrics does not answer meanwhile.)"""
+        st = pull_stack
+        p_done, d_done, drops = _finished(st, P), _finished(st, D), _disconnects(st)
+        st.signal_engine(P, signal.SIGSTOP)
+        try:
+            with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
+                _wait_phase(st, "P leg open", lambda: _prefill_legs_open(st) == 1)
+                req.drop()
+                _wait_phase(st, "router released the slot", lambda: _router(st).slots_in_use == 0)
+                assert _prefill_legs_open(st) == 0
+        finally:
+            st.signal_engine(P, signal.SIGCONT)
+        # P now reads the request and finds its client gone. Had the router left the leg open,
+        # P would prefill and finish within this time, and then hold the blocks.
+        time.sleep(P_SETTLE_S)
+        idle, what = _all_idle(st)
+        assert idle, what
+        assert _finished(st, P) == p_done, "P ran the request to its end"
+        assert _finished(st, D) == d_done
+        assert _disconnects(st) == drops + 1
+
+    def test_disconnect_between_p_and_d_leaves_both_idle(
+        self, pull_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """Dropped after P's answer while the D leg is open (D frozen meanwhile): the router
+        closes D; D, thawed, tells P to free the blocks it kept for the READ."""
+        st = pull_stack
+        p_done, drops = _finished(st, P), _disconnects(st)
+        st.signal_engine(D, signal.SIGSTOP)
+        try:
+            with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
+                _wait_phase(st, "P answered", lambda: _finished(st, P) > p_done)
+                time.sleep(0.2)  # the router has sent the D leg
+                assert not req.answered()
+                req.drop()
+                _wait_phase(st, "router released the slot", lambda: _router(st).slots_in_use == 0)
+        finally:
+            st.signal_engine(D, signal.SIGCONT)
+        waited = _assert_idle_soon(st, "the disconnect")
+        assert _disconnects(st) == drops + 1
+        print(f"pull, dropped between P and D: idle after {waited:.1f}s")
+
+    def test_prefill_killed_after_answer_fails_decode_read(
+        self, pull_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """P SIGKILLed after its answer, before D READs the blocks (D frozen meanwhile): D's READ
+        fails, D streams an error event after its 200, the router relays it. Last pull test."""
+        st = pull_stack
+        p_done = _finished(st, P)
+        st.signal_engine(D, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                future = pool.submit(_ask, st, fault_prompts.short)
+                _wait_phase(st, "P answered", lambda: _finished(st, P) > p_done)
+                time.sleep(0.2)  # the router has sent the D leg
+                st.signal_engine(P, signal.SIGKILL)
+                time.sleep(0.2)
+                st.signal_engine(D, signal.SIGCONT)
+                thawed_at = time.monotonic()
+                answer = future.result(timeout=TIMEOUTS["total"])
+        finally:
+            st.signal_engine(D, signal.SIGCONT)
+        assert answer.status == 200 and answer.content_type.startswith("text/event-stream")
+        events = answer.events()
+        errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+        assert len(errors) == 1 and errors[0]["code"] == 500, answer.text
+        assert not any('"choices"' in e for e in events), "tokens without the KV"
+        assert answer.ended_at - thawed_at < TIMEOUTS["decode_first_byte"]
+        waited = _assert_idle_soon(st, "the failed READ", engines=(D,))
+        assert _router(st).degraded == 0
+        print(
+            f"pull, P killed before D's READ: error after {answer.elapsed:.1f}s, idle {waited:.1f}s"
+        )
