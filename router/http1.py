@@ -74,11 +74,6 @@ class _StaleConnection(Exception):
     """A reused connection was closed by the server before any response byte."""
 
 
-def _expire(waiter: asyncio.Future[None], seconds: float) -> None:
-    if not waiter.done():
-        waiter.set_exception(httpx.ReadTimeout(f"no bytes from the engine for {seconds:g}s"))
-
-
 class Http1Response:
     """One response: status and content type once headers are in, then the body.
 
@@ -92,11 +87,13 @@ class Http1Response:
         "_closed",
         "_complete",
         "_conn",
+        "_deadline",
         "_error",
         "_headers_in",
         "_keep_alive",
         "_loop",
         "_read_timeout",
+        "_timer",
         "_until_eof",
         "_waiter",
         "content_type",
@@ -117,6 +114,8 @@ class Http1Response:
         self._complete = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
         self._closed = False
         self._keep_alive = False
         self._until_eof = True  # no Content-Length and no chunked coding: the body ends at EOF
@@ -169,15 +168,29 @@ class Http1Response:
 
     async def _wait(self) -> None:
         waiter = self._waiter = self._loop.create_future()
-        timer = None
         if self._read_timeout is not None:
-            timer = self._loop.call_later(self._read_timeout, _expire, waiter, self._read_timeout)
+            # One timer per response, not per wait (a timer per streamed chunk was a
+            # visible cost): each wait only moves the deadline; the timer re-arms
+            # itself when it fires early, and close() cancels it.
+            self._deadline = self._loop.time() + self._read_timeout
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._deadline, self._on_timer)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait arms a new timer
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._on_timer)
+            return
+        waiter.set_exception(
+            httpx.ReadTimeout(f"no bytes from the engine for {self._read_timeout:g}s")
+        )
 
     async def wait_headers(self) -> None:
         while not self._headers_in:
@@ -234,6 +247,9 @@ class Http1Response:
         """
         if not self._closed:
             self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             if not self._complete and self._error is None:
                 self._error = httpx.ReadError("the response was closed before its end")
                 self._wake()

@@ -28,6 +28,11 @@ __all__ = ["Receive", "RelayResponse", "Scope", "Send", "outcome_of", "send_erro
 
 log = logging.getLogger("pd_router.relay")
 
+# How vLLM reports a failure after a streaming response has started (the JSON of
+# an error response as one SSE event). Generated text cannot contain it: inside
+# the JSON of a token event its quotes are escaped.
+_ENGINE_ERROR_EVENT = b'data: {"error"'
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -152,10 +157,12 @@ class RelayResponse(Response):
         last = b""
         worst = 0.0
         count = 1
+        engine_error = _ENGINE_ERROR_EVENT in leg.first
         try:
             with map_errors("decode", leg.instance.url):
                 async for chunk in leg.rest:
                     count += 1
+                    engine_error = engine_error or _ENGINE_ERROR_EVENT in chunk
                     t = self._clock()
                     worst = max(worst, t - now)
                     now = t
@@ -175,6 +182,11 @@ class RelayResponse(Response):
         leg.mark_ended()
         self._stream_stats(dispatch, count, worst)
         await self._end(send, last)
+        if engine_error:
+            # D's own error event after its 200 (e.g. its KV read from P failed):
+            # relayed as is, counted as the upstream failure it is.
+            log.warning("decode engine %s ended its stream with an error event", leg.instance.url)
+            return False
         return True
 
     def _stream_stats(self, dispatch: Dispatch, chunks: int, worst_gap: float) -> None:

@@ -38,6 +38,7 @@ class Behaviour:
     omit_kv_params: bool = False
     malformed_json: bool = False  # P: invalid JSON body
     malformed_sse: bool = False  # D: a broken SSE line mid-stream
+    error_event_after: int | None = None  # D: after N tokens, vLLM's SSE error event, then [DONE]
     fail_after_kv: float | None = None  # P: hand D its KV, then fail after this many seconds
     chaos: float = 0.0  # probability that a request gets one random fault (soak runs)
     chaos_hang: float = 30.0  # how long a "hang" fault lasts
@@ -225,6 +226,10 @@ class FakeEngine:
         for i in range(b.tokens):
             if b.drop_after is not None and i == b.drop_after:
                 raise RuntimeError("fake engine drops the stream")  # uvicorn aborts the conn
+            if b.error_event_after is not None and i == b.error_event_after:
+                event = {"error": {"message": "KV load failed", "type": "x", "code": 500}}
+                await _chunk(send, b"data: " + json.dumps(event).encode() + b"\n\n")
+                break
             if b.malformed_sse and i == 1:
                 await _chunk(send, b"data: {not json\n\n")
                 continue

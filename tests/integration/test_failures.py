@@ -475,3 +475,17 @@ async def test_openapi_document_lists_the_endpoints(
     url, _ = await cluster.router("pull")
     doc = (await client.get(url + "/openapi.json")).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/ready"} <= set(doc["paths"])
+
+
+async def test_decode_error_event_is_relayed_and_counted_as_upstream_error(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """D fails after its 200 (e.g. its KV read from a dead P): the client gets D's
+    error event as is, and the router counts an upstream error, not a success."""
+    cluster.decode[0].behaviour.error_event_after = 1
+    url, ctx = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    assert r.status_code == 200
+    assert '"KV load failed"' in r.text and r.text.endswith("data: [DONE]\n\n")
+    assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
+    assert metric(ctx, "pdrouter_requests_total", outcome="success") == 0

@@ -464,6 +464,29 @@ async def test_stall_after_headers_raises_read_timeout_when_iterating(
     await closed_by_client(server.peers[0])
 
 
+async def test_read_timeout_counts_from_the_last_bytes_not_the_first_wait(
+    serve: Callable[[Script], Awaitable[ScriptedServer]], pool: Http1Pool
+) -> None:
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(6):  # 0.6 s of body, no gap near the 0.3 s timeout
+            await asyncio.sleep(0.1)
+            await peer.send(b"1\r\nx\r\n")
+        await peer.until_eof()
+
+    server = await serve(script)
+    response = await ask(pool, server.origin, b"a", timeout=0.3)
+    got = b""
+    with pytest.raises(httpx.ReadTimeout):
+        while True:
+            got += await asyncio.wait_for(anext(response), WAIT)
+    assert got == b"x" * 6  # every byte arrived before the stall timed out
+    response.close()
+    assert response._timer is None  # closing cancels the read timer
+    await closed_by_client(server.peers[0])
+
+
 async def test_no_headers_raises_read_timeout_from_request(
     serve: Callable[[Script], Awaitable[ScriptedServer]], pool: Http1Pool
 ) -> None:
