@@ -97,12 +97,30 @@ def _pin_metrics_pid(pid: int) -> None:
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)  # type: ignore[no-untyped-call]
 
 
-async def _watch_worker(ctx: Any, server: Any, parent: int) -> None:
-    """Keep the multiprocess gauges fresh; stop serving if the supervisor is gone."""
+class _EarlyStop:
+    """SIGTERM handler until uvicorn installs its own (and after it restores this one).
+
+    A worker restarted just before a shutdown can get the supervisor's SIGTERM while
+    it is still starting; ignoring it would leave that worker serving forever and the
+    supervisor waiting for it. The signal is remembered and acted on once serving.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, _signum: int, _frame: FrameType | None) -> None:
+        self.seen = True
+
+
+async def _watch_worker(ctx: Any, server: Any, parent: int, early: _EarlyStop) -> None:
+    """Keep the multiprocess gauges fresh; stop serving if the supervisor is gone
+    or asked this worker to stop before it was serving."""
     from router.metrics import WORKER_STATE_INTERVAL
 
     while not server.should_exit:
         ctx.metrics.refresh_worker_state()
+        if early.seen:
+            server.should_exit = True
         if os.getppid() != parent:
             log.warning("supervisor gone: worker %d shutting down", os.getpid())
             server.should_exit = True
@@ -125,8 +143,9 @@ def _worker_main(
     os.setpgrp()
     _pin_metrics_pid(os.getpid())
     # Inherited Python handlers are the supervisor's; uvicorn installs its own while
-    # serving and re-raises SIGTERM to this no-op afterwards, so a drain exits 0.
-    signal.signal(signal.SIGTERM, lambda _s, _f: None)
+    # serving and re-raises SIGTERM to this one afterwards, so a drain exits 0.
+    early = _EarlyStop()
+    signal.signal(signal.SIGTERM, early)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
     app = create_app(
@@ -152,7 +171,7 @@ def _worker_main(
     server = uvicorn.Server(config)
 
     async def main() -> None:
-        watch = asyncio.create_task(_watch_worker(app.state.ctx, server, parent))
+        watch = asyncio.create_task(_watch_worker(app.state.ctx, server, parent, early))
         try:
             await server.serve(sockets=[sock])
         finally:
