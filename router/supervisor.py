@@ -97,6 +97,9 @@ def _pin_metrics_pid(pid: int) -> None:
     values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)  # type: ignore[no-untyped-call]
 
 
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 class _EarlyStop:
     """SIGTERM handler until uvicorn installs its own (and after it restores this one).
 
@@ -148,6 +151,7 @@ def _worker_main(
     signal.signal(signal.SIGTERM, early)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the reloader takes it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by the supervisor
     app = create_app(
         cfg,
         config_path=opts.config_path,
@@ -197,7 +201,14 @@ class Supervisor:
     def _start(self, worker: int) -> None:
         args = (worker, self._cfg, self._opts, self._sock, self._table, os.getpid())
         proc = self._mp.Process(target=_worker_main, args=args, name=f"pd-router-w{worker}")
-        proc.start()
+        # The child inherits the mask: a SIGTERM sent before it installed its own
+        # handler stays pending (it would otherwise run the supervisor's handler in
+        # the child) and is delivered once the worker unblocks it.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         self._procs[worker], self._started[worker] = proc, time.monotonic()
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:

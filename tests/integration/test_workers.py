@@ -96,27 +96,3 @@ async def test_a_killed_worker_gives_its_slots_back(cluster: Cluster, tmp_path: 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     await eventually(lambda: d.active == 0, timeout=10)
-
-
-async def test_sigterm_while_workers_start_still_exits_0(cluster: Cluster, tmp_path: Path) -> None:
-    """A SIGTERM that reaches workers before uvicorn took their signals (startup, or a
-    worker restarted just before a shutdown) must not be lost: every worker stops."""
-    import sys
-
-    import yaml
-
-    from tests.fakes.router_proc import free_port
-
-    path = tmp_path / "r.yaml"
-    cfg = {**cluster.config("pull"), "listen": {"host": "127.0.0.1", "port": free_port()}}
-    path.write_text(yaml.safe_dump(cfg))
-    argv = ("-m", "router", "serve", "--config", str(path), "--workers", "2", "--grace", "1")
-    proc = await asyncio.create_subprocess_exec(sys.executable, *argv)
-    try:
-        await eventually(lambda: len(workers_of(proc.pid)) == 2, timeout=20)
-        proc.send_signal(signal.SIGTERM)  # workers are still importing and building the app
-        assert await asyncio.wait_for(proc.wait(), 20) == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
