@@ -71,14 +71,17 @@ def _start_engines(args: argparse.Namespace, ports: list[int]) -> subprocess.Pop
     )
 
 
-async def _engine_metrics(client: httpx.AsyncClient, url: str) -> float:
-    """Generate requests the fake engine still has open (it reports them as running)."""
+async def _metric_sum(client: httpx.AsyncClient, url: str, prefix: str) -> float:
+    """Sum of the samples on ``url``'s /metrics page whose line starts with ``prefix``."""
     text = (await client.get(url + "/metrics")).text
     return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
     )
+
+
+async def _engine_metrics(client: httpx.AsyncClient, url: str) -> float:
+    """Generate requests the fake engine still has open (it reports them as running)."""
+    return await _metric_sum(client, url, "vllm:num_requests_running")
 
 
 def _router_config(args: argparse.Namespace, p_url: str, d_url: str, port: int) -> dict[str, Any]:
@@ -167,12 +170,7 @@ async def _requests(
 
 
 async def _slots_in_use(client: httpx.AsyncClient, url: str) -> float:
-    text = (await client.get(url + "/metrics")).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pdrouter_decode_slots_in_use{")
-    )
+    return await _metric_sum(client, url, "pdrouter_decode_slots_in_use{")
 
 
 async def _sample(
