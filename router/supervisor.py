@@ -199,17 +199,24 @@ class Supervisor:
         self._stopping = False
 
     def _start(self, worker: int) -> None:
-        args = (worker, self._cfg, self._opts, self._sock, self._table, os.getpid())
-        proc = self._mp.Process(target=_worker_main, args=args, name=f"pd-router-w{worker}")
-        # The child inherits the mask: a SIGTERM sent before it installed its own
-        # handler stays pending (it would otherwise run the supervisor's handler in
-        # the child) and is delivered once the worker unblocks it.
+        """Fork worker ``worker``, unless a stop came first (the socket is closed then).
+
+        Stop signals are blocked from the check to the bookkeeping: the child inherits
+        the mask, so a SIGTERM sent before it installed its own handler stays pending
+        (it would otherwise run the supervisor's handler in the child) and is delivered
+        once the worker unblocks it; and the supervisor's own handler, run as soon as
+        the mask is lifted, already finds the new worker in ``_procs`` to forward to.
+        """
         old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
+            if self._stopping:
+                return
+            args = (worker, self._cfg, self._opts, self._sock, self._table, os.getpid())
+            proc = self._mp.Process(target=_worker_main, args=args, name=f"pd-router-w{worker}")
             proc.start()
+            self._procs[worker], self._started[worker] = proc, time.monotonic()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        self._procs[worker], self._started[worker] = proc, time.monotonic()
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
         if signum in (signal.SIGTERM, signal.SIGINT):
@@ -258,8 +265,7 @@ class Supervisor:
         log.error("worker %d exited with %s after %.1fs; restarting it", worker, code, lived)
         if lived < _MIN_LIFETIME_S:
             time.sleep(_RESTART_PAUSE_S)
-        if not self._stopping:
-            self._start(worker)
+        self._start(worker)
 
 
 def serve_workers(cfg: RouterConfig, opts: ServeOptions, workers: int) -> int:

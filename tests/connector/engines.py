@@ -11,10 +11,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack.metrics import Metrics, scrape
 from router.stack.ports import pick_ports
-from router.stack.procs import ManagedProcess, stop_all
+from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 HTTP_PORTS = range(9100, 9300)
 KV_PORTS = range(6600, 6800)
@@ -189,3 +190,29 @@ def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def engine_core_pids(engine: Engine) -> list[int]:
+    """Pids of the engine's EngineCore process(es): vLLM titles them ``VLLM::EngineCore...``."""
+    pids = []
+    for pid in live_group_members(engine.proc.pgid):
+        with suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(pid)
+    return pids
+
+
+@contextmanager
+def frozen_core(engine: Engine) -> Iterator[None]:
+    """SIGSTOP the engine's core (scheduler, connector, model) while its API server keeps
+    accepting: requests and aborts queue up and reach the core together on SIGCONT."""
+    pids = engine_core_pids(engine)
+    assert pids, f"no EngineCore process under {engine.spec.name}"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -25,6 +25,7 @@ from tests.connector.engines import (
     Engine,
     completion_body,
     engine_pair,
+    frozen_core,
     local,
     pipelined,
     wait_idle,
@@ -95,7 +96,13 @@ def test_chat_greedy_equal(pair: tuple[Engine, Engine]) -> None:
 
 
 def test_prefill_abort_fails_decode_within_a_second(pair: tuple[Engine, Engine]) -> None:
-    """The P leg is cancelled (router gave up on it); D must error out on its own."""
+    """The P leg is cancelled (router gave up on it); D must error out on its own.
+
+    P's EngineCore is frozen while the P leg arrives and is dropped, so P's core receives the
+    request and its abort together when thawed: the abort is certain to reach P's connector.
+    (Dropped on a timer instead, the abort sometimes happened in P's API server before the core
+    saw the request; then P never learns the transfer and D waits for its receive timeout.)
+    """
     p, d = pair
     prompt = LONG_ABORT
     tid, xid = f"xfer-{uuid.uuid4().hex}", uuid.uuid4().hex
@@ -111,12 +118,15 @@ def test_prefill_abort_fails_decode_within_a_second(pair: tuple[Engine, Engine])
     t = threading.Thread(target=decode_leg)
     t.start()
     body = {**completion_body(prompt, 1), "kv_transfer_params": prefill_params(tid, d.identity)}
-    with pytest.raises(httpx.TimeoutException):  # closes the P leg: vLLM aborts it
-        httpx.post(f"{p.url}/v1/completions", json=body, headers={"X-Request-Id": xid},
-                   timeout=0.05)
+    with frozen_core(p):
+        with pytest.raises(httpx.TimeoutException):  # closes the P leg: vLLM aborts it
+            httpx.post(f"{p.url}/v1/completions", json=body, headers={"X-Request-Id": xid},
+                       timeout=1.0)
+        time.sleep(0.5)  # P's API server notices the closed connection and sends the abort
+        assert "status" not in result  # D is still waiting for P
     aborted_at = time.monotonic()
     t.join(10)
-    assert result["status"] >= 500, result
+    assert result.get("status", 0) >= 500, result
     assert float(result["t"]) - aborted_at < 1.5
     # D ended it because P's FAIL notice arrived (not by a timeout).
     assert d.metrics().total("vllm:pdr_failures_total", kind="peer_fail") == failures0 + 1

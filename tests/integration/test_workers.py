@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import httpx
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Cluster, eventually
-from tests.fakes.router_proc import router_process
+from tests.fakes.router_proc import free_port, router_process
 
 SLOTS = 4
 STREAMS = 4 * SLOTS
@@ -96,3 +98,43 @@ async def test_a_killed_worker_gives_its_slots_back(cluster: Cluster, tmp_path: 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 15) == 0
     await eventually(lambda: d.active == 0, timeout=10)
+
+
+# Runs the real CLI with one change: the supervisor gets SIGTERM right after forking
+# worker 1, before start() returns (the window where the stop used to miss worker 1).
+_STOP_DURING_FORK = """
+import multiprocessing.context, os, signal, sys
+real_start = multiprocessing.context.ForkProcess.start
+def start(self):
+    real_start(self)
+    if self.name.endswith("-w1"):
+        os.kill(os.getpid(), signal.SIGTERM)
+multiprocessing.context.ForkProcess.start = start
+from router.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+async def _serve_and_stop(argv: tuple[str, ...], stop_when_two: bool) -> int:
+    proc = await asyncio.create_subprocess_exec(sys.executable, *argv)
+    try:
+        if stop_when_two:
+            await eventually(lambda: len(workers_of(proc.pid)) == 2, timeout=20)
+            proc.send_signal(signal.SIGTERM)  # workers are still importing and building the app
+        return await asyncio.wait_for(proc.wait(), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_sigterm_while_workers_start_still_exits_0(cluster: Cluster, tmp_path: Path) -> None:
+    """A SIGTERM that reaches the supervisor or its workers before uvicorn took their
+    signals (start-up, or a worker restarted just before a shutdown) must not be lost:
+    every worker stops and the router exits 0."""
+    path = tmp_path / "r.yaml"
+    cfg = {**cluster.config("pull"), "listen": {"host": "127.0.0.1", "port": free_port()}}
+    path.write_text(yaml.safe_dump(cfg))
+    serve = ("serve", "--config", str(path), "--workers", "2", "--grace", "1")
+    assert await _serve_and_stop(("-m", "router", *serve), stop_when_two=True) == 0
+    assert await _serve_and_stop(("-c", _STOP_DURING_FORK, *serve), stop_when_two=False) == 0
