@@ -220,8 +220,12 @@ async def run(args: argparse.Namespace) -> int:
     cfg = _router_config(args, *engines, port=r_port)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(cfg, f)
+    serve = ["serve", "--config", f.name, "--grace", "2"]
+    launcher = ["-m", "router"]
+    if args.trace_dir is not None:  # allocation tracing (slower): see bench/memtrace.py
+        launcher = [str(ROOT / "bench" / "memtrace.py"), str(args.trace_dir), str(args.sample)]
     router = subprocess.Popen(
-        [sys.executable, "-m", "router", "serve", "--config", f.name, "--grace", "2"],
+        [sys.executable, *launcher, *serve],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
     )
@@ -314,6 +318,13 @@ def main() -> None:
     p.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
     p.add_argument("--warmup", type=float, default=60.0, help="seconds before RSS counts")
     p.add_argument("--rss-tolerance", type=float, default=0.10)
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="run the router under tracemalloc, a snapshot every --sample seconds in this "
+        "folder; then: python bench/memtrace.py --diff DIR",
+    )
     args = p.parse_args()
     raise SystemExit(asyncio.run(run(args)))
 

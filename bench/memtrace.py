@@ -1,0 +1,94 @@
+"""Run ``pd-router`` with Python's allocation tracing on, for the soak's leak hunt.
+
+    python bench/memtrace.py OUT_DIR INTERVAL_S serve --config FILE ...
+
+Starts ``tracemalloc`` (8 frames deep), then the real CLI with the remaining
+arguments. A background thread appends a line to ``OUT_DIR/trace.tsv`` every
+``INTERVAL_S`` seconds (seconds since start, bytes Python has allocated and still
+holds, RSS, live GC-tracked objects) and dumps a snapshot ``OUT_DIR/snap-<s>.pickle``.
+``python bench/memtrace.py --diff OUT_DIR`` compares the snapshot taken at the end of
+warm-up with the last one and prints the source lines whose live memory grew most.
+
+Telling a leak from a high-water mark: a leak shows as Python-held bytes (and objects)
+that keep growing with the RSS; the allocator keeping freed memory shows as RSS rising
+while Python-held bytes stay flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def _sampler(out: Path, interval_s: float) -> None:
+    t0 = time.monotonic()
+    with open(out / "trace.tsv", "a", buffering=1) as log:
+        log.write("seconds\tpython_bytes\trss_bytes\tgc_objects\n")
+        while True:
+            time.sleep(interval_s)
+            t = round(time.monotonic() - t0)
+            current, _ = tracemalloc.get_traced_memory()
+            log.write(f"{t}\t{current}\t{_rss_bytes()}\t{len(gc.get_objects())}\n")
+            tracemalloc.take_snapshot().dump(str(out / f"snap-{t:06d}.pickle"))
+
+
+def _run(out: Path, interval_s: float, frames: int, argv: list[str]) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    tracemalloc.start(frames)
+    threading.Thread(target=_sampler, args=(out, interval_s), daemon=True).start()
+    from router.cli import main
+
+    return main(argv)
+
+
+def diff(out: Path, after_s: float, top: int) -> None:
+    """Print the lines whose live memory grew most from the first snapshot at or after
+    ``after_s`` to the last one, and the trace table."""
+    print((out / "trace.tsv").read_text())
+    snaps = sorted(out.glob("snap-*.pickle"))
+    first = next((s for s in snaps if int(s.stem.split("-")[1]) >= after_s), snaps[0])
+    last = snaps[-1]
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    a = tracemalloc.Snapshot.load(str(first)).filter_traces(ignore)
+    b = tracemalloc.Snapshot.load(str(last)).filter_traces(ignore)
+    print(f"growth from {first.name} to {last.name}, by line:")
+    for stat in b.compare_to(a, "lineno")[:top]:
+        print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks  {stat.traceback}")
+    print("by traceback (largest growth):")
+    for stat in b.compare_to(a, "traceback")[:3]:
+        print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks")
+        for line in stat.traceback.format():
+            print(f"      {line}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--diff":
+        p = argparse.ArgumentParser()
+        p.add_argument("--diff", type=Path, required=True)
+        p.add_argument("--after", type=float, default=120.0, help="seconds: end of warm-up")
+        p.add_argument("--top", type=int, default=15)
+        a = p.parse_args()
+        diff(a.diff, a.after, a.top)
+        return
+    if len(sys.argv) < 4:
+        raise SystemExit(__doc__)
+    out, interval, rest = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    raise SystemExit(_run(out, interval, 8, rest))
+
+if __name__ == "__main__":
+    main()
