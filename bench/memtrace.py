@@ -90,5 +90,6 @@ def main() -> None:
     out, interval, rest = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
     raise SystemExit(_run(out, interval, 8, rest))
 
+
 if __name__ == "__main__":
     main()

@@ -55,14 +55,17 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         if len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("PipelinedPushConnector supports one KV cache group only; "
-                             "hybrid models are not supported")
+            raise ValueError(
+                "PipelinedPushConnector supports one KV cache group only; "
+                "hybrid models are not supported"
+            )
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(vllm_config.cache_config.block_size,
-                                        float(extra.get("idle_sleep_s", 0.001)))
+            self._sched = SchedulerSide(
+                vllm_config.cache_config.block_size, float(extra.get("idle_sleep_s", 0.001))
+            )
         else:
             self._worker = _build_worker(vllm_config, self._kv_transfer_config, extra)
 
@@ -87,8 +90,9 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for (see ``start_load_kv``)."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         self._w().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
@@ -96,8 +100,9 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sending, recving, failed = self._w().get_finished(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)
@@ -115,12 +120,12 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     # -- scheduler side ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()[0]
         self._s().update_state_after_alloc(request, list(block_ids), num_external_tokens)
 
@@ -131,15 +136,19 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._s().on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self._s().update_connector_output(set(connector_output.finished_sending or ()),
-                                          set(connector_output.finished_recving or ()))
+        self._s().update_connector_output(
+            set(connector_output.finished_sending or ()),
+            set(connector_output.finished_recving or ()),
+        )
 
-    def request_finished(self, request: Any,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
@@ -158,13 +167,16 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         return PipelinedStats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
         from connector.prom import PipelinedPromMetrics
 
-        return PipelinedPromMetrics(vllm_config, metric_types, labelnames,
-                                    per_engine_labelvalues)
+        return PipelinedPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -182,23 +194,43 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     rank = get_tensor_model_parallel_rank()
-    host = str(extra.get("side_channel_host")
-               or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
-    port = int(extra.get("side_channel_port")
-               or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    host = str(
+        extra.get("side_channel_host") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    )
+    port = int(
+        extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
+    )
     engine_id = str(kv_config.engine_id)
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    compat = {"version": CONNECTOR_VERSION, "model": str(extra.get("model_id") or model.model),
-              "block_size": vllm_config.cache_config.block_size,
-              "num_kv_heads": model.get_num_kv_heads(parallel),
-              "head_size": model.get_head_size(), "tp_size": parallel.tensor_parallel_size}
-    keys = {"handshake_s": "handshake_timeout_s", "reg_s": "registration_timeout_s",
-            "recv_s": "receive_timeout_s", "write_s": "write_timeout_s",
-            "idle_wait_s": "idle_wait_s"}
+    compat = {
+        "version": CONNECTOR_VERSION,
+        "model": str(extra.get("model_id") or model.model),
+        "block_size": vllm_config.cache_config.block_size,
+        "num_kv_heads": model.get_num_kv_heads(parallel),
+        "head_size": model.get_head_size(),
+        "tp_size": parallel.tensor_parallel_size,
+    }
+    keys = {
+        "handshake_s": "handshake_timeout_s",
+        "reg_s": "registration_timeout_s",
+        "recv_s": "receive_timeout_s",
+        "write_s": "write_timeout_s",
+        "idle_wait_s": "idle_wait_s",
+    }
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
-    agent = RealNixlAgent(agent_name(engine_id, rank), port + rank,
-                          progress_delay_us=int(extra.get("progress_delay_us", 1000)),
-                          backends=tuple(extra.get("backends", ("UCX",))))
-    return WorkerSide(agent, engine_id=engine_id, tp_rank=rank, host=host, port=port,
-                      compat_fields=compat, timeouts=timeouts)
+    agent = RealNixlAgent(
+        agent_name(engine_id, rank),
+        port + rank,
+        progress_delay_us=int(extra.get("progress_delay_us", 1000)),
+        backends=tuple(extra.get("backends", ("UCX",))),
+    )
+    return WorkerSide(
+        agent,
+        engine_id=engine_id,
+        tp_rank=rank,
+        host=host,
+        port=port,
+        compat_fields=compat,
+        timeouts=timeouts,
+    )

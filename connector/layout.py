@@ -36,16 +36,25 @@ class CacheLayout:
     mem_type: str
 
     def to_wire(self) -> dict[str, Any]:
-        return {"layers": [list(layer.segments) for layer in self.layers],
-                "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
-                "block_stride": self.block_stride, "device_id": self.device_id,
-                "mem_type": self.mem_type}
+        return {
+            "layers": [list(layer.segments) for layer in self.layers],
+            "num_blocks": self.num_blocks,
+            "block_bytes": self.block_bytes,
+            "block_stride": self.block_stride,
+            "device_id": self.device_id,
+            "mem_type": self.mem_type,
+        }
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> CacheLayout:
-        return cls(tuple(LayerLayout(tuple(int(a) for a in seg)) for seg in obj["layers"]),
-                   int(obj["num_blocks"]), int(obj["block_bytes"]), int(obj["block_stride"]),
-                   int(obj["device_id"]), str(obj["mem_type"]))
+        return cls(
+            tuple(LayerLayout(tuple(int(a) for a in seg)) for seg in obj["layers"]),
+            int(obj["num_blocks"]),
+            int(obj["block_bytes"]),
+            int(obj["block_stride"]),
+            int(obj["device_id"]),
+            str(obj["mem_type"]),
+        )
 
     def is_dense(self) -> bool:
         """Whether consecutive blocks of a segment are adjacent (runs can be one descriptor)."""
@@ -66,8 +75,9 @@ class CacheLayout:
         elif first.shape[0] == 2 and first.shape[1] == num_blocks:
             block_dim, nseg = 1, 2
         else:
-            raise ValueError(f"unsupported KV cache shape {tuple(first.shape)} "
-                             f"for {num_blocks} blocks")
+            raise ValueError(
+                f"unsupported KV cache shape {tuple(first.shape)} for {num_blocks} blocks"
+            )
         stride = first.stride(block_dim) * elem
         block_bytes = stride if block_dim == 0 else _inner_bytes(first, block_dim)
         layers = []
@@ -82,7 +92,7 @@ class CacheLayout:
 
 def _inner_bytes(tensor: Any, block_dim: int) -> int:
     n = 1
-    for size in tensor.shape[block_dim + 1:]:
+    for size in tensor.shape[block_dim + 1 :]:
         n *= size
     return int(n * tensor.element_size())
 
@@ -99,8 +109,9 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def write_descs(local: CacheLayout, remote: CacheLayout, layer: int,
-                runs: list[tuple[int, int, int]]) -> tuple[list[Desc], list[Desc]]:
+def write_descs(
+    local: CacheLayout, remote: CacheLayout, layer: int, runs: list[tuple[int, int, int]]
+) -> tuple[list[Desc], list[Desc]]:
     """Descriptor lists for writing ``runs`` of one layer from ``local`` into ``remote``."""
     src: list[Desc] = []
     dst: list[Desc] = []

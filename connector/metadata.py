@@ -62,8 +62,11 @@ class PeerAddr:
     def from_params(cls, params: dict[str, Any]) -> PeerAddr | None:
         """Parse ``remote_engine_id``/``remote_host``/``remote_port``; None if any is missing."""
         try:
-            return cls(str(params["remote_engine_id"]), str(params["remote_host"]),
-                       int(params["remote_port"]))
+            return cls(
+                str(params["remote_engine_id"]),
+                str(params["remote_host"]),
+                int(params["remote_port"]),
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -117,7 +120,7 @@ def decode(raw: bytes) -> Message | None:
     if not raw.startswith(_PREFIX):
         return None
     try:
-        obj = json.loads(raw[len(_PREFIX):])
+        obj = json.loads(raw[len(_PREFIX) :])
     except ValueError:
         return None
     if not isinstance(obj, dict):

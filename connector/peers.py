@@ -54,9 +54,15 @@ class Link:
 class PeerTable:
     """All links of one worker rank; driven by the worker's polling (one thread)."""
 
-    def __init__(self, agent: NixlAgent, tp_rank: int, hello: dict[str, Any],
-                 compat: Compat, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        tp_rank: int,
+        hello: dict[str, Any],
+        compat: Compat,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._agent = agent
         self._rank = tp_rank
         self._hello = hello  # our HELLO body: compat, address, layout
@@ -118,8 +124,10 @@ class PeerTable:
         if msg.kind == "HELLO":
             self._on_hello(link, msg.body)
         elif msg.kind == "VERSION":
-            self._refuse(link, f"peer speaks wire version {msg.body.get('v')!r}, "
-                               f"we speak {self._compat.version}")
+            self._refuse(
+                link,
+                f"peer speaks wire version {msg.body.get('v')!r}, we speak {self._compat.version}",
+            )
         elif msg.kind == "REFUSE":
             self._mark_refused(link, f"peer refused us: {msg.body.get('reason', '')}")
         else:
@@ -173,4 +181,3 @@ class PeerTable:
             self._agent.send_notif(link.name, raw)
         except Exception as exc:
             log.warning("pd-connector: notification to %s failed: %s", link.name, exc)
-

@@ -47,37 +47,64 @@ class PipelinedStats(KVConnectorStats):  # type: ignore[misc]
 class PipelinedPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
     """Registers the series above once per API-server process; ``observe`` per stats batch."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {key: self._counter(name, doc) for key, name, doc in (
-            ("bytes_written", "vllm:pdr_bytes_written", "KV bytes written to decode engines"),
-            ("num_writes", "vllm:pdr_writes", "NIXL WRITEs posted (one per layer and chunk)"),
-            ("bytes_received", "vllm:pdr_bytes_received", "KV bytes received from prefill"),
-            ("requests_received", "vllm:pdr_requests_received", "Completed KV receives"),
-        )}
-        self._hists = {key: self._histogram(name, doc, buckets) for key, name, doc, buckets in (
-            ("writes_per_request", "vllm:pdr_writes_per_request", "WRITEs per pushed request",
-             [1.0, 2, 4, 8, 16, 32, 64, 128, 256, 512]),
-            ("write_seconds", "vllm:pdr_request_write_seconds",
-             "First WRITE posted to last WRITE completed, per request",
-             [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]),
-            ("handshake_seconds", "vllm:pdr_handshake_seconds", "Peer handshake duration",
-             [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5]),
-        )}
-        failures = self._counter_cls(name="vllm:pdr_failures",
-                                     documentation="Failed transfers by kind",
-                                     labelnames=[*labelnames, "kind"])
-        self._failures = {idx: {kind: failures.labels(*values, kind) for kind in FAILURE_KINDS}
-                          for idx, values in per_engine_labelvalues.items()}
+        self._counters = {
+            key: self._counter(name, doc)
+            for key, name, doc in (
+                ("bytes_written", "vllm:pdr_bytes_written", "KV bytes written to decode engines"),
+                ("num_writes", "vllm:pdr_writes", "NIXL WRITEs posted (one per layer and chunk)"),
+                ("bytes_received", "vllm:pdr_bytes_received", "KV bytes received from prefill"),
+                ("requests_received", "vllm:pdr_requests_received", "Completed KV receives"),
+            )
+        }
+        self._hists = {
+            key: self._histogram(name, doc, buckets)
+            for key, name, doc, buckets in (
+                (
+                    "writes_per_request",
+                    "vllm:pdr_writes_per_request",
+                    "WRITEs per pushed request",
+                    [1.0, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+                ),
+                (
+                    "write_seconds",
+                    "vllm:pdr_request_write_seconds",
+                    "First WRITE posted to last WRITE completed, per request",
+                    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
+                ),
+                (
+                    "handshake_seconds",
+                    "vllm:pdr_handshake_seconds",
+                    "Peer handshake duration",
+                    [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
+                ),
+            )
+        }
+        failures = self._counter_cls(
+            name="vllm:pdr_failures",
+            documentation="Failed transfers by kind",
+            labelnames=[*labelnames, "kind"],
+        )
+        self._failures = {
+            idx: {kind: failures.labels(*values, kind) for kind in FAILURE_KINDS}
+            for idx, values in per_engine_labelvalues.items()
+        }
 
     def _counter(self, name: str, doc: str) -> dict[int, Any]:
         metric = self._counter_cls(name=name, documentation=doc, labelnames=self._labelnames)
         return dict(create_metric_per_engine(metric, self.per_engine_labelvalues))
 
     def _histogram(self, name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
-        metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets,
-                                     labelnames=self._labelnames)
+        metric = self._histogram_cls(
+            name=name, documentation=doc, buckets=buckets, labelnames=self._labelnames
+        )
         return dict(create_metric_per_engine(metric, self.per_engine_labelvalues))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

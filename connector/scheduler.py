@@ -57,8 +57,12 @@ class TransferParams:
         peer = PeerAddr.from_params(params)
         tid = params.get("transfer_id")
         if peer is None or not tid:
-            log.error("request %s: kv_transfer_params lack transfer_id/remote_engine_id/"
-                      "remote_host/remote_port; served without transfer: %s", req_id, params)
+            log.error(
+                "request %s: kv_transfer_params lack transfer_id/remote_engine_id/"
+                "remote_host/remote_port; served without transfer: %s",
+                req_id,
+                params,
+            )
             return None
         return cls(str(tid), peer, bool(params.get("do_remote_decode")))
 
@@ -83,9 +87,15 @@ class _SendTrack:
         upto = min(upto, len(self.block_ids))
         if upto <= self.written and not final:
             return None
-        spec = SendSpec(req_id, self.xfer.tid, self.xfer.peer, self.written,
-                        self.block_ids[self.written:upto], min(computed_after, self.prompt_len),
-                        final)
+        spec = SendSpec(
+            req_id,
+            self.xfer.tid,
+            self.xfer.peer,
+            self.written,
+            self.block_ids[self.written : upto],
+            min(computed_after, self.prompt_len),
+            final,
+        )
         self.written, self.planned, self.final = max(upto, self.written), True, final
         return spec
 
@@ -93,8 +103,12 @@ class _SendTrack:
 class SchedulerSide:
     """Scheduler-role logic; one instance per engine, called from the scheduler thread only."""
 
-    def __init__(self, block_size: int, idle_sleep_s: float = 0.0,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        idle_sleep_s: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._block_size = block_size
         self._idle_sleep_s = idle_sleep_s
         self._sleep = sleep
@@ -116,8 +130,9 @@ class SchedulerSide:
         if xfer.is_prefill:
             self._sends[request.request_id] = _SendTrack(xfer, request.num_prompt_tokens)
 
-    def get_num_new_matched_tokens(self, request: _Request,
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: _Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """D: the rest of the prompt comes from P, asynchronously. Side-effect free."""
         xfer = self._xfers.get(request.request_id)
         if xfer is None or xfer.is_prefill or request.request_id in self._recv_started:
@@ -125,8 +140,9 @@ class SchedulerSide:
         count = request.num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: _Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: _Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
         """D: plan the registration of the blocks just allocated (first call only).
         P: a request resumed after preemption must write everything again."""
         req_id = request.request_id
@@ -145,9 +161,16 @@ class SchedulerSide:
         local = request.num_prompt_tokens - num_external_tokens
         start = local // self._block_size
         needed = -(-request.num_prompt_tokens // self._block_size)
-        self._step.recvs.append(RecvSpec(req_id, xfer.tid, xfer.peer, start,
-                                         list(block_ids[start:needed]),
-                                         request.num_prompt_tokens))
+        self._step.recvs.append(
+            RecvSpec(
+                req_id,
+                xfer.tid,
+                xfer.peer,
+                start,
+                list(block_ids[start:needed]),
+                request.num_prompt_tokens,
+            )
+        )
         self._recv_waiting.add(req_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepMeta:
@@ -155,16 +178,20 @@ class SchedulerSide:
         step, self._step = self._step, StepMeta()
         if self._sends:
             step.sends.extend(self._plan_sends(scheduler_output))
-        if (self._idle_sleep_s > 0 and step.is_empty()
-                and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-                and (self._recv_waiting or self._awaiting_send)):
+        if (
+            self._idle_sleep_s > 0
+            and step.is_empty()
+            and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+            and (self._recv_waiting or self._awaiting_send)
+        ):
             # An empty step only waits for a peer; vLLM would run the next one at once and
             # spin the engine-core process, which on small hosts slows the other engine.
             self._sleep(self._idle_sleep_s)
         return step
 
-    def request_finished(self, request: _Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: _Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Called exactly once per finished request. True keeps its blocks allocated until the
         worker reports the send finished."""
         req_id = request.request_id
@@ -190,8 +217,9 @@ class SchedulerSide:
             return True, None
         return False, None
 
-    def update_connector_output(self, finished_sending: set[str],
-                                finished_recving: set[str]) -> None:
+    def update_connector_output(
+        self, finished_sending: set[str], finished_recving: set[str]
+    ) -> None:
         """Forget transfers the workers reported done (vLLM frees their blocks itself)."""
         self._awaiting_send -= finished_sending
         self._recv_waiting -= finished_recving

@@ -12,8 +12,17 @@ from typing import Any
 
 __all__ = ["FAILURE_KINDS", "WorkerStats", "empty_data", "merge_data", "reduce_data"]
 
-FAILURE_KINDS = ("handshake", "refused", "reg_timeout", "recv_timeout", "write_timeout",
-                 "write_error", "prefill_abort", "decode_abort", "peer_fail")
+FAILURE_KINDS = (
+    "handshake",
+    "refused",
+    "reg_timeout",
+    "recv_timeout",
+    "write_timeout",
+    "write_error",
+    "prefill_abort",
+    "decode_abort",
+    "peer_fail",
+)
 
 _SUMS = ("bytes_written", "num_writes", "bytes_received", "requests_sent", "requests_received")
 _LISTS = ("writes_per_request", "write_seconds", "handshake_seconds")

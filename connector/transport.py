@@ -43,8 +43,9 @@ class NixlAgent(Protocol):
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call, by sender agent name."""
 
-    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
-                   mem_type: str, notif: bytes) -> object:
+    def post_write(
+        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+    ) -> object:
         """Post one WRITE of ``local[i]`` into ``remote[i]``; ``notif`` reaches ``agent`` after
         the data. Returns a handle for ``xfer_state``/``release``; raises if posting fails."""
 
@@ -69,16 +70,26 @@ _BUILD_LOCK = threading.Lock()
 class RealNixlAgent:
     """``NixlAgent`` over ``nixl.nixl_agent`` with the UCX backend and a listener thread."""
 
-    def __init__(self, name: str, listen_port: int, *, progress_delay_us: int = 1000,
-                 backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self,
+        name: str,
+        listen_port: int,
+        *,
+        progress_delay_us: int = 1000,
+        backends: Sequence[str] = ("UCX",),
+    ) -> None:
         import numpy as np
         from nixl import _api as api
 
         self.name = name
         self._np = np
         self._api = api
-        conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=True,
-                                     listen_port=listen_port, backends=list(backends))
+        conf = api.nixl_agent_config(
+            enable_prog_thread=True,
+            enable_listen_thread=True,
+            listen_port=listen_port,
+            backends=list(backends),
+        )
         with _BUILD_LOCK:
             self._agent: Any = _build_agent(api, name, conf, progress_delay_us)
 
@@ -101,8 +112,9 @@ class RealNixlAgent:
     def get_notifs(self) -> dict[str, list[bytes]]:
         return dict(self._agent.get_new_notifs())
 
-    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
-                   mem_type: str, notif: bytes) -> object:
+    def post_write(
+        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+    ) -> object:
         src = self._agent.get_xfer_descs(self._np.array(local, dtype=self._np.uint64), mem_type)
         dst = self._agent.get_xfer_descs(self._np.array(remote, dtype=self._np.uint64), mem_type)
         handle = self._agent.initialize_xfer("WRITE", src, dst, agent, notif)

@@ -94,10 +94,19 @@ class _Recv:
 class WorkerSide:
     """Worker-role logic for one rank. Owns the NIXL agent it gets from ``agent_factory``."""
 
-    def __init__(self, agent: NixlAgent, *, engine_id: str, tp_rank: int, host: str, port: int,
-                 compat_fields: dict[str, Any], timeouts: Timeouts = Timeouts(),
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        agent: NixlAgent,
+        *,
+        engine_id: str,
+        tp_rank: int,
+        host: str,
+        port: int,
+        compat_fields: dict[str, Any],
+        timeouts: Timeouts = Timeouts(),
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self._agent = agent
         self._sleep = sleep
         self._forward_seen = False
@@ -121,22 +130,37 @@ class WorkerSide:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
-                           mem_type: str) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int, mem_type: str) -> None:
         """Called once, before any request: register the whole cache and build our HELLO."""
         names = sorted(kv_caches, key=_layer_key)
         self._layer_idx = {name: i for i, name in enumerate(names)}
         layout = CacheLayout.from_tensors([kv_caches[n] for n in names], num_blocks, mem_type)
         self._agent.register(layout.regions(), mem_type)
         self._layout = layout
-        compat = Compat(num_layers=len(names), block_bytes=layout.block_bytes,
-                        dtype=str(kv_caches[names[0]].dtype), **self._compat_fields)
-        hello = {"compat": _asdict(compat), "layout": layout.to_wire(),
-                 "engine_id": self._engine_id, "host": self._host, "port": self._port}
-        self._peers = PeerTable(self._agent, self._rank, hello, compat, self._t.handshake_s,
-                                self._clock)
-        log.info("pd-connector: rank %d registered %d layers x %d blocks (%d B/block) as %s",
-                 self._rank, len(names), num_blocks, layout.block_bytes, self._agent.name)
+        compat = Compat(
+            num_layers=len(names),
+            block_bytes=layout.block_bytes,
+            dtype=str(kv_caches[names[0]].dtype),
+            **self._compat_fields,
+        )
+        hello = {
+            "compat": _asdict(compat),
+            "layout": layout.to_wire(),
+            "engine_id": self._engine_id,
+            "host": self._host,
+            "port": self._port,
+        }
+        self._peers = PeerTable(
+            self._agent, self._rank, hello, compat, self._t.handshake_s, self._clock
+        )
+        log.info(
+            "pd-connector: rank %d registered %d layers x %d blocks (%d B/block) as %s",
+            self._rank,
+            len(names),
+            num_blocks,
+            layout.block_bytes,
+            self._agent.name,
+        )
 
     @property
     def peers(self) -> PeerTable:
@@ -293,8 +317,9 @@ class WorkerSide:
         assert self._layout is not None and link.layout is not None
         local, remote = write_descs(self._layout, link.layout, layer, block_runs(src, dst))
         try:
-            handle = self._agent.post_write(link.name, local, remote, self._layout.mem_type,
-                                            encode("W", send.tid))
+            handle = self._agent.post_write(
+                link.name, local, remote, self._layout.mem_type, encode("W", send.tid)
+            )
         except Exception as exc:
             self._fail_send(send, "write_error", f"posting WRITE failed: {exc}")
             return
@@ -305,14 +330,24 @@ class WorkerSide:
         self.stats.wrote(sum(d[1] for d in local))
 
     def _maybe_done(self, send: _Send) -> None:
-        if (send.failed or send.done_sent or send.final_at is None or send.reg is None
-                or send.queued):
+        if (
+            send.failed
+            or send.done_sent
+            or send.final_at is None
+            or send.reg is None
+            or send.queued
+        ):
             return
         send.done_sent = True
-        log.debug("pd-connector: DONE %s after %d writes, %.1f ms after the plan", send.tid,
-                  send.writes, 1000 * (self._clock() - send.started))
-        self._notice(send.link, encode("DONE", send.tid, writes=send.writes,
-                                       tokens=send.num_tokens))
+        log.debug(
+            "pd-connector: DONE %s after %d writes, %.1f ms after the plan",
+            send.tid,
+            send.writes,
+            1000 * (self._clock() - send.started),
+        )
+        self._notice(
+            send.link, encode("DONE", send.tid, writes=send.writes, tokens=send.num_tokens)
+        )
 
     def _on_prefill_failed(self, req_id: str, tid: str, peer: PeerAddr) -> None:
         send = self._sends.get(req_id)
@@ -366,8 +401,12 @@ class WorkerSide:
             send.first_post = None  # count once
 
     def _check_send_timeouts(self, send: _Send, now: float) -> None:
-        if (not send.failed and send.reg is None and send.final_at is not None
-                and now - send.final_at > self._t.reg_s):
+        if (
+            not send.failed
+            and send.reg is None
+            and send.final_at is not None
+            and now - send.final_at > self._t.reg_s
+        ):
             self._fail_send(send, "reg_timeout", f"no registration from D in {self._t.reg_s}s")
 
     def _drop_send(self, send: _Send) -> None:
@@ -392,11 +431,15 @@ class WorkerSide:
             return
         if link.state is LinkState.READY:
             spec = recv.spec
-            self._notice(link.name, encode("REG", spec.tid, start=spec.start_block,
-                                           blocks=spec.block_ids))
+            self._notice(
+                link.name, encode("REG", spec.tid, start=spec.start_block, blocks=spec.block_ids)
+            )
             recv.reg_sent = True
-            log.debug("pd-connector: REG %s sent %.1f ms after the receive began", spec.tid,
-                      1000 * (self._clock() - recv.started))
+            log.debug(
+                "pd-connector: REG %s sent %.1f ms after the receive began",
+                spec.tid,
+                1000 * (self._clock() - recv.started),
+            )
         elif link.settled:
             kind = "refused" if link.state is LinkState.REFUSED else "handshake"
             self._fail_recv(recv, kind, link.reason, notify=False)
@@ -417,21 +460,27 @@ class WorkerSide:
         if recv.finished or recv.expected is None or recv.writes_seen < recv.expected:
             return
         recv.finished = True
-        log.debug("pd-connector: receive %s complete after %.1f ms (%d writes)", recv.spec.tid,
-                  1000 * (self._clock() - recv.started), recv.writes_seen)
+        log.debug(
+            "pd-connector: receive %s complete after %.1f ms (%d writes)",
+            recv.spec.tid,
+            1000 * (self._clock() - recv.started),
+            recv.writes_seen,
+        )
         if self._layout is not None:
             nblocks = len(recv.spec.block_ids)
             segs = len(self._layout.layers[0].segments) if self._layout.layers else 0
-            self.stats.received(nblocks * self._layout.block_bytes * segs
-                                * len(self._layout.layers))
+            self.stats.received(
+                nblocks * self._layout.block_bytes * segs * len(self._layout.layers)
+            )
 
     def _fail_recv(self, recv: _Recv, kind: str, reason: str, notify: bool) -> None:
         if recv.finished:
             return
         recv.finished = recv.failed = True
         self.stats.failure(kind)
-        log.warning("pd-connector: receive %s (tid %s) failed: %s", recv.spec.req_id,
-                    recv.spec.tid, reason)
+        log.warning(
+            "pd-connector: receive %s (tid %s) failed: %s", recv.spec.req_id, recv.spec.tid, reason
+        )
         if notify:
             self._notice(recv.link, encode("ABORT", recv.spec.tid, reason=reason))
 
@@ -450,8 +499,9 @@ class WorkerSide:
         now = self._clock()
         for recv in list(self._recvs.values()):
             if not recv.finished and now - recv.started > self._t.recv_s:
-                self._fail_recv(recv, "recv_timeout", f"no KV from P in {self._t.recv_s}s",
-                                notify=True)
+                self._fail_recv(
+                    recv, "recv_timeout", f"no KV from P in {self._t.recv_s}s", notify=True
+                )
             if recv.finished:
                 finished.add(recv.spec.req_id)
                 if recv.failed:

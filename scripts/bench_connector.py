@@ -82,16 +82,30 @@ def run_push(p: Engine, d: Engine, prompt: str) -> float:
     xid, tid = uuid.uuid4().hex, f"xfer-{uuid.uuid4().hex}"
     headers = {"X-Request-Id": xid}
     p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
-    d_params = {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": p.identity.engine_id, "remote_host": p.identity.host,
-                "remote_port": p.identity.port, "tp_size": 1, "pp_size": 1,
-                "remote_request_id": f"cmpl-{xid}-0", "transfer_id": tid}
+    d_params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": p.identity.engine_id,
+        "remote_host": p.identity.host,
+        "remote_port": p.identity.port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": f"cmpl-{xid}-0",
+        "transfer_id": tid,
+    }
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(httpx.post, f"{p.url}/v1/completions", timeout=120, headers=headers,
-                          json={**completion_body(prompt, 1), "kv_transfer_params": p_params})
-        ttft = ttft_stream(f"{d.url}/v1/completions",
-                           {**completion_body(prompt, 4, stream=True),
-                            "kv_transfer_params": d_params}, headers)
+        fut = pool.submit(
+            httpx.post,
+            f"{p.url}/v1/completions",
+            timeout=120,
+            headers=headers,
+            json={**completion_body(prompt, 1), "kv_transfer_params": p_params},
+        )
+        ttft = ttft_stream(
+            f"{d.url}/v1/completions",
+            {**completion_body(prompt, 4, stream=True), "kv_transfer_params": d_params},
+            headers,
+        )
         fut.result().raise_for_status()
     return ttft
 
@@ -100,13 +114,20 @@ def run_pull(p: Engine, d: Engine, prompt: str) -> float:
     """vLLM's NixlConnector: P first, then D with P's returned parameters."""
     headers = {"X-Request-Id": uuid.uuid4().hex}
     t0 = time.monotonic()
-    r = httpx.post(f"{p.url}/v1/completions", timeout=120, headers=headers,
-                   json={**completion_body(prompt, 1),
-                         "kv_transfer_params": {"do_remote_decode": True,
-                                                "do_remote_prefill": False}})
+    r = httpx.post(
+        f"{p.url}/v1/completions",
+        timeout=120,
+        headers=headers,
+        json={
+            **completion_body(prompt, 1),
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+    )
     r.raise_for_status()
-    body = {**completion_body(prompt, 4, stream=True),
-            "kv_transfer_params": r.json()["kv_transfer_params"]}
+    body = {
+        **completion_body(prompt, 4, stream=True),
+        "kv_transfer_params": r.json()["kv_transfer_params"],
+    }
     _, status, ttft_d = _stream(f"{d.url}/v1/completions", body, headers, t0, 120)
     if status != 200:
         raise RuntimeError(f"pull D leg: {status}")
@@ -115,9 +136,10 @@ def run_pull(p: Engine, d: Engine, prompt: str) -> float:
 
 Runner = Callable[[Engine, Engine, str], float]
 MODES: dict[str, tuple[str, list[tuple[str, Runner]]]] = {
-    "pipelined": ("PipelinedPushConnector",
-                  [("pipelined (this connector)", run_pipelined),
-                   ("aggregated", run_aggregated)]),
+    "pipelined": (
+        "PipelinedPushConnector",
+        [("pipelined (this connector)", run_pipelined), ("aggregated", run_aggregated)],
+    ),
     "push": ("NixlPushConnector", [("NixlPushConnector (concurrent)", run_push)]),
     "pull": ("NixlConnector", [("NixlConnector (pull)", run_pull)]),
 }
@@ -139,12 +161,16 @@ def bench_mode(mode: str, prompts: list[str], run_dir: Path) -> dict[str, list[f
             writes = m.total("vllm:pdr_writes_total")
             nbytes = m.total("vllm:pdr_bytes_written_total")
             n = m.total("vllm:pdr_writes_per_request_count")
-            print(f"[{mode}] {nbytes / max(n, 1) / 2**20:.1f} MiB and "
-                  f"{writes / max(n, 1):.1f} WRITEs per request", flush=True)
+            print(
+                f"[{mode}] {nbytes / max(n, 1) / 2**20:.1f} MiB and "
+                f"{writes / max(n, 1):.1f} WRITEs per request",
+                flush=True,
+            )
     return out
 
 
 # -- transport throughput -----------------------------------------------------------------------
+
 
 def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
     """(connector GB/s, raw GB/s, bytes) for one ~2048-token prompt's KV of the bench model."""
@@ -160,17 +186,32 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
     layers, block, width = spec.num_hidden_layers, 128, spec.num_key_value_heads * spec.head_dim
     nblocks, used = 40, PROMPT_TOKENS // block
     ports = pick_ports(4, range(6600, 6800))
-    compat = {"version": 1, "model": VARIANT, "block_size": block,
-              "num_kv_heads": spec.num_key_value_heads, "head_size": spec.head_dim,
-              "tp_size": 1}
+    compat = {
+        "version": 1,
+        "model": VARIANT,
+        "block_size": block,
+        "num_kv_heads": spec.num_key_value_heads,
+        "head_size": spec.head_dim,
+        "tp_size": 1,
+    }
     addrs = [PeerAddr(f"bench-{r}", "127.0.0.1", ports[i]) for i, r in enumerate(("p", "d"))]
     sides, caches = [], []
     for addr in addrs:
         agent = RealNixlAgent(addr.agent_name(0), addr.port)
-        w = WorkerSide(agent, engine_id=addr.engine_id, tp_rank=0, host=addr.host,
-                       port=addr.port, compat_fields=compat)
-        kv = {f"model.layers.{i}.self_attn.attn":
-              torch.rand(nblocks, 2, block, width).to(torch.bfloat16) for i in range(layers)}
+        w = WorkerSide(
+            agent,
+            engine_id=addr.engine_id,
+            tp_rank=0,
+            host=addr.host,
+            port=addr.port,
+            compat_fields=compat,
+        )
+        kv = {
+            f"model.layers.{i}.self_attn.attn": torch.rand(nblocks, 2, block, width).to(
+                torch.bfloat16
+            )
+            for i in range(layers)
+        }
         w.register_kv_caches(kv, nblocks, "DRAM")
         sides.append(w)
         caches.append(kv)
@@ -188,8 +229,13 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
                 break
             time.sleep(0.001)
         t0 = time.perf_counter()
-        p.bind(StepMeta(sends=[SendSpec(f"p{rep}", tid, addrs[1], 0, list(range(used)),
-                                        PROMPT_TOKENS, True)]))
+        p.bind(
+            StepMeta(
+                sends=[
+                    SendSpec(f"p{rep}", tid, addrs[1], 0, list(range(used)), PROMPT_TOKENS, True)
+                ]
+            )
+        )
         for n in names:
             p.save_layer(n)
         p.end_step()
@@ -215,8 +261,13 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
     raw_times = []
     for rep in range(repeats + 1):
         t0 = time.perf_counter()
-        h = src.post_write("raw-1", [(bufs[0].data_ptr(), nbytes, 0)],
-                           [(bufs[1].data_ptr(), nbytes, 0)], "DRAM", f"r{rep}".encode())
+        h = src.post_write(
+            "raw-1",
+            [(bufs[0].data_ptr(), nbytes, 0)],
+            [(bufs[1].data_ptr(), nbytes, 0)],
+            "DRAM",
+            f"r{rep}".encode(),
+        )
         while not dst.get_notifs():
             src.xfer_state(h)
         if rep:
@@ -241,8 +292,10 @@ def main() -> int:
         results.update(bench_mode(mode, prompts, run_dir))
     conn, raw, nbytes = transport_throughput()
 
-    print(f"\nTTFT at ~{PROMPT_TOKENS}-token prompts (median / p90 ms, "
-          f"{args.requests} requests each):")
+    print(
+        f"\nTTFT at ~{PROMPT_TOKENS}-token prompts (median / p90 ms, "
+        f"{args.requests} requests each):"
+    )
     med = {k: statistics.median(v) for k, v in results.items()}
     for name, vals in results.items():
         p90 = sorted(vals)[max(0, int(0.9 * len(vals)) - 1)]
@@ -252,8 +305,10 @@ def main() -> int:
         for ref, target in (("NixlPushConnector (concurrent)", 0.9), ("aggregated", 1.1)):
             if ref in med:
                 print(f"  ratio vs {ref}: {ours / med[ref]:.2f} (target <= {target})")
-    print(f"\nWRITE throughput, {nbytes / 2**20:.0f} MiB per prompt: connector path "
-          f"{conn:.2f} GB/s, raw NIXL {raw:.2f} GB/s -> {100 * conn / raw:.0f}% (target >= 80%)")
+    print(
+        f"\nWRITE throughput, {nbytes / 2**20:.0f} MiB per prompt: connector path "
+        f"{conn:.2f} GB/s, raw NIXL {raw:.2f} GB/s -> {100 * conn / raw:.0f}% (target >= 80%)"
+    )
     return 0
 
 

@@ -47,31 +47,48 @@ class Engine:
         return scrape(self.url)
 
 
-def connector_config(role: str, engine_id: str, kv_port: int,
-                     connector: str = "PipelinedPushConnector",
-                     extra: dict[str, Any] | None = None) -> str:
+def connector_config(
+    role: str,
+    engine_id: str,
+    kv_port: int,
+    connector: str = "PipelinedPushConnector",
+    extra: dict[str, Any] | None = None,
+) -> str:
     cfg: dict[str, Any] = {
-        "kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu",
+        "kv_connector": connector,
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
         "engine_id": engine_id,
     }
     if connector == "PipelinedPushConnector":
         cfg["kv_connector_module_path"] = "connector"
-        cfg["kv_connector_extra_config"] = {"side_channel_host": eng.LOCALHOST,
-                                            "side_channel_port": kv_port, **(extra or {})}
+        cfg["kv_connector_extra_config"] = {
+            "side_channel_host": eng.LOCALHOST,
+            "side_channel_port": kv_port,
+            **(extra or {}),
+        }
     return json.dumps(cfg)
 
 
 @contextmanager
-def engine_pair(run_dir: Path, *, variant: str = "tiny", max_model_len: int = 4096,
-                connector: str = "PipelinedPushConnector",
-                extra: dict[str, Any] | None = None,
-                engine_args: tuple[str, ...] = (),
-                startup_timeout_s: float = 420.0) -> Iterator[tuple[Engine, Engine]]:
+def engine_pair(
+    run_dir: Path,
+    *,
+    variant: str = "tiny",
+    max_model_len: int = 4096,
+    connector: str = "PipelinedPushConnector",
+    extra: dict[str, Any] | None = None,
+    engine_args: tuple[str, ...] = (),
+    startup_timeout_s: float = 420.0,
+) -> Iterator[tuple[Engine, Engine]]:
     """Start P (core 0) and D (core 1); always stops both (process groups) on exit."""
     model_path = tiny_model.ensure_model(variant)
     per_token = tiny_model.VARIANTS[variant].kv_bytes_per_token()
-    opts = eng.EngineOptions(model_path=model_path, max_model_len=max_model_len,
-                             kv_cache_bytes=eng.kv_cache_bytes_for(per_token, max_model_len))
+    opts = eng.EngineOptions(
+        model_path=model_path,
+        max_model_len=max_model_len,
+        kv_cache_bytes=eng.kv_cache_bytes_for(per_token, max_model_len),
+    )
     http = pick_ports(2, HTTP_PORTS)
     kv = pick_ports(2, KV_PORTS)
     tag = uuid.uuid4().hex[:6]
@@ -80,12 +97,20 @@ def engine_pair(run_dir: Path, *, variant: str = "tiny", max_model_len: int = 40
         for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
             engine_id = f"{name}-{tag}"
             cfg = connector_config(role, engine_id, kv[i], connector, extra)
-            spec = eng.EngineSpec(f"{name}-0", "prefill" if i == 0 else "decode", http[i], i,
-                                  None, kv[i], engine_id,
-                                  ("--kv-transfer-config", cfg, *engine_args))
+            spec = eng.EngineSpec(
+                f"{name}-0",
+                "prefill" if i == 0 else "decode",
+                http[i],
+                i,
+                None,
+                kv[i],
+                engine_id,
+                ("--kv-transfer-config", cfg, *engine_args),
+            )
             env = eng.engine_env(spec, os.environ)
-            proc = ManagedProcess(spec.name, eng.engine_argv(spec, opts), env,
-                                  run_dir / f"{spec.name}.log")
+            proc = ManagedProcess(
+                spec.name, eng.engine_argv(spec, opts), env, run_dir / f"{spec.name}.log"
+            )
             engines.append(Engine(spec, proc, PeerIdentity(engine_id, eng.LOCALHOST, kv[i])))
         _wait_healthy(engines, startup_timeout_s)
         yield engines[0], engines[1]
@@ -112,14 +137,20 @@ def _wait_healthy(engines: list[Engine], timeout_s: float) -> None:
 
 
 def completion_body(prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": stream}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
 
 
 def local(engine: Engine, prompt: str, max_tokens: int = 16) -> str:
     """The aggregated reference: the whole request on one engine, no transfer."""
-    r = httpx.post(f"{engine.url}/v1/completions", json=completion_body(prompt, max_tokens),
-                   timeout=120)
+    r = httpx.post(
+        f"{engine.url}/v1/completions", json=completion_body(prompt, max_tokens), timeout=120
+    )
     r.raise_for_status()
     return str(r.json()["choices"][0]["text"])
 
@@ -133,20 +164,29 @@ class PdResult:
     total_s: float
 
 
-def pipelined(p: Engine, d: Engine, prompt: str, max_tokens: int = 16,
-              pool: cf.ThreadPoolExecutor | None = None, timeout_s: float = 120) -> PdResult:
+def pipelined(
+    p: Engine,
+    d: Engine,
+    prompt: str,
+    max_tokens: int = 16,
+    pool: cf.ThreadPoolExecutor | None = None,
+    timeout_s: float = 120,
+) -> PdResult:
     """Both legs at once, the way the router's pipelined mode sends them; D streams."""
     xid, tid = uuid.uuid4().hex, f"xfer-{uuid.uuid4().hex}"
     headers = {"X-Request-Id": xid}
     p_body = {**completion_body(prompt, 1), "kv_transfer_params": prefill_params(tid, d.identity)}
-    d_body = {**completion_body(prompt, max_tokens, stream=True),
-              "kv_transfer_params": decode_params(tid, p.identity)}
+    d_body = {
+        **completion_body(prompt, max_tokens, stream=True),
+        "kv_transfer_params": decode_params(tid, p.identity),
+    }
     own = pool is None
     pool = pool or cf.ThreadPoolExecutor(1)
     try:
         t0 = time.monotonic()
-        fut = pool.submit(httpx.post, f"{p.url}/v1/completions", json=p_body, headers=headers,
-                          timeout=timeout_s)
+        fut = pool.submit(
+            httpx.post, f"{p.url}/v1/completions", json=p_body, headers=headers, timeout=timeout_s
+        )
         text, status, ttft = _stream(f"{d.url}/v1/completions", d_body, headers, t0, timeout_s)
         total = time.monotonic() - t0
         p_status = fut.result().status_code
@@ -156,8 +196,9 @@ def pipelined(p: Engine, d: Engine, prompt: str, max_tokens: int = 16,
     return PdResult(text, status, p_status, ttft, total)
 
 
-def _stream(url: str, body: dict[str, Any], headers: dict[str, str], t0: float,
-            timeout_s: float) -> tuple[str, int, float]:
+def _stream(
+    url: str, body: dict[str, Any], headers: dict[str, str], t0: float, timeout_s: float
+) -> tuple[str, int, float]:
     parts: list[str] = []
     ttft = float("nan")
     with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as r:

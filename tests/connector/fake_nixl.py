@@ -107,8 +107,9 @@ class FakeAgent:
         self.inbox = defaultdict(list)
         return out
 
-    def post_write(self, agent: str, local: Sequence[Desc], remote: Sequence[Desc],
-                   mem_type: str, notif: bytes) -> object:
+    def post_write(
+        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+    ) -> object:
         mode = self.fabric.write_mode
         if mode == "post_fail" or agent not in self.known:
             raise RuntimeError("post failed")

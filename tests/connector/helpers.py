@@ -46,8 +46,14 @@ def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
 
 
 def compat_fields(**over: Any) -> dict[str, Any]:
-    base = {"version": CONNECTOR_VERSION, "model": "tiny", "block_size": BLOCK_SIZE,
-            "num_kv_heads": 2, "head_size": 4, "tp_size": 1}
+    base = {
+        "version": CONNECTOR_VERSION,
+        "model": "tiny",
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": 2,
+        "head_size": 4,
+        "tp_size": 1,
+    }
     base.update(over)
     return base
 
@@ -63,13 +69,27 @@ class Side:
         return list(self.caches)
 
 
-def make_side(fabric: Fabric, addr: PeerAddr, clock: Clock, *, fill: float | None = None,
-              timeouts: Timeouts | None = None, **compat: Any) -> Side:
+def make_side(
+    fabric: Fabric,
+    addr: PeerAddr,
+    clock: Clock,
+    *,
+    fill: float | None = None,
+    timeouts: Timeouts | None = None,
+    **compat: Any,
+) -> Side:
     name = addr.agent_name(0)
     agent = fabric.agent(name, addr.port)
-    w = WorkerSide(agent, engine_id=addr.engine_id, tp_rank=0, host=addr.host, port=addr.port,
-                   compat_fields=compat_fields(**compat), timeouts=timeouts or Timeouts(),
-                   clock=clock)
+    w = WorkerSide(
+        agent,
+        engine_id=addr.engine_id,
+        tp_rank=0,
+        host=addr.host,
+        port=addr.port,
+        compat_fields=compat_fields(**compat),
+        timeouts=timeouts or Timeouts(),
+        clock=clock,
+    )
     caches = kv_caches(fill)
     w.register_kv_caches(caches, BLOCKS, "DRAM")
     return Side(w, caches, name)
@@ -93,22 +113,32 @@ def idle(side: Side) -> tuple[set[str], set[str], set[str]]:
     return side.worker.get_finished(side.finished)
 
 
-def request(req_id: str, params: dict[str, Any] | None, prompt_len: int,
-            status: str = "RUNNING") -> SimpleNamespace:
-    return SimpleNamespace(request_id=req_id, kv_transfer_params=params,
-                           num_prompt_tokens=prompt_len, status=SimpleNamespace(name=status))
+def request(
+    req_id: str, params: dict[str, Any] | None, prompt_len: int, status: str = "RUNNING"
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=req_id,
+        kv_transfer_params=params,
+        num_prompt_tokens=prompt_len,
+        status=SimpleNamespace(name=status),
+    )
 
 
-def sched_output(new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
-                 cached: list[tuple[str, list[int] | None, int, int]] = (),  # type: ignore[assignment]
-                 resumed: set[str] | None = None) -> SimpleNamespace:
+def sched_output(
+    new: list[tuple[str, list[int], int, int]] = (),  # type: ignore[assignment]
+    cached: list[tuple[str, list[int] | None, int, int]] = (),  # type: ignore[assignment]
+    resumed: set[str] | None = None,
+) -> SimpleNamespace:
     """(req_id, block_ids, num_computed_before, num_scheduled) per request."""
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
-                            for r, b, c, _ in new],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c, _ in new
+        ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, *_ in cached],
             new_block_ids=[None if b is None else (b,) for _, b, _, _ in cached],
             num_computed_tokens=[c for _, _, c, _ in cached],
-            resumed_req_ids=resumed or set()),
-        num_scheduled_tokens={r: n for r, _, _, n in [*new, *cached]})
+            resumed_req_ids=resumed or set(),
+        ),
+        num_scheduled_tokens={r: n for r, _, _, n in [*new, *cached]},
+    )

@@ -14,8 +14,13 @@ from typing import Any
 from connector.metadata import PeerAddr, StepMeta
 
 
-def serve(conn: Connection, addr: PeerAddr, fill: float | None, timeouts: dict[str, float],
-          compat: dict[str, Any]) -> None:
+def serve(
+    conn: Connection,
+    addr: PeerAddr,
+    fill: float | None,
+    timeouts: dict[str, float],
+    compat: dict[str, Any],
+) -> None:
     import torch
 
     from connector.transport import RealNixlAgent
@@ -23,9 +28,15 @@ def serve(conn: Connection, addr: PeerAddr, fill: float | None, timeouts: dict[s
     from tests.connector.helpers import BLOCKS, compat_fields, kv_caches
 
     agent = RealNixlAgent(addr.agent_name(0), addr.port)
-    worker = WorkerSide(agent, engine_id=addr.engine_id, tp_rank=0, host=addr.host,
-                        port=addr.port, compat_fields=compat_fields(**compat),
-                        timeouts=Timeouts(**timeouts))
+    worker = WorkerSide(
+        agent,
+        engine_id=addr.engine_id,
+        tp_rank=0,
+        host=addr.host,
+        port=addr.port,
+        compat_fields=compat_fields(**compat),
+        timeouts=Timeouts(**timeouts),
+    )
     caches = kv_caches(fill)
     worker.register_kv_caches(caches, BLOCKS, "DRAM")
     finished: set[str] = set()

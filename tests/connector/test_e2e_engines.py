@@ -38,15 +38,20 @@ CHUNKED = ("--max-num-batched-tokens", "256")
 LONG_ABORT = "Once upon a time, " * 450
 LONG_DISCONNECT = "It was a dark and stormy night; " * 280
 LONG_KILL = "All work and no play makes Jack a dull boy. " * 170
-PROMPTS = ["def fibonacci(n):\n    return ", "The quick brown fox " * 40,
-           "import os\nimport sys\n" * 60, "Once upon a time, " * 150]
+PROMPTS = [
+    "def fibonacci(n):\n    return ",
+    "The quick brown fox " * 40,
+    "import os\nimport sys\n" * 60,
+    "Once upon a time, " * 150,
+]
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     # A small token budget forces chunked prefill, so a long prompt is pushed chunk by chunk.
-    with engine_pair(tmp_path_factory.mktemp("pd"), extra={"receive_timeout_s": 30},
-                     engine_args=CHUNKED) as engines:
+    with engine_pair(
+        tmp_path_factory.mktemp("pd"), extra={"receive_timeout_s": 30}, engine_args=CHUNKED
+    ) as engines:
         p, d = engines
         pipelined(p, d, "warm up")  # first request pays the NIXL handshake
         yield engines
@@ -81,14 +86,19 @@ def test_chat_greedy_equal(pair: tuple[Engine, Engine]) -> None:
     ref = httpx.post(f"{d.url}/v1/chat/completions", json={**base, "max_tokens": 16}, timeout=60)
     tid, xid = f"xfer-{uuid.uuid4().hex}", uuid.uuid4().hex
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(httpx.post, f"{p.url}/v1/chat/completions", timeout=60,
-                          headers={"X-Request-Id": xid},
-                          json={**base, "max_tokens": 1,
-                                "kv_transfer_params": prefill_params(tid, d.identity)})
-        out = httpx.post(f"{d.url}/v1/chat/completions", timeout=60,
-                         headers={"X-Request-Id": xid},
-                         json={**base, "max_tokens": 16,
-                               "kv_transfer_params": decode_params(tid, p.identity)})
+        fut = pool.submit(
+            httpx.post,
+            f"{p.url}/v1/chat/completions",
+            timeout=60,
+            headers={"X-Request-Id": xid},
+            json={**base, "max_tokens": 1, "kv_transfer_params": prefill_params(tid, d.identity)},
+        )
+        out = httpx.post(
+            f"{d.url}/v1/chat/completions",
+            timeout=60,
+            headers={"X-Request-Id": xid},
+            json={**base, "max_tokens": 16, "kv_transfer_params": decode_params(tid, p.identity)},
+        )
         assert fut.result().status_code == 200
     assert out.status_code == 200
     text = out.json()["choices"][0]["message"]["content"]
@@ -111,8 +121,9 @@ def test_prefill_abort_fails_decode_within_a_second(pair: tuple[Engine, Engine])
 
     def decode_leg() -> None:
         body = {**completion_body(prompt, 16), "kv_transfer_params": decode_params(tid, p.identity)}
-        r = httpx.post(f"{d.url}/v1/completions", json=body, headers={"X-Request-Id": xid},
-                       timeout=30)
+        r = httpx.post(
+            f"{d.url}/v1/completions", json=body, headers={"X-Request-Id": xid}, timeout=30
+        )
         result["status"], result["t"] = r.status_code, time.monotonic()
 
     t = threading.Thread(target=decode_leg)
@@ -120,8 +131,9 @@ def test_prefill_abort_fails_decode_within_a_second(pair: tuple[Engine, Engine])
     body = {**completion_body(prompt, 1), "kv_transfer_params": prefill_params(tid, d.identity)}
     with frozen_core(p):
         with pytest.raises(httpx.TimeoutException):  # closes the P leg: vLLM aborts it
-            httpx.post(f"{p.url}/v1/completions", json=body, headers={"X-Request-Id": xid},
-                       timeout=1.0)
+            httpx.post(
+                f"{p.url}/v1/completions", json=body, headers={"X-Request-Id": xid}, timeout=1.0
+            )
         time.sleep(0.5)  # P's API server notices the closed connection and sends the abort
         assert "status" not in result  # D is still waiting for P
     aborted_at = time.monotonic()
@@ -140,10 +152,20 @@ def test_client_disconnect_mid_prefill_leaves_no_blocks(pair: tuple[Engine, Engi
     headers = {"X-Request-Id": xid}
     with cf.ThreadPoolExecutor(2) as pool:
         for url, body in (
-            (p.url, {**completion_body(prompt, 1),
-                     "kv_transfer_params": prefill_params(tid, d.identity)}),
-            (d.url, {**completion_body(prompt, 64, stream=True),
-                     "kv_transfer_params": decode_params(tid, p.identity)}),
+            (
+                p.url,
+                {
+                    **completion_body(prompt, 1),
+                    "kv_transfer_params": prefill_params(tid, d.identity),
+                },
+            ),
+            (
+                d.url,
+                {
+                    **completion_body(prompt, 64, stream=True),
+                    "kv_transfer_params": decode_params(tid, p.identity),
+                },
+            ),
         ):
             pool.submit(_post_and_drop, f"{url}/v1/completions", body, headers, 0.05)
     dropped = time.monotonic()
@@ -153,8 +175,9 @@ def test_client_disconnect_mid_prefill_leaves_no_blocks(pair: tuple[Engine, Engi
     assert res.status == 200 and res.text == local(d, PROMPTS[0])
 
 
-def _post_and_drop(url: str, body: dict[str, object], headers: dict[str, str],
-                   after_s: float) -> None:
+def _post_and_drop(
+    url: str, body: dict[str, object], headers: dict[str, str], after_s: float
+) -> None:
     """Send the request, then close the connection after ``after_s`` (a client going away)."""
     with contextlib.suppress(httpx.TimeoutException):
         httpx.post(url, json=body, headers=headers, timeout=after_s)
@@ -168,16 +191,22 @@ def test_killed_prefill_ends_decode_fast(tmp_path: Path) -> None:
         prompt = LONG_KILL
         tid, xid = f"xfer-{uuid.uuid4().hex}", uuid.uuid4().hex
         headers = {"X-Request-Id": xid}
-        d_body = {**completion_body(prompt, 32, stream=True),
-                  "kv_transfer_params": decode_params(tid, p.identity)}
-        p_body = {**completion_body(prompt, 1),
-                  "kv_transfer_params": prefill_params(tid, d.identity)}
+        d_body = {
+            **completion_body(prompt, 32, stream=True),
+            "kv_transfer_params": decode_params(tid, p.identity),
+        }
+        p_body = {
+            **completion_body(prompt, 1),
+            "kv_transfer_params": prefill_params(tid, d.identity),
+        }
         d_client = httpx.Client(timeout=30)
         with cf.ThreadPoolExecutor(2) as pool:
-            p_fut = pool.submit(httpx.post, f"{p.url}/v1/completions", json=p_body,
-                                headers=headers, timeout=30)
-            d_fut = pool.submit(_stream_status, d_client, f"{d.url}/v1/completions", d_body,
-                                headers)
+            p_fut = pool.submit(
+                httpx.post, f"{p.url}/v1/completions", json=p_body, headers=headers, timeout=30
+            )
+            d_fut = pool.submit(
+                _stream_status, d_client, f"{d.url}/v1/completions", d_body, headers
+            )
             time.sleep(0.05)
             p.proc.signal_group(signal.SIGKILL)
             killed = time.monotonic()
@@ -190,8 +219,9 @@ def test_killed_prefill_ends_decode_fast(tmp_path: Path) -> None:
         assert wait_idle(d, 2.0)
 
 
-def _stream_status(client: httpx.Client, url: str, body: dict[str, object],
-                   headers: dict[str, str]) -> str:
+def _stream_status(
+    client: httpx.Client, url: str, body: dict[str, object], headers: dict[str, str]
+) -> str:
     try:
         with client.stream("POST", url, json=body, headers=headers) as r:
             return "".join(json.dumps(line) for line in r.iter_lines())

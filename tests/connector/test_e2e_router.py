@@ -25,26 +25,45 @@ from tests.connector.engines import HTTP_PORTS, Engine, engine_pair, local, wait
 pytestmark = pytest.mark.e2e
 CHUNKED = ("--max-num-batched-tokens", "256")
 LONG = "All work and no play makes Jack a dull boy. " * 170  # about 3400 tokens
-PROMPTS = ["def fibonacci(n):\n    return ", "The quick brown fox " * 40,
-           "Once upon a time, " * 150]
+PROMPTS = [
+    "def fibonacci(n):\n    return ",
+    "The quick brown fox " * 40,
+    "Once upon a time, " * 150,
+]
 
 
 def router_config(p: Engine, d: Engine, port: int) -> dict[str, object]:
     def inst(e: Engine) -> dict[str, object]:
-        return {"url": e.url, "engine_id": e.identity.engine_id, "kv_host": e.identity.host,
-                "kv_port": e.identity.port}
+        return {
+            "url": e.url,
+            "engine_id": e.identity.engine_id,
+            "kv_host": e.identity.host,
+            "kv_port": e.identity.port,
+        }
 
-    return {"listen": {"host": "127.0.0.1", "port": port},
-            "models": [{"name": "tiny", "mode": "pipelined", "prefill": [inst(p)],
-                        "decode": [{**inst(d), "slots": 16}]}]}
+    return {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": [
+            {
+                "name": "tiny",
+                "mode": "pipelined",
+                "prefill": [inst(p)],
+                "decode": [{**inst(d), "slots": 16}],
+            }
+        ],
+    }
 
 
 def start_router(run_dir: Path, p: Engine, d: Engine) -> tuple[ManagedProcess, str]:
     port = pick_ports(1, HTTP_PORTS, exclude={p.spec.port, d.spec.port})[0]
     cfg = run_dir / "router.yaml"
     cfg.write_text(yaml.safe_dump(router_config(p, d, port)))
-    proc = ManagedProcess("router", [sys.executable, "-m", "router", "serve", "--config",
-                                     str(cfg)], _router_env(os.environ), run_dir / "router.log")
+    proc = ManagedProcess(
+        "router",
+        [sys.executable, "-m", "router", "serve", "--config", str(cfg)],
+        _router_env(os.environ),
+        run_dir / "router.log",
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -69,9 +88,11 @@ def stack(tmp_path: Path) -> Iterator[tuple[Engine, Engine, str]]:
 
 
 def complete(url: str, prompt: str, max_tokens: int = 16, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", timeout=timeout,
-                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                            "temperature": 0})
+    return httpx.post(
+        f"{url}/v1/completions",
+        timeout=timeout,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+    )
 
 
 def test_through_router(stack: tuple[Engine, Engine, str]) -> None:

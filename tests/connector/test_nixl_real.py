@@ -21,12 +21,14 @@ pytest.importorskip("nixl")
 
 
 class Proc:
-    def __init__(self, addr: PeerAddr, fill: float | None, timeouts: dict[str, float],
-                 compat: dict[str, Any]) -> None:
+    def __init__(
+        self, addr: PeerAddr, fill: float | None, timeouts: dict[str, float], compat: dict[str, Any]
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=nixl_proc.serve, args=(child, addr, fill, timeouts, compat),
-                                daemon=True)
+        self.proc = ctx.Process(
+            target=nixl_proc.serve, args=(child, addr, fill, timeouts, compat), daemon=True
+        )
         self.proc.start()
         assert self.conn.poll(60) and self.conn.recv() == "ready"
 
@@ -48,8 +50,9 @@ class Proc:
 
 
 @contextmanager
-def pair(timeouts: dict[str, float] | None = None,
-         d_compat: dict[str, Any] | None = None) -> Iterator[tuple[Proc, Proc, PeerAddr, PeerAddr]]:
+def pair(
+    timeouts: dict[str, float] | None = None, d_compat: dict[str, Any] | None = None
+) -> Iterator[tuple[Proc, Proc, PeerAddr, PeerAddr]]:
     p_port, d_port = pick_ports(2, range(6600, 6800))
     p_addr = PeerAddr("it-prefill", "127.0.0.1", p_port)
     d_addr = PeerAddr("it-decode", "127.0.0.1", d_port)

@@ -20,7 +20,8 @@ def test_chunked_prefill_writes_each_block_once_and_the_tail_last() -> None:
     assert [(x.first_block, x.block_ids, x.final) for x in step1.sends] == [(0, [7], False)]
     step2 = s.build_connector_meta(sched_output(cached=[("p1", [9], 6, 4)]))
     assert [(x.first_block, x.block_ids, x.final, x.num_tokens) for x in step2.sends] == [
-        (1, [8, 9], True, 10)]
+        (1, [8, 9], True, 10)
+    ]
     assert s.build_connector_meta(sched_output(cached=[("p1", None, 10, 1)])).sends == []
 
 

@@ -21,8 +21,12 @@ from tests.connector.helpers import (
 torch = pytest.importorskip("torch")  # real tensors: needs the engine extra
 
 
-def pair(fabric: Fabric | None = None, clock: Clock | None = None,
-         timeouts: Timeouts | None = None, **d_compat: object) -> tuple[Fabric, Clock, Side, Side]:
+def pair(
+    fabric: Fabric | None = None,
+    clock: Clock | None = None,
+    timeouts: Timeouts | None = None,
+    **d_compat: object,
+) -> tuple[Fabric, Clock, Side, Side]:
     fabric = fabric or Fabric()
     clock = clock or Clock()
     p = make_side(fabric, P_ADDR, clock, timeouts=timeouts)
