@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from router.config import RouterConfig
+from router.server_options import uvicorn_options
 from router.shared_slots import SharedSlotTable
 
 __all__ = ["ServeOptions", "serve_workers"]
@@ -159,19 +160,10 @@ def _worker_main(
         shared_slots=table.bind(worker),
     )
     opts.prepare()
-    config = uvicorn.Config(
-        app,
-        log_level=opts.log_level,
-        access_log=opts.access_log,
-        loop="uvloop",
-        http="httptools",
-        # Clients' X-Forwarded-* headers are not trusted, and the router never uses the
-        # client address: skip the middleware that rewrites it on every request.
-        proxy_headers=False,
-        server_header=False,
-        timeout_graceful_shutdown=opts.grace,  # type: ignore[arg-type]  # a float works
-        backlog=opts.backlog,
+    options = uvicorn_options(
+        log_level=opts.log_level, access_log=opts.access_log, grace=opts.grace, backlog=opts.backlog
     )
+    config = uvicorn.Config(app, **options)
     server = uvicorn.Server(config)
 
     async def main() -> None:

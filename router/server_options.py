@@ -1,0 +1,25 @@
+"""The uvicorn settings every way of serving the router shares (one process or workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["uvicorn_options"]
+
+
+def uvicorn_options(
+    *, log_level: str, access_log: bool, grace: float, backlog: int
+) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` (app, host, port aside)."""
+    return {
+        "log_level": log_level,
+        "access_log": access_log,
+        "loop": "uvloop",
+        "http": "httptools",
+        # Clients' X-Forwarded-* headers are not trusted, and the router never uses the
+        # client address: skip the middleware that rewrites it on every request.
+        "proxy_headers": False,
+        "server_header": False,
+        "timeout_graceful_shutdown": grace,
+        "backlog": backlog,
+    }
