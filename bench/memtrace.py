@@ -17,11 +17,14 @@ while Python-held bytes stay flat.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import os
 import sys
 import threading
 import time
 import tracemalloc
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,15 +38,50 @@ def _rss_bytes() -> int:
     return -1
 
 
+def _log_garbage(out: Path, t: int) -> int:
+    """What the cyclic collector would free now, by type (the cycles reference counting
+    cannot free), appended to ``OUT_DIR/garbage.txt``."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        counts = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+        # Frames in cycles name the code that made them (an exception's traceback
+        # holding the frame that holds the exception, a task, or a future).
+        frames = collections.Counter(
+            f"{Path(o.f_code.co_filename).name}:{o.f_code.co_name}"
+            for o in gc.garbage
+            if isinstance(o, types.FrameType)
+        )
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+    with open(out / "garbage.txt", "a") as f:
+        f.write(f"t={t}s: {sum(counts.values())} objects in cycles\n")
+        for name, n in counts.most_common(25):
+            f.write(f"  {n:7d} {name}\n")
+        f.write("  frames in cycles:\n")
+        for name, n in frames.most_common(25):
+            f.write(f"  {n:7d} {name}\n")
+    return sum(counts.values())
+
+
 def _sampler(out: Path, interval_s: float) -> None:
+    collect = os.environ.get("MEMTRACE_COLLECT") in ("1", "types")
+    garbage_types = os.environ.get("MEMTRACE_COLLECT") == "types"
     t0 = time.monotonic()
     with open(out / "trace.tsv", "a", buffering=1) as log:
-        log.write("seconds\tpython_bytes\trss_bytes\tgc_objects\n")
+        log.write("seconds\tpython_bytes\trss_bytes\tgc_objects\tgc_runs_by_gen\tcollected\n")
         while True:
             time.sleep(interval_s)
             t = round(time.monotonic() - t0)
+            # Optionally a full collection first: what is left is reachable (a leak),
+            # not cycles waiting for the collector's oldest generation.
+            collected = _log_garbage(out, t) if garbage_types else gc.collect() if collect else -1
             current, _ = tracemalloc.get_traced_memory()
-            log.write(f"{t}\t{current}\t{_rss_bytes()}\t{len(gc.get_objects())}\n")
+            gen2 = "/".join(str(g["collections"]) for g in gc.get_stats())
+            log.write(
+                f"{t}\t{current}\t{_rss_bytes()}\t{len(gc.get_objects())}\t{gen2}\t{collected}\n"
+            )
             tracemalloc.take_snapshot().dump(str(out / f"snap-{t:06d}.pickle"))
 
 

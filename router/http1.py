@@ -34,7 +34,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple, NoReturn, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -178,7 +178,10 @@ class Http1Response:
         try:
             await waiter
         finally:
+            # A cancelled waiter keeps its CancelledError, whose traceback holds this
+            # frame: without the local, that is not a cycle and is freed at once.
             self._waiter = None
+            del waiter
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -188,14 +191,23 @@ class Http1Response:
         if self._loop.time() < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._on_timer)
             return
-        waiter.set_exception(
-            httpx.ReadTimeout(f"no bytes from the engine for {self._read_timeout:g}s")
-        )
+        if self._error is None:
+            self._error = httpx.ReadTimeout(f"no bytes from the engine for {self._read_timeout:g}s")
+        waiter.set_result(None)
+
+    def _raise_error(self) -> NoReturn:
+        """Raise a fresh copy of the stored error. Raised itself, it would carry the caller's
+        frames in its traceback while this response holds it: a cycle that reference counting
+        cannot free, keeping the response, its connection and those frames for the collector.
+        """
+        error = self._error
+        assert error is not None
+        raise type(error)(*error.args)
 
     async def wait_headers(self) -> None:
         while not self._headers_in:
             if self._error is not None:
-                raise self._error
+                self._raise_error()
             await self._wait()
 
     def __aiter__(self) -> Http1Response:
@@ -206,7 +218,7 @@ class Http1Response:
             if self._chunks:
                 return self._take()
             if self._error is not None:
-                raise self._error
+                self._raise_error()
             if self._complete:
                 raise StopAsyncIteration
             await self._wait()
@@ -267,7 +279,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._pool = pool
         self._response: Http1Response | None = None
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
         self._paused = False
 
     # -- asyncio.Protocol --------------------------------------------------------
@@ -277,13 +289,13 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        response = self._response
-        if response is None:  # bytes nobody asked for: the connection is unusable
+        response, parser = self._response, self._parser
+        if response is None or parser is None:  # bytes nobody asked for: unusable
             self._close_transport()
             return
         self.got_bytes = True
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             response._on_malformed(str(exc))
             self._close_transport()
@@ -298,6 +310,12 @@ class _Conn(asyncio.Protocol):
             response._on_lost(exc)
         else:
             self._pool.forget(self)
+        # The parser holds this protocol's bound methods and the transport holds the
+        # protocol: cycles that reference counting cannot free. Broken here, a closed
+        # connection is freed at once instead of waiting (often minutes, since open
+        # connections are old) for the collector's oldest generation.
+        self._parser = None
+        self.transport = None
 
     # -- httptools callbacks -----------------------------------------------------
 
@@ -312,10 +330,9 @@ class _Conn(asyncio.Protocol):
             response._until_eof = False
 
     def on_headers_complete(self) -> None:
-        if self._response is not None:
-            self._response._on_headers(
-                self._parser.get_status_code(), self._parser.should_keep_alive()
-            )
+        parser = self._parser
+        if self._response is not None and parser is not None:
+            self._response._on_headers(parser.get_status_code(), parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
         if self._response is not None:

@@ -296,6 +296,10 @@ class Dispatcher:
                 # D failed before P delivered (e.g. D's first-byte timeout while P
                 # hangs): closed while it waited for KV, it may leak like above.
                 res.instance.suspect = True
+            # The failed task holds the exception, whose traceback holds this frame:
+            # without these locals that is not a cycle (which only the collector frees).
+            del p_task, d_task
+            p_error, done = None, set()
             raise
         finished_at = None
         if p_task.done() and p_task.exception() is None:
