@@ -178,10 +178,7 @@ class Http1Response:
         try:
             await waiter
         finally:
-            # A cancelled waiter keeps its CancelledError, whose traceback holds this
-            # frame: without the local, that is not a cycle and is freed at once.
             self._waiter = None
-            del waiter
 
     def _on_timer(self) -> None:
         self._timer = None

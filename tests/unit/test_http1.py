@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -17,7 +18,7 @@ import orjson
 import pytest
 
 from router.config import TimeoutConfig
-from router.http1 import _HIGH_WATER, Http1Pool, Http1Response, Origin, split_url
+from router.http1 import _HIGH_WATER, Http1Pool, Http1Response, Origin, _Conn, split_url
 from router.upstream import UpstreamClient
 
 WAIT = 10.0  # generous bound on every wait for something that should happen promptly
@@ -596,3 +597,64 @@ def test_split_url(url: str, origin: Origin, target: str, netloc: str) -> None:
 def test_split_url_rejects_non_http_urls(url: str) -> None:
     with pytest.raises(ValueError, match="not an http"):
         split_url(url)
+
+
+# -- memory ------------------------------------------------------------------------
+
+
+def live(kind: type) -> int:
+    """Instances the collector tracks, unreachable ones included (it is disabled here)."""
+    return sum(1 for o in gc.get_objects() if type(o) is kind)
+
+
+@pytest.fixture
+def collector_off() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+async def test_finished_and_failed_exchanges_are_freed_without_the_collector(
+    serve: Callable[[Script], Awaitable[ScriptedServer]], collector_off: None
+) -> None:
+    """Connections, responses and their errors are freed by reference counting alone.
+
+    A cycle (connection and parser, connection and transport, a stored error raised with
+    the reader's frames, a cancelled waiter) waits for the collector instead: under load,
+    for the oldest generation, minutes, and the router's memory grows meanwhile."""
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        if peer.index == 0:
+            await peer.respond(b"done")  # then the pool closes it
+        elif peer.index == 1:
+            await peer.send(CHUNKED_HEAD + chunk(b"part"))  # dropped mid-body
+        else:
+            await peer.until_eof()  # no answer: read timeout (2), cancelled (3)
+
+    server = await serve(script)
+    pool = Http1Pool(connect_timeout=5, keepalive_expiry=30)
+    conns, responses = live(_Conn), live(Http1Response)
+    assert await fetch(pool, server.origin, b"a") == b"done"
+    pool.close()
+    response = await ask(pool, server.origin, b"b")
+    with pytest.raises(httpx.RemoteProtocolError):
+        async with asyncio.timeout(WAIT):
+            async for _ in response:
+                pass
+    response.close()
+    del response
+    with pytest.raises(httpx.ReadTimeout):
+        await pool.request(server.origin, post(b"c"), b"c", 0.05)
+    waiting = asyncio.create_task(pool.request(server.origin, post(b"d"), b"d", WAIT))
+    await eventually(lambda: server.accepted == 4)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    del waiting
+    for peer in server.peers[2:]:  # the others the server closed itself
+        await closed_by_client(peer)
+    await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses)
