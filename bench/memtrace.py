@@ -5,7 +5,11 @@
 Starts ``tracemalloc`` (8 frames deep), then the real CLI with the remaining
 arguments. A background thread appends a line to ``OUT_DIR/trace.tsv`` every
 ``INTERVAL_S`` seconds (seconds since start, bytes Python has allocated and still
-holds, RSS, live GC-tracked objects) and dumps a snapshot ``OUT_DIR/snap-<s>.pickle``.
+holds, RSS, GC-tracked objects, collector runs per generation, objects a forced
+collection freed) and dumps a snapshot ``OUT_DIR/snap-<s>.pickle``.
+Environment ``MEMTRACE_COLLECT=1``: a full collection before each sample;
+``MEMTRACE_COLLECT=types``: the same, writing what it freed by type and by frame to
+``OUT_DIR/garbage.txt``.
 ``python bench/memtrace.py --diff OUT_DIR`` compares the snapshot taken at the end of
 warm-up with the last one and prints the source lines whose live memory grew most.
 
@@ -39,8 +43,8 @@ def _rss_bytes() -> int:
 
 
 def _log_garbage(out: Path, t: int) -> int:
-    """What the cyclic collector would free now, by type (the cycles reference counting
-    cannot free), appended to ``OUT_DIR/garbage.txt``."""
+    """Run a full collection and append what it freed (the cycles reference counting
+    cannot free), by type and by frame, to ``OUT_DIR/garbage.txt``; returns the count."""
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         gc.collect()
@@ -55,32 +59,37 @@ def _log_garbage(out: Path, t: int) -> int:
     finally:
         gc.garbage.clear()
         gc.set_debug(0)
+    total = sum(counts.values())
     with open(out / "garbage.txt", "a") as f:
-        f.write(f"t={t}s: {sum(counts.values())} objects in cycles\n")
-        for name, n in counts.most_common(25):
-            f.write(f"  {n:7d} {name}\n")
-        f.write("  frames in cycles:\n")
-        for name, n in frames.most_common(25):
-            f.write(f"  {n:7d} {name}\n")
-    return sum(counts.values())
+        f.write(f"t={t}s: {total} objects in cycles\n")
+        for title, counter in (("by type", counts), ("frames in cycles", frames)):
+            f.write(f"  {title}:\n")
+            for name, n in counter.most_common(25):
+                f.write(f"  {n:7d} {name}\n")
+    return total
+
+
+def _collect(out: Path, t: int, mode: str | None) -> int:
+    """The optional full collection before a sample (what is left is reachable: a leak,
+    not cycles waiting for the oldest generation); -1 when none ran."""
+    if mode == "types":
+        return _log_garbage(out, t)
+    return gc.collect() if mode == "1" else -1
 
 
 def _sampler(out: Path, interval_s: float) -> None:
-    collect = os.environ.get("MEMTRACE_COLLECT") in ("1", "types")
-    garbage_types = os.environ.get("MEMTRACE_COLLECT") == "types"
+    mode = os.environ.get("MEMTRACE_COLLECT")
     t0 = time.monotonic()
     with open(out / "trace.tsv", "a", buffering=1) as log:
         log.write("seconds\tpython_bytes\trss_bytes\tgc_objects\tgc_runs_by_gen\tcollected\n")
         while True:
             time.sleep(interval_s)
             t = round(time.monotonic() - t0)
-            # Optionally a full collection first: what is left is reachable (a leak),
-            # not cycles waiting for the collector's oldest generation.
-            collected = _log_garbage(out, t) if garbage_types else gc.collect() if collect else -1
+            collected = _collect(out, t, mode)
             current, _ = tracemalloc.get_traced_memory()
-            gen2 = "/".join(str(g["collections"]) for g in gc.get_stats())
+            runs = "/".join(str(g["collections"]) for g in gc.get_stats())
             log.write(
-                f"{t}\t{current}\t{_rss_bytes()}\t{len(gc.get_objects())}\t{gen2}\t{collected}\n"
+                f"{t}\t{current}\t{_rss_bytes()}\t{len(gc.get_objects())}\t{runs}\t{collected}\n"
             )
             tracemalloc.take_snapshot().dump(str(out / f"snap-{t:06d}.pickle"))
 
