@@ -72,10 +72,13 @@ def test_greedy_outputs_equal_aggregated(pair: tuple[Engine, Engine]) -> None:
         assert res.text == local(d, prompt, max_tokens=24)
     written = counter(p, "vllm:pdr_bytes_written_total") - sent0
     assert written > 0 and written == counter(d, "vllm:pdr_bytes_received_total") - recv0
-    # At least one WRITE per layer per request: pushed layer by layer, not once at the end;
-    # the long prompts are prefilled in 256-token chunks and pushed chunk by chunk.
+    # At least one WRITE per layer per request: pushed layer by layer, not once at the end.
+    # More when D's registration reaches P before the prefill ends (each 256-token chunk is
+    # then pushed as it is computed); a later one merges the queued chunks into one WRITE
+    # per layer. Both are right and depend on timing (CI saw exactly one per layer); each
+    # is pinned by the worker tests (per chunk, queued then merged).
     writes = counter(p, "vllm:pdr_writes_total") - writes0
-    assert writes > LAYERS * len(PROMPTS)
+    assert writes >= LAYERS * len(PROMPTS)
     assert wait_idle(p) and wait_idle(d)
 
 
