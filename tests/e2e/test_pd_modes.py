@@ -108,7 +108,7 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
     d_before = stack.engine_metrics("decode-0")
     client = h.client_for(stack.router_url)
     # ~4000 tokens take over 10 s to generate here: idle within IDLE_DEADLINE_S and few
-    # generated tokens both mean the router aborted the engine requests.
+    # tokens generated after the disconnect both mean the router aborted the engine requests.
     stream = client.completions.create(
         model=MODEL, prompt="Count: one two three", max_tokens=MANY_TOKENS, stream=True, **h.GREEDY
     )
@@ -117,6 +117,7 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
         if received == 8:
             break
     stream.close()
+    d_at_close = stack.engine_metrics("decode-0")
 
     def everything_idle() -> tuple[bool, str]:
         state = {s.name: _load(stack.engine_metrics(s.name)) for s in stack.engines}
@@ -131,7 +132,12 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
     assert idle, f"not idle {waited:.1f}s after disconnect: {state}"
     d_after = stack.engine_metrics("decode-0")
     # vLLM 0.32 does not count aborts in request_success_total; count generated tokens.
-    assert h.delta(d_after, d_before, GENERATED) < MANY_TOKENS / 4
+    # Run to its end, D would have generated exactly MANY_TOKENS.
+    assert h.delta(d_after, d_before, GENERATED) < MANY_TOKENS
+    # How many D generated before the client read its 8th event depends on how the two
+    # cores are shared (a lagging vLLM server merges tokens into one event; 1,474 tokens
+    # were seen under load), so only what came after the disconnect is bounded.
+    assert h.delta(d_after, d_at_close, GENERATED) < MANY_TOKENS / 4
 
 
 def _load(m: Metrics) -> tuple[float, float, float]:
