@@ -230,8 +230,12 @@ class BreakerConfig(_Strict):
 
 class HealthConfig(_Strict):
     interval: PositiveFloat = 5.0
-    timeout: PositiveFloat = 2.0
-    unhealthy_after: int = Field(default=2, ge=1)
+    # A vLLM API server on a saturated host can take seconds to answer /health (one took
+    # 9.9 s next to a CPU hog here): a short timeout or a single pair of misses takes a
+    # working engine out of rotation. Dead engines are caught sooner by the request path
+    # (connection refused fails the attempt, which is retried on another pair).
+    timeout: PositiveFloat = 5.0
+    unhealthy_after: int = Field(default=3, ge=1)
     # KV usage (0..1) above which an idle decode engine counts as holding leaked blocks.
     leak_usage_epsilon: float = Field(default=0.0, ge=0, lt=1)
     # With admission.replicas > 1: how often each decode engine's load is read.

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from router.config import HealthConfig
 from tests.conftest import Cluster, eventually, metric
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
@@ -396,8 +397,11 @@ async def test_breaker_opens_after_repeated_failures(
 async def test_ready_reflects_health(cluster: Cluster, client: httpx.AsyncClient) -> None:
     url, _ = await cluster.router("pull", health_checks=True)
     assert (await client.get(url + "/ready")).status_code == 200
+    checks = cluster.prefill[0].health_checks
     cluster.prefill[0].behaviour.health_status = 503
-    await eventually(lambda: cluster.prefill[0].health_checks > 4)
+    # One probe more than the misses allowed (the count is in tests/unit/test_health.py).
+    misses = HealthConfig().unhealthy_after
+    await eventually(lambda: cluster.prefill[0].health_checks >= checks + misses + 1)
     r = await client.get(url + "/ready")
     assert r.status_code == 503 and r.json()["models"]["tiny"]["ready"] is False
     # Health checks never send a generate request to any engine.
