@@ -27,6 +27,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 GENERATED = "vllm:generation_tokens_total"
 IDLE_DEADLINE_S = 5.0
 MANY_TOKENS = 4000  # just under max_model_len (4096) minus the prompt
+DISCONNECT_ATTEMPTS = 3
 
 
 def _mismatches(got: list[h.Output], want: list[h.Output]) -> list[str]:
@@ -103,7 +104,20 @@ def _min_kv_bytes_per_token() -> int:
 
 
 def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> None:
-    """Closing a stream mid-way aborts both legs: engines idle again, router slots free."""
+    """Closing a stream mid-way aborts both legs: engines idle again, router slots free.
+
+    On a saturated machine D's first events can reach the client only after D has generated
+    every token (a vLLM server starved of CPU; 10-13 s was seen next to a CPU hog): such an
+    attempt shows nothing about the abort and is made again.
+    """
+    for _ in range(DISCONNECT_ATTEMPTS):
+        if _disconnect_mid_stream(stack):
+            return
+    pytest.fail(f"D finished before the client's disconnect in {DISCONNECT_ATTEMPTS} attempts")
+
+
+def _disconnect_mid_stream(stack: Stack) -> bool:
+    """One disconnect; False if D had already run to its end when the client left."""
     idle_kv = {s.name: stack.engine_metrics(s.name).total(KV_USAGE) for s in stack.engines}
     d_before = stack.engine_metrics("decode-0")
     client = h.client_for(stack.router_url)
@@ -112,9 +126,10 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
     stream = client.completions.create(
         model=MODEL, prompt="Count: one two three", max_tokens=MANY_TOKENS, stream=True, **h.GREEDY
     )
+    finished = []
     for received, chunk in enumerate(stream, start=1):
-        assert chunk.choices[0].finish_reason is None, "stream ended before the disconnect"
-        if received == 8:
+        finished.append(chunk.choices[0].finish_reason)
+        if received == 8 or finished[-1] is not None:
             break
     stream.close()
     d_at_close = stack.engine_metrics("decode-0")
@@ -130,14 +145,17 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
 
     idle, state, waited = h.wait_until(everything_idle, IDLE_DEADLINE_S)
     assert idle, f"not idle {waited:.1f}s after disconnect: {state}"
+    if h.delta(d_at_close, d_before, GENERATED) >= MANY_TOKENS:
+        return False
+    assert finished == [None] * 8, f"stream ended before the disconnect: {finished}"
     d_after = stack.engine_metrics("decode-0")
     # vLLM 0.32 does not count aborts in request_success_total; count generated tokens.
     # Run to its end, D would have generated exactly MANY_TOKENS.
     assert h.delta(d_after, d_before, GENERATED) < MANY_TOKENS
     # How many D generated before the client read its 8th event depends on how the two
-    # cores are shared (a lagging vLLM server merges tokens into one event; 1,474 tokens
-    # were seen under load), so only what came after the disconnect is bounded.
+    # cores are shared, so only what came after the disconnect is bounded.
     assert h.delta(d_after, d_at_close, GENERATED) < MANY_TOKENS / 4
+    return True
 
 
 def _load(m: Metrics) -> tuple[float, float, float]:
