@@ -107,7 +107,7 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
     """Closing a stream mid-way aborts both legs: engines idle again, router slots free.
 
     On a saturated machine D's first events can reach the client only after D has generated
-    every token (a vLLM server starved of CPU; 10-13 s was seen next to a CPU hog): such an
+    every token (the servers starved of CPU: 10-13 s was seen next to one CPU hog): such an
     attempt shows nothing about the abort and is made again.
     """
     for _ in range(DISCONNECT_ATTEMPTS):
