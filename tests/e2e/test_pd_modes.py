@@ -146,6 +146,7 @@ def _disconnect_mid_stream(stack: Stack) -> bool:
     idle, state, waited = h.wait_until(everything_idle, IDLE_DEADLINE_S)
     assert idle, f"not idle {waited:.1f}s after disconnect: {state}"
     if h.delta(d_at_close, d_before, GENERATED) >= MANY_TOKENS:
+        print(f"{stack.mode.value}: D ran to its end before the disconnect; trying again")
         return False
     assert finished == [None] * 8, f"stream ended before the disconnect: {finished}"
     d_after = stack.engine_metrics("decode-0")
