@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,13 @@ from router.reload import ConfigReloader
 from router.shared_slots import WorkerSlots
 from router.upstream import UpstreamClient
 from router.workers.health import HealthMonitor
-from router.workers.instance import Instance
 from router.workers.load import LoadWatcher
 
 __all__ = ["AppContext", "RouterApp", "create_app"]
 
 log = logging.getLogger("pd_router")
+
+_MAX_CLIENT_ID = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,14 +81,9 @@ def _build_context(
         config.timeouts, key.get_secret_value() if key else None, transport=transport
     )
     legs = LegRunner(upstream, config.timeouts, metrics, clock)
-    dispatcher = Dispatcher(legs, metrics, config.retries, clock)
+    dispatcher = Dispatcher(legs, metrics, config.retries, clock, config.health.interval)
 
-    def on_routable(inst: Instance) -> None:
-        pool = registry.get(inst.model)
-        if pool is not None:
-            pool.ledger.poke()
-
-    health = HealthMonitor(registry.instances, upstream, config.health, on_routable)
+    health = HealthMonitor(registry.instances, upstream, config.health)
     load = None
     if config.admission.replicas > 1:
         load = LoadWatcher(
@@ -96,7 +92,6 @@ def _build_context(
             config.admission.replicas,
             config.health.load_interval,
             config.health.timeout,
-            on_routable,
         )
     return AppContext(config, registry, metrics, upstream, dispatcher, health, clock, load)
 
@@ -134,7 +129,24 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _relay(ctx: AppContext, pool: ModelPool, creq: ClientRequest, started: float) -> RelayResponse:
+def _client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's X-Request-Id, echoed back as vLLM does; only a short token of
+    visible ASCII (it goes into log lines and a response header), else None."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if 0 < len(value) <= _MAX_CLIENT_ID and all(0x21 <= c <= 0x7E for c in value):
+                return value
+            return None
+    return None
+
+
+def _relay(
+    ctx: AppContext,
+    pool: ModelPool,
+    creq: ClientRequest,
+    started: float,
+    client_id: bytes | None,
+) -> RelayResponse:
     mode = pool.mode.value
 
     def observe(outcome: str, ttft: float | None) -> None:
@@ -143,12 +155,20 @@ def _relay(ctx: AppContext, pool: ModelPool, creq: ClientRequest, started: float
             ctx.metrics.ttft.labels(pool.name, mode).observe(ttft)
 
     return RelayResponse(
-        ctx.dispatcher, pool, creq, observe, started, ctx.clock, ctx.config.timeouts.total
+        ctx.dispatcher,
+        pool,
+        creq,
+        observe,
+        started,
+        ctx.clock,
+        ctx.config.timeouts.total,
+        client_id,
     )
 
 
 async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Response:
     started = ctx.clock()
+    client_id = _client_request_id(request.scope["headers"])
     _authorize(ctx, request)
     raw = await _read_body(request, ctx.config.admission.max_body_bytes)
     creq = parse_client_request(raw, endpoint)
@@ -162,7 +182,7 @@ async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Resp
             "send the prompts as separate requests",
             param="prompt",
         )
-    return _relay(ctx, pool, creq, started)
+    return _relay(ctx, pool, creq, started, client_id)
 
 
 def _openapi_body(endpoint: Endpoint) -> dict[str, Any]:
@@ -333,7 +353,7 @@ class RouterApp:
         try:
             response = await _handle(self._ctx, request, endpoint)
         except RouterError as exc:
-            await send_error(send, exc)
+            await send_error(send, exc, _client_request_id(scope["headers"]))
             return
         except ClientDisconnect:
             return  # gone while sending its body: nothing was reserved or sent upstream

@@ -224,7 +224,16 @@ class RetryConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
+    """Outlier detection per instance (rules in router/workers/breaker.py and the README).
+
+    A refused connection ejects at once; ``failure_threshold`` engine faults in a row
+    (timeouts, resets, dropped streams, 502/503/504) eject; ``consecutive_5xx`` error
+    answers in a row eject unless the instance is the last of its role in rotation.
+    An ejection lasts ``open_seconds``, or until a health probe answers again.
+    """
+
     failure_threshold: int = Field(default=5, ge=1)
+    consecutive_5xx: int = Field(default=5, ge=1)
     open_seconds: PositiveFloat = 10.0
 
 

@@ -9,27 +9,38 @@
     ├── ModelNotFound                404     invalid_request_error / model_not_found
     ├── QueueFull                    429     rate_limit_error / queue_full (+ Retry-After)
     ├── NoCapacity                   503     service_unavailable / no_capacity (+ Retry-After)
+    │   ├── NoHealthyEngine          503     service_unavailable / no_healthy_<role> (+ Retry-After)
+    │   └── ShuttingDown             503     service_unavailable / shutting_down
+    ├── TotalTimeout                 504     timeout / total_timeout
     └── UpstreamError                502     upstream_error / <kind>
         ├── UpstreamTimeout          504     timeout / <role>_timeout
         └── UpstreamStatus           4xx: the engine's status and body as is; 5xx: 502
 
-Upstream errors carry the role (``prefill``/``decode``) and the instance they
-came from, so the dispatcher can retry elsewhere and feed the circuit breaker.
+Upstream errors carry the role (``prefill``/``decode``), the instance they came
+from and their :class:`Fault` (what they say about the engine), so the dispatcher
+can retry elsewhere and feed outlier detection. Their messages never name the
+instance: clients see the role, operators find the URL in the log line.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from typing import Any
 
 import orjson
 
 __all__ = [
     "BodyTooLarge",
+    "Fault",
     "InvalidRequest",
     "ModelNotFound",
     "NoCapacity",
+    "NoHealthyEngine",
     "QueueFull",
     "RouterError",
+    "ShuttingDown",
+    "TotalTimeout",
     "Unauthorized",
     "UpstreamError",
     "UpstreamStatus",
@@ -37,6 +48,15 @@ __all__ = [
     "error_body",
     "sse_error_event",
 ]
+
+
+class Fault(enum.Enum):
+    """What a failed engine call says about the engine (see router/workers/breaker.py)."""
+
+    NONE = "none"  # nothing: a 4xx, 408/429, the client left
+    REFUSED = "refused"  # no connection could be made: nothing listens there
+    ENGINE = "engine"  # the engine failed: timeout, reset, dropped stream, 502/503/504
+    ANSWER = "answer"  # the engine answered 5xx to this request (maybe to this one only)
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
@@ -67,7 +87,7 @@ class RouterError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
             return {}
-        return {"retry-after": str(max(1, round(self.retry_after)))}
+        return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
 
 
 class InvalidRequest(RouterError):
@@ -120,17 +140,52 @@ class NoCapacity(RouterError):
         self.retry_after = retry_after
 
 
+class NoHealthyEngine(NoCapacity):
+    """No instance of a role is in rotation: refused at once, never queued."""
+
+    def __init__(self, role: str, model: str, retry_after: float) -> None:
+        super().__init__(f"no healthy {role} engine for model {model!r}", retry_after)
+        self.role = role
+        self.code = f"no_healthy_{role}"
+
+
+class ShuttingDown(NoCapacity):
+    code = "shutting_down"
+
+    def __init__(self) -> None:
+        super().__init__("the router is shutting down; retry the request", retry_after=1.0)
+
+
+class TotalTimeout(RouterError):
+    status = 504
+    type = "timeout"
+    code = "total_timeout"
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"request exceeded the router's total timeout of {seconds:g}s")
+
+
 class UpstreamError(RouterError):
     """An engine could not be reached or broke the protocol."""
 
     status = 502
     type = "upstream_error"
 
-    def __init__(self, message: str, *, role: str, instance: str, code: str = "upstream_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        role: str,
+        instance: str,
+        code: str = "upstream_error",
+        fault: Fault = Fault.ENGINE,
+    ):
         super().__init__(message)
         self.role = role
         self.instance = instance
         self.code = code
+        self.fault = fault
+        self.request_id = "-"  # the router's id of the attempt, set by the dispatcher
 
     @property
     def retryable(self) -> bool:
@@ -153,6 +208,7 @@ class UpstreamStatus(UpstreamError):
         self.upstream_status = status
         self.status = status if status < 500 else 502
         self.content = content
+        self.fault = _fault_of_status(status)
 
     @property
     def retryable(self) -> bool:
@@ -163,6 +219,14 @@ class UpstreamStatus(UpstreamError):
             return self.content
         text = self.content.decode("utf-8", "replace")[:500]
         return error_body(f"{self.message}: {text}", "upstream_error", self.upstream_status)
+
+
+def _fault_of_status(status: int) -> Fault:
+    if status < 500:
+        return Fault.NONE  # the request's fault, or load (408/429): retried, not counted
+    if status in (502, 503, 504):
+        return Fault.ENGINE  # gateway failures, as Envoy counts them
+    return Fault.ANSWER
 
 
 def _is_openai_error(content: bytes) -> bool:

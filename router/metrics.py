@@ -67,6 +67,7 @@ class Outcome:
     TIMEOUT = "timeout"
     NO_CAPACITY = "no_capacity"
     DISCONNECT = "client_disconnect"
+    SHUTDOWN = "shutdown"  # cut off by the router's own shutdown past its grace period
 
 
 class StateCollector(Collector):

@@ -21,6 +21,7 @@ from router.config import (
     PrefillInstanceConfig,
     RouterConfig,
 )
+from router.errors import Fault, NoHealthyEngine
 from router.pd.kv_params import PrefillIdentity
 from router.pd.pipelined_params import PeerIdentity
 from router.shared_slots import WorkerSlots
@@ -57,11 +58,44 @@ class ModelPool:
         return self.prefill_policy.needs_key
 
     def select_prefill(self, key: str | None, avoid: frozenset[Instance]) -> Instance | None:
-        routable = [p for p in self.prefill if p.routable]
+        """A prefill instance in rotation, preferring those not in ``avoid``; None if
+        there is none. Half-open ones take more than their one trial when no other
+        instance is past its breaker (P has no queue to wait in)."""
+        routable = [p for p in self.prefill if p.routable] or [
+            p for p in self.prefill if p.in_rotation
+        ]
         if not routable:
             return None
         preferred = [p for p in routable if p not in avoid] or routable
         return self.prefill_policy.select(preferred, key)
+
+    def prefill_in_rotation(self) -> bool:
+        return any(p.in_rotation for p in self.prefill)
+
+    def no_prefill(self, now: float, probe_interval: float) -> NoHealthyEngine:
+        waits = [p.back_in(now, probe_interval) for p in self.prefill]
+        return NoHealthyEngine("prefill", self.name, min(waits, default=probe_interval))
+
+    def record(self, inst: Instance, fault: Fault | None) -> None:
+        """Feed one engine call's outcome (None: success) to the instance's outlier
+        detection. An error answer may eject the instance only while another
+        instance of its role stays in rotation (the panic threshold)."""
+        if fault is None:
+            inst.breaker.record(None)
+            return
+        may_eject = fault is not Fault.ANSWER or any(
+            o is not inst and o.in_rotation for o in self._peers(inst)
+        )
+        inst.breaker.record(fault, may_eject=may_eject)
+
+    def has_alternative(self, role: str, avoid: frozenset[Instance]) -> bool:
+        """Whether an instance of ``role`` outside ``avoid`` is in rotation (a retry
+        can go somewhere new)."""
+        insts = self.prefill if role == Role.PREFILL else self.decode
+        return any(i.in_rotation and i not in avoid for i in insts)
+
+    def _peers(self, inst: Instance) -> list[Instance]:
+        return self.prefill if inst.role is Role.PREFILL else self.decode
 
     def learn_identity(self, url: str, identity: PrefillIdentity) -> None:
         if url not in self.configured_identities:
@@ -193,7 +227,9 @@ class Registry:
         if cfg.policy.decode != old.policy.decode:
             pool.ledger.set_policy(make_policy(cfg.policy.decode))
         admission = self._config.admission
-        pool.ledger.set_limits(admission.queue_size, admission.max_wait)
+        pool.ledger.set_limits(
+            admission.queue_size, admission.max_wait, self._config.health.interval
+        )
 
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
         admission = self._config.admission
@@ -204,12 +240,21 @@ class Registry:
             admission.queue_size,
             admission.max_wait,
             shared=self._shared_slots,
+            probe_interval=self._config.health.interval,
+            clock=self._clock,
         )
         return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill))
 
     def _instance(self, url: str, role: Role, model: str) -> Instance:
         b = self._config.breaker
-        return Instance(url, role, model, Breaker(b.failure_threshold, b.open_seconds, self._clock))
+        breaker = Breaker(
+            b.failure_threshold,
+            b.open_seconds,
+            self._clock,
+            answer_threshold=b.consecutive_5xx,
+            name=f"{role} engine {url}",
+        )
+        return Instance(url, role, model, breaker)
 
     @staticmethod
     def _set_identities(pool: ModelPool, prefill: Sequence[PrefillInstanceConfig]) -> None:

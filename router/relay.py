@@ -18,7 +18,14 @@ from typing import Any
 from starlette.responses import Response
 
 from router.client_request import ClientRequest
-from router.errors import RouterError, UpstreamError, sse_error_event
+from router.errors import (
+    Fault,
+    RouterError,
+    ShuttingDown,
+    TotalTimeout,
+    UpstreamError,
+    sse_error_event,
+)
 from router.metrics import Outcome
 from router.pd.dispatch import Dispatch, Dispatcher
 from router.registry import ModelPool
@@ -49,9 +56,12 @@ def outcome_of(exc: RouterError) -> str:
     return Outcome.CLIENT_ERROR if exc.status < 500 else Outcome.UPSTREAM_ERROR
 
 
-async def send_error(send: Send, exc: RouterError) -> None:
+async def send_error(send: Send, exc: RouterError, request_id: bytes | None = None) -> None:
+    """The error as a whole response; ``request_id`` is the client's, echoed."""
     headers = [(b"content-type", b"application/json")]
     headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+    if request_id:
+        headers.append((b"x-request-id", request_id))
     await send({"type": "http.response.start", "status": exc.status, "headers": headers})
     await send({"type": "http.response.body", "body": exc.body(), "more_body": False})
 
@@ -73,8 +83,12 @@ class RelayResponse(Response):
         started_at: float,
         clock: Callable[[], float],
         total_timeout: float,
+        client_id: bytes | None = None,
     ) -> None:
+        """``client_id``: the client's X-Request-Id, echoed back and logged."""
         self.background = None
+        self._echo = client_id
+        self._client_id = client_id.decode("latin-1") if client_id else "-"
         self._dispatcher = dispatcher
         self._pool = pool
         self._creq = creq
@@ -107,7 +121,8 @@ class RelayResponse(Response):
             if not self._disconnected:
                 # The server is shutting down past its grace period: end the
                 # response properly so the client sees why, then stop.
-                await self._fail_late_or_early(send, _shutdown_error())
+                await self._fail_late_or_early(send, ShuttingDown())
+                self._observe(Outcome.SHUTDOWN, self._ttft)
                 raise
             task.uncancel()
             outcome = Outcome.DISCONNECT
@@ -115,7 +130,7 @@ class RelayResponse(Response):
             self._dispatcher.metrics.disconnects.labels(self._pool.name, phase).inc()
         except TimeoutError:
             outcome = Outcome.TIMEOUT
-            await self._fail_late_or_early(send, _total_timeout_error(self._total))
+            await self._fail_late_or_early(send, TotalTimeout(self._total))
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
@@ -123,23 +138,36 @@ class RelayResponse(Response):
 
     async def _run(self, send: Send) -> str:
         try:
-            dispatch = await self._dispatcher.open(self._pool, self._creq)
+            dispatch = await self._dispatcher.open(self._pool, self._creq, self._client_id)
         except RouterError as exc:
-            await send_error(send, exc)
+            self._log_refusal(exc)
+            await send_error(send, exc, self._echo)
             return outcome_of(exc)
-        success: bool | None = None
+        fault: Fault | None = Fault.NONE  # no verdict unless the relay gives one
         try:
-            success = await self._relay(dispatch, send)
+            fault = await self._relay(dispatch, send)
         finally:
-            await self._dispatcher.finish(dispatch, success)
-        return Outcome.SUCCESS if success else Outcome.UPSTREAM_ERROR
+            await self._dispatcher.finish(dispatch, fault)
+        return Outcome.SUCCESS if fault is None else Outcome.UPSTREAM_ERROR
 
-    async def _relay(self, dispatch: Dispatch, send: Send) -> bool:
-        """Send D's status and bytes; True if D's response ended normally."""
+    def _log_refusal(self, exc: RouterError) -> None:
+        log.warning(
+            "request (client id %s) for model %r answered %d %s: %s",
+            self._client_id,
+            self._pool.name,
+            exc.status,
+            exc.code,
+            exc.message,
+        )
+
+    async def _relay(self, dispatch: Dispatch, send: Send) -> Fault | None:
+        """Send D's status and bytes; None if D's response ended normally, else what
+        its end says about D."""
         leg = dispatch.leg
+        request_id = self._echo or dispatch.request_id.encode("latin-1")
         headers = [
             (b"content-type", leg.content_type.encode("latin-1")),
-            (b"x-request-id", dispatch.request_id.encode("latin-1")),
+            (b"x-request-id", request_id),
         ]
         if leg.rest is not None:
             headers.append((b"cache-control", b"no-cache"))
@@ -149,7 +177,7 @@ class RelayResponse(Response):
             self._complete = True
             await send({"type": "http.response.body", "body": leg.first, "more_body": False})
             self._ttft = self._clock() - self._t0
-            return True
+            return None
         await send({"type": "http.response.body", "body": leg.first, "more_body": True})
         now = self._clock()
         self._ttft = now - self._t0
@@ -176,18 +204,32 @@ class RelayResponse(Response):
             leg.mark_ended()
             self._stream_stats(dispatch, count, worst)
             err = dispatch.prefill_error or exc
-            log.warning("stream failed after the first byte: %s", err.message)
+            log.warning(
+                "request %s (client id %s): stream failed after the first byte on %s "
+                "engine %s: %s [%s]",
+                dispatch.request_id,
+                self._client_id,
+                err.role,
+                err.instance,
+                err.message,
+                err.__cause__ or err.code,
+            )
             await self._end(send, sse_error_event(err.message, err.type, err.code))
-            return False
+            return Fault.NONE if err is dispatch.prefill_error else exc.fault
         leg.mark_ended()
         self._stream_stats(dispatch, count, worst)
         await self._end(send, last)
         if engine_error:
             # D's own error event after its 200 (e.g. its KV read from P failed):
             # relayed as is, counted as the upstream failure it is.
-            log.warning("decode engine %s ended its stream with an error event", leg.instance.url)
-            return False
-        return True
+            log.warning(
+                "request %s (client id %s): decode engine %s ended its stream with an error event",
+                dispatch.request_id,
+                self._client_id,
+                leg.instance.url,
+            )
+            return Fault.ANSWER
+        return None
 
     def _stream_stats(self, dispatch: Dispatch, chunks: int, worst_gap: float) -> None:
         metrics = self._dispatcher.metrics
@@ -202,22 +244,6 @@ class RelayResponse(Response):
     async def _fail_late_or_early(self, send: Send, exc: RouterError) -> None:
         with contextlib.suppress(Exception):
             if not self._started:
-                await send_error(send, exc)
+                await send_error(send, exc, self._echo)
             elif not self._complete:
                 await self._end(send, sse_error_event(exc.message, exc.type, exc.code))
-
-
-def _shutdown_error() -> RouterError:
-    err = RouterError("the router is shutting down; retry the request")
-    err.status = 503
-    err.type = "service_unavailable"
-    err.code = "shutting_down"
-    return err
-
-
-def _total_timeout_error(seconds: float) -> RouterError:
-    err = RouterError(f"request exceeded the router's total timeout of {seconds:g}s")
-    err.status = 504
-    err.type = "timeout"
-    err.code = "total_timeout"
-    return err

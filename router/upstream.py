@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from router.config import TimeoutConfig
-from router.errors import UpstreamError, UpstreamTimeout
+from router.errors import Fault, UpstreamError, UpstreamTimeout
 from router.http1 import Http1Pool, Origin, split_url
 
 __all__ = ["UpstreamClient", "UpstreamStream", "map_errors"]
@@ -32,19 +32,31 @@ KEEPALIVE_EXPIRY_S = 4.0
 
 @contextmanager
 def map_errors(role: str, instance: str) -> Iterator[None]:
-    """Turn httpx transport errors into :class:`UpstreamError` / :class:`UpstreamTimeout`."""
+    """Turn httpx transport errors into :class:`UpstreamError` / :class:`UpstreamTimeout`.
+
+    Messages name the role, never the instance (clients see them); the instance
+    travels on the error for logs, retries and outlier detection.
+    """
     try:
         yield
     except httpx.TimeoutException as exc:
         raise UpstreamTimeout(
-            f"{role} engine {instance} timed out ({type(exc).__name__})",
+            f"{role} engine timed out ({type(exc).__name__})",
             role=role,
             instance=instance,
             code=f"{role}_timeout",
         ) from exc
+    except httpx.ConnectError as exc:
+        raise UpstreamError(
+            f"cannot connect to the {role} engine",
+            role=role,
+            instance=instance,
+            code=f"{role}_unreachable",
+            fault=Fault.REFUSED,
+        ) from exc
     except (httpx.TransportError, httpx.StreamError) as exc:
         raise UpstreamError(
-            f"{role} engine {instance} failed: {type(exc).__name__}: {exc}",
+            f"{role} engine failed: {type(exc).__name__}",
             role=role,
             instance=instance,
             code=f"{role}_unreachable",

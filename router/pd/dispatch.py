@@ -27,13 +27,14 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import Mode, RetryConfig
-from router.errors import NoCapacity, UpstreamError
+from router.errors import Fault, UpstreamError
 from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd import pipelined_params as pp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.settle import Settler, cancel_task, discard_decode
 from router.registry import ModelPool
+from router.workers.breaker import BreakerState
 from router.workers.instance import Instance
 from router.workers.ledger import Reservation
 
@@ -86,17 +87,24 @@ class Dispatcher:
         metrics: Metrics,
         retries: RetryConfig,
         clock: Callable[[], float] = time.monotonic,
+        probe_interval: float = 5.0,
     ) -> None:
+        """``probe_interval``: the health-check interval (Retry-After of a refusal)."""
+        self._probe_interval = probe_interval
         self._legs = legs
         self.metrics = self._metrics = metrics
         self.settler = Settler(legs.timeouts)
         self._retries = retries
         self._clock = clock
 
-    async def open(self, pool: ModelPool, creq: ClientRequest) -> Dispatch:
+    async def open(self, pool: ModelPool, creq: ClientRequest, client_id: str = "-") -> Dispatch:
         """Reserve, dispatch and return once D's first bytes are in; retries inside.
 
-        Raises a :class:`~router.errors.RouterError` when every attempt failed.
+        A failed attempt is retried only where a retry can help: the error is
+        retryable and another instance of the failing role is in rotation (a
+        timeout or refusal is never retried on the same, only engine). Raises a
+        :class:`~router.errors.RouterError` when no attempt succeeded.
+        ``client_id`` (the client's X-Request-Id) appears in log lines only.
         """
         decision = _decision(pool, creq)
         self._metrics.decisions.labels(pool.name, decision).inc()
@@ -108,10 +116,23 @@ class Dispatcher:
                 return await self._attempt(pool, creq, decision, key, avoid)
             except UpstreamError as exc:
                 self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
-                if not exc.retryable or attempt == attempts:
-                    raise
-                log.warning("attempt %d failed, retrying: %s", attempt, exc.message)
                 avoid = avoid | {i for i in _all(pool) if i.url == exc.instance}
+                retry = (
+                    exc.retryable and attempt < attempts and pool.has_alternative(exc.role, avoid)
+                )
+                log.warning(
+                    "request %s (client id %s): attempt %d failed on %s engine %s: %s [%s]%s",
+                    exc.request_id,
+                    client_id,
+                    attempt,
+                    exc.role,
+                    exc.instance,
+                    exc.message,
+                    exc.__cause__ or exc.code,
+                    ", retrying elsewhere" if retry else "",
+                )
+                if not retry:
+                    raise
                 self._metrics.retries.labels(pool.name).inc()
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
@@ -130,16 +151,25 @@ class Dispatcher:
         key: str | None,
         avoid: frozenset[Instance],
     ) -> Dispatch:
+        if decision in _DISAGGREGATED and not pool.prefill_in_rotation():
+            # Refused before a decode slot is taken: no queue wait can end well.
+            raise pool.no_prefill(self._clock(), self._probe_interval)
         reservation = await pool.ledger.reserve(key, avoid)
         ids = kp.new_dispatch_ids()
         try:
             if decision not in _DISAGGREGATED:
-                leg = await self._decode(reservation, creq, kp.aggregated_body(creq.body), ids)
+                body = kp.aggregated_body(creq.body)
+                leg = await self._decode(pool, reservation, creq, body, ids)
                 return Dispatch(pool, reservation, leg, decision, ids.request_id)
             prefill = pool.select_prefill(key, avoid)
-            if prefill is None:
-                raise NoCapacity(f"no healthy prefill engine for model {pool.name!r}", 5.0)
+            if prefill is None:  # left rotation while this request waited for its slot
+                raise pool.no_prefill(self._clock(), self._probe_interval)
             return await self._by_mode(pool, creq, reservation, prefill, ids)
+        except UpstreamError as exc:
+            exc.request_id = ids.request_id
+            if not reservation.detached:
+                pool.ledger.release(reservation)
+            raise
         except BaseException:
             if not reservation.detached:
                 pool.ledger.release(reservation)
@@ -199,7 +229,7 @@ class Dispatcher:
             identity = kp.identity_from_params(p_params, pool.kv_hosts.get(p.url))
             if identity is None:
                 raise UpstreamError(
-                    f"prefill engine {p.url} returned kv_transfer_params without its NIXL identity",
+                    "prefill engine returned kv_transfer_params without its NIXL identity",
                     role="prefill",
                     instance=p.url,
                     code="kv_transfer_params_incomplete",
@@ -225,7 +255,7 @@ class Dispatcher:
         result = await self._prefill(pool, creq, p, ids, kp.prefill_params(ids.transfer_id))
         assert result.kv_params is not None  # required in these modes (legs.prefill)
         d_params = decode_params(result.kv_params)
-        leg = await self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
+        leg = await self._decode(pool, res, creq, kp.decode_body(creq.body, d_params), ids)
         return self._opened(pool, res, leg, ids, p, None, result.finished_at)
 
     async def _pipelined(
@@ -240,10 +270,11 @@ class Dispatcher:
         for inst, ident in ((res.instance, d_identity), (p, p_identity)):
             if ident is None:  # config validation requires it; discovery may not know it
                 raise UpstreamError(
-                    f"{inst.role} engine {inst.url} has no NIXL identity for pipelined mode",
+                    f"{inst.role} engine has no NIXL identity for pipelined mode",
                     role=inst.role.value,
                     instance=inst.url,
                     code="nixl_identity_missing",
+                    fault=Fault.NONE,
                 )
         assert d_identity is not None and p_identity is not None
         return await self._concurrent(
@@ -270,7 +301,7 @@ class Dispatcher:
         if D answers first, P keeps draining in the background."""
         p_task = asyncio.create_task(self._prefill(pool, creq, p, ids, p_params))
         d_task = asyncio.create_task(
-            self._decode(res, creq, kp.decode_body(creq.body, d_params), ids)
+            self._decode(pool, res, creq, kp.decode_body(creq.body, d_params), ids)
         )
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -338,7 +369,7 @@ class Dispatcher:
     ) -> PrefillResult:
         started = self._clock()
         try:
-            return await self._legs.prefill(
+            result = await self._legs.prefill(
                 pool.name,
                 p,
                 creq.endpoint.value,
@@ -346,22 +377,39 @@ class Dispatcher:
                 ids.request_id,
                 require_params=pool.mode is not Mode.PIPELINED,
             )
+        except UpstreamError as exc:
+            pool.record(p, exc.fault)
+            raise
+        else:
+            pool.record(p, None)
+            return result
         finally:
             self._metrics.prefill_duration.labels(pool.name, pool.mode.value).observe(
                 self._clock() - started
             )
 
     async def _decode(
-        self, res: Reservation, creq: ClientRequest, body: dict[str, Any], ids: kp.DispatchIds
+        self,
+        pool: ModelPool,
+        res: Reservation,
+        creq: ClientRequest,
+        body: dict[str, Any],
+        ids: kp.DispatchIds,
     ) -> DecodeLeg:
+        """Open D's leg. A stream is judged when it ends (:meth:`finish`), except a
+        half-open D's trial, which succeeds with its first bytes: the other
+        requests need not wait for the whole stream to know that D is back."""
         d = res.instance
         try:
-            return await self._legs.open_decode(
+            leg = await self._legs.open_decode(
                 d, creq.endpoint.value, body, ids.request_id, creq.stream
             )
         except UpstreamError as exc:
-            d.breaker.record(success=not exc.retryable)
+            pool.record(d, exc.fault)
             raise
+        if leg.rest is None or d.breaker.state is BreakerState.HALF_OPEN:
+            pool.record(d, None)
+        return leg
 
     def _opened(
         self,
@@ -408,11 +456,13 @@ class Dispatcher:
             if identity is not None:
                 pool.learn_identity(p.url, identity)
 
-    async def finish(self, dispatch: Dispatch, success: bool | None) -> None:
+    async def finish(self, dispatch: Dispatch, fault: Fault | None) -> None:
         """Release everything the dispatch holds; exactly once, on every exit path.
 
-        ``success`` feeds D's breaker (None: the client left, no verdict). A P leg
-        still running is drained when the request succeeded, cancelled otherwise.
+        ``fault`` is how D's stream ended: None (it completed), ``Fault.ENGINE`` (it
+        broke), ``Fault.ANSWER`` (D's own error event), ``Fault.NONE`` (the client
+        left: no verdict). A P leg still running is drained when the request
+        succeeded, cancelled otherwise.
         """
         if dispatch.finished:
             return
@@ -422,16 +472,19 @@ class Dispatcher:
             await leg.close()
         finally:
             dispatch.pool.ledger.release(dispatch.reservation)
-        if success is not None:
-            leg.instance.breaker.record(success)
+        dispatch.pool.record(leg.instance, fault)
         task = dispatch.prefill_task
         if task is not None and not task.done():
-            if success:
+            if fault is None:
                 await asyncio.gather(task, return_exceptions=True)
             else:
                 await cancel_task(task)
         if task is not None and task.done() and not task.cancelled() and task.exception():
-            log.warning("prefill leg failed after decode started: %s", task.exception())
+            log.warning(
+                "request %s: prefill leg failed after decode started: %s",
+                dispatch.request_id,
+                task.exception(),
+            )
 
 
 def _all(pool: ModelPool) -> list[Instance]:

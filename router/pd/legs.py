@@ -2,7 +2,7 @@
 
 Each function owns the upstream connection it opens: on any exception,
 cancellation included, the connection is closed before the exception leaves
-(closing is how vLLM learns to abort). Outcomes feed the instance's breaker.
+(closing is how vLLM learns to abort). Outcomes are judged by the dispatcher.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,15 +28,28 @@ __all__ = ["DecodeLeg", "LegRunner", "PrefillResult"]
 _MAX_ERROR_BODY = 64 * 1024
 
 
-@contextmanager
-def _deadline_as(role: str, instance: str, code: str) -> Iterator[None]:
+@contextlib.asynccontextmanager
+async def _bounded(inst: Instance, limit: float, code: str) -> AsyncIterator[None]:
+    """``limit`` seconds for a leg on ``inst``, cut short if the health monitor finds
+    the engine unhealthy meanwhile (a frozen engine then costs the detection time,
+    not the whole timeout). Both end as an :class:`UpstreamTimeout`."""
+    role = inst.role.value
     try:
-        yield
+        async with asyncio.timeout(limit) as cm:
+            with inst.deadline(cm):
+                yield
     except TimeoutError:
+        if inst.healthy is False:
+            raise UpstreamTimeout(
+                f"{role} engine stopped answering health checks",
+                role=role,
+                instance=inst.url,
+                code=f"{role}_unhealthy",
+            ) from None
         raise UpstreamTimeout(
-            f"{role} engine {instance} did not answer in time ({code})",
+            f"{role} engine did not answer in time ({code})",
             role=role,
-            instance=instance,
+            instance=inst.url,
             code=code,
         ) from None
 
@@ -134,30 +146,26 @@ class LegRunner:
         inst.breaker.on_dispatch()
         try:
             content = await self._prefill_call(inst, path, body, request_id)
-            params = _kv_params(content)
-            if require_params and params is None:
-                self._metrics.kv_params_missing.labels(model, inst.url).inc()
-                raise UpstreamError(
-                    f"prefill engine {inst.url} returned no kv_transfer_params "
-                    "(is it running a NIXL connector with kv_role kv_producer?)",
-                    role="prefill",
-                    instance=inst.url,
-                    code="kv_transfer_params_missing",
-                )
-        except UpstreamError as exc:
-            inst.breaker.record(success=not exc.retryable)
-            raise
         finally:
             inst.in_flight -= 1
-        inst.breaker.record(success=True)
+        params = _kv_params(content)
+        if require_params and params is None:
+            self._metrics.kv_params_missing.labels(model, inst.url).inc()
+            raise UpstreamError(
+                "prefill engine returned no kv_transfer_params "
+                "(is it running a NIXL connector with kv_role kv_producer?)",
+                role="prefill",
+                instance=inst.url,
+                code="kv_transfer_params_missing",
+            )
         return PrefillResult(params, self._clock())
 
     async def _prefill_call(
         self, inst: Instance, path: str, body: dict[str, Any], request_id: str
     ) -> bytes:
         limit = self._timeouts.prefill
-        with _deadline_as("prefill", inst.url, "prefill_timeout"), map_errors("prefill", inst.url):
-            async with asyncio.timeout(limit):
+        async with _bounded(inst, limit, "prefill_timeout"):
+            with map_errors("prefill", inst.url):
                 stream = await self._upstream.open(
                     inst.url + path, body, request_id, read_timeout=limit
                 )
@@ -181,8 +189,8 @@ class LegRunner:
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
         opened: UpstreamStream | None = None
         try:
-            with _deadline_as("decode", inst.url, code), map_errors("decode", inst.url):
-                async with asyncio.timeout(limit):
+            async with _bounded(inst, limit, code):
+                with map_errors("decode", inst.url):
                     opened = await self._upstream.open(
                         inst.url + path, body, request_id, read_timeout=None if stream else limit
                     )

@@ -53,17 +53,18 @@ def parse_engine_load(text: str) -> EngineLoad | None:
 
 
 class HealthMonitor:
+    """Probes every engine; what it learns reaches the ledger through the instances
+    themselves (see :class:`~router.workers.instance.Instance`), not through hooks here."""
+
     def __init__(
         self,
         instances: Callable[[], Iterable[Instance]],
         upstream: UpstreamClient,
         config: HealthConfig,
-        on_routable: Callable[[Instance], None],
     ) -> None:
         self._instances = instances
         self._upstream = upstream
         self._config = config
-        self._on_routable = on_routable
 
     async def run(self) -> None:
         """Check forever, every ``interval`` seconds; cancel to stop."""
@@ -75,21 +76,26 @@ class HealthMonitor:
         await asyncio.gather(*(self._check(i) for i in self._instances()))
 
     async def _check(self, inst: Instance) -> None:
-        was_routable = inst.routable
         ok = await self._probe(inst.url + "/health")
         if ok:
+            if inst.healthy is False:
+                log.warning("%s engine %s answers health checks again", inst.role, inst.url)
             inst.health_failures = 0
             inst.healthy = True
         else:
             inst.health_failures += 1
             if inst.health_failures >= self._config.unhealthy_after or inst.healthy is None:
                 if inst.healthy is not False:
-                    log.warning("%s engine %s is unhealthy", inst.role, inst.url)
+                    log.warning(
+                        "%s engine %s is unhealthy (%d failed health checks)",
+                        inst.role,
+                        inst.url,
+                        inst.health_failures,
+                    )
                 inst.healthy = False
+        inst.breaker.probe(ok)
         if ok and inst.role is Role.DECODE and (inst.suspect or inst.degraded):
             await self._check_leak(inst)
-        if inst.routable and not was_routable:
-            self._on_routable(inst)
 
     async def _probe(self, url: str) -> bool:
         try:

@@ -1,15 +1,19 @@
-"""One engine instance as the router sees it: role, health, breaker, load."""
+"""One engine instance as the router sees it: role, health, outlier state, load."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
-from collections.abc import Callable
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Iterator
 
 from router.pd.pipelined_params import PeerIdentity
-from router.workers.breaker import Breaker
+from router.workers.breaker import Breaker, BreakerState
 
 __all__ = ["Instance", "Role"]
+
+log = logging.getLogger("pd_router.rotation")
 
 
 class Role(enum.StrEnum):
@@ -17,45 +21,143 @@ class Role(enum.StrEnum):
     DECODE = "decode"
 
 
-@dataclass(eq=False)
+def _nothing() -> None:
+    pass
+
+
 class Instance:
     """Mutable state of one engine, owned by the router's :class:`Registry`.
 
     ``healthy`` is None until the first active health check answers; such an
-    instance is routable (the breaker guards it) but does not make ``/ready`` pass.
-    ``degraded`` marks a decode engine that holds leaked KV blocks while idle.
+    instance is routable (outlier detection guards it) but does not make
+    ``/ready`` pass. ``degraded`` marks a decode engine that holds leaked KV
+    blocks while idle.
+
+    Routability is derived, never stored: every change of ``healthy``,
+    ``degraded``, ``cap`` or the breaker's state calls ``on_change`` (the decode
+    ledger's re-evaluation of its waiters), so nothing that can make a waiter
+    fit goes unnoticed. Leaving or rejoining rotation is logged once.
     """
 
-    url: str
-    role: Role
-    model: str
-    breaker: Breaker
-    slots: int = 0  # decode: capacity offered to this router
-    in_flight: int = 0  # requests currently using the instance
-    at_engine: int = 0  # decode: streams with first bytes in and no end seen yet
-    healthy: bool | None = None
-    health_failures: int = 0
-    degraded: bool = False
-    suspect: bool = False  # decode: a leg was closed while waiting for KV
-    # The engine's NIXL identity as configured or discovered (pipelined mode).
-    peer: PeerIdentity | None = None
+    def __init__(
+        self,
+        url: str,
+        role: Role,
+        model: str,
+        breaker: Breaker,
+        *,
+        slots: int = 0,
+        healthy: bool | None = None,
+    ) -> None:
+        self.url = url
+        self.role = role
+        self.model = model
+        self.breaker = breaker
+        self.slots = slots  # decode: capacity offered to this router
+        self.in_flight = 0  # requests currently using the instance
+        self.at_engine = 0  # decode: streams with first bytes in and no end seen yet
+        self.health_failures = 0
+        self.suspect = False  # decode: a leg was closed while waiting for KV
+        # The engine's NIXL identity as configured or discovered (pipelined mode).
+        self.peer: PeerIdentity | None = None
+        # Decode, ``--workers N``: reads the router-wide count of this instance from the
+        # shared slot table (set by the ledger); None = this process is the router.
+        self.shared_in_use: Callable[[], int] | None = None
+        self.on_change: Callable[[], None] = _nothing
+        self._healthy = healthy
+        self._degraded = False
+        self._cap: int | None = None
+        self._in_rotation = True
+        # Deadlines of legs waiting on this engine: cut short when it turns unhealthy.
+        self._deadlines: set[asyncio.Timeout] = set()
+        breaker.on_change = self._changed
+        if breaker.name == "instance":
+            breaker.name = f"{role} engine {url}"
+
+    def __repr__(self) -> str:
+        return f"Instance({self.role.value} {self.url})"
+
+    # -- state with side effects ----------------------------------------------
+
+    @property
+    def healthy(self) -> bool | None:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool | None) -> None:
+        if value == self._healthy:
+            return
+        self._healthy = value
+        if value is False:
+            self._cut_deadlines()
+        self._changed()
+
+    @property
+    def degraded(self) -> bool:
+        return self._degraded
+
+    @degraded.setter
+    def degraded(self, value: bool) -> None:
+        if value != self._degraded:
+            self._degraded = value
+            self._changed()
+
+    @property
+    def cap(self) -> int | None:
+        """Decode, several router replicas: how many requests this replica may hold
+        here now (its fair part of what the engine reports free); None = ``slots``."""
+        return self._cap
+
+    @cap.setter
+    def cap(self, value: int | None) -> None:
+        if value != self._cap:
+            self._cap = value
+            self._changed()
+
+    def _changed(self) -> None:
+        now = self.in_rotation
+        if now != self._in_rotation:
+            self._in_rotation = now
+            if now:
+                log.warning("%s %s: in rotation again", self.role, self.url)
+            else:
+                log.warning("%s %s: out of rotation (%s)", self.role, self.url, self.why_out())
+        self.on_change()
+
+    # -- derived ----------------------------------------------------------------
 
     @property
     def routable(self) -> bool:
-        return self.healthy is not False and not self.degraded and self.breaker.allows()
+        """May get a request now (a half-open breaker: only its one trial)."""
+        return self.in_service and self.breaker.allows()
 
-    # Decode, several router replicas: how many requests this replica may hold here
-    # now (its fair part of what the engine reports free); None = all ``slots``.
-    cap: int | None = None
+    @property
+    def in_service(self) -> bool:
+        return self._healthy is not False and not self._degraded
 
-    # Decode, ``--workers N``: reads the router-wide count of this instance from the
-    # shared slot table (set by the ledger); None = this process is the router.
-    shared_in_use: Callable[[], int] | None = None
+    @property
+    def in_rotation(self) -> bool:
+        """Not out for health, leaked KV or ejection: may take requests now or once
+        a half-open trial ends (``admissible`` when it is the last of its role)."""
+        return self.in_service and self.breaker.state is not BreakerState.OPEN
+
+    def why_out(self) -> str:
+        if self._healthy is False:
+            return "failed health checks"
+        if self._degraded:
+            return "holds leaked KV blocks"
+        return "ejected by outlier detection"
+
+    def back_in(self, now: float, probe_interval: float) -> float:
+        """Seconds until this instance may be back in rotation at the earliest."""
+        if self.in_service and self.breaker.state is BreakerState.OPEN:
+            return max(0.0, self.breaker.reopens_at - now)
+        return 0.0 if self.in_rotation else probe_interval
 
     @property
     def limit(self) -> int:
         """Slots this router may hold here now (``slots``, or its replica ``cap``)."""
-        return self.slots if self.cap is None else min(self.slots, self.cap)
+        return self.slots if self._cap is None else min(self.slots, self._cap)
 
     @property
     def in_use(self) -> int:
@@ -66,3 +168,23 @@ class Instance:
     @property
     def free_slots(self) -> int:
         return self.limit - self.in_use
+
+    # -- legs ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def deadline(self, cm: asyncio.Timeout) -> Iterator[None]:
+        """Register an entered ``asyncio.timeout`` of a leg on this engine: if the
+        health monitor declares the engine unhealthy meanwhile, it expires at once."""
+        self._deadlines.add(cm)
+        try:
+            yield
+        finally:
+            self._deadlines.discard(cm)
+
+    def _cut_deadlines(self) -> None:
+        if not self._deadlines:
+            return
+        loop_time = asyncio.get_event_loop().time
+        for cm in list(self._deadlines):
+            with contextlib.suppress(RuntimeError):  # already expiring
+                cm.reschedule(loop_time())

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.errors import NoCapacity, QueueFull
+from router.errors import NoCapacity, NoHealthyEngine, QueueFull
 from router.shared_slots import WorkerSlots, slot_key
+from router.workers.breaker import BreakerState
 from router.workers.instance import Instance
 from router.workers.policies import Policy
 
@@ -63,16 +65,26 @@ class SlotLedger:
         queue_size: int,
         max_wait: float,
         shared: WorkerSlots | None = None,
+        *,
+        probe_interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``probe_interval``: the health-check interval, the Retry-After of a refusal
+        while every decode instance is out for health."""
         self.model = model
         self._shared = shared
         self._poll: asyncio.TimerHandle | None = None
-        self._instances = list(instances)
-        self._attach(self._instances)
+        self._reopen: asyncio.TimerHandle | None = None
+        self._probe_interval = probe_interval
+        self._clock = clock
+        self._instances: list[Instance] = []
         self._policy = policy
         self._queue_size = queue_size
         self._max_wait = max_wait
         self._waiters: deque[_Waiter] = deque()
+        self._poking = False
+        self._again = False
+        self.set_instances(instances)
 
     @property
     def queue_depth(self) -> int:
@@ -88,28 +100,38 @@ class SlotLedger:
 
     def set_instances(self, instances: Sequence[Instance]) -> None:
         """Replace the decode instances (reload, discovery); waiters may now fit."""
-        self._instances = list(instances)
-        self._attach(self._instances)
+        wanted = list(instances)
+        for gone in set(self._instances) - set(wanted):
+            gone.on_change = _nothing
+        self._instances = wanted
+        for inst in wanted:
+            inst.on_change = self.poke
+        self._attach(wanted)
         self.poke()
 
     def set_policy(self, policy: Policy) -> None:
         self._policy = policy
 
-    def set_limits(self, queue_size: int, max_wait: float) -> None:
+    def set_limits(self, queue_size: int, max_wait: float, probe_interval: float) -> None:
         self._queue_size = queue_size
         self._max_wait = max_wait
+        self._probe_interval = probe_interval
 
     async def reserve(
         self, key: str | None = None, avoid: frozenset[Instance] = frozenset()
     ) -> Reservation:
         """A slot on a routable decode instance, preferring ones not in ``avoid``.
 
-        Raises :class:`QueueFull` or :class:`NoCapacity`. Cancellation-safe.
+        Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
+        :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
         """
+        self.poke()
         if not self._waiters:
             got = self._take(avoid, key)
             if got is not None:
                 return got
+            if not self._any_in_rotation():
+                raise self._no_engine()
         if len(self._waiters) >= self._queue_size:
             raise QueueFull(
                 f"all decode slots for model {self.model!r} are busy and the queue is full",
@@ -118,6 +140,7 @@ class SlotLedger:
         waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key)
         self._waiters.append(waiter)
         self._schedule_poll()
+        self._arm_reopen()
         try:
             async with asyncio.timeout(self._max_wait):
                 return await waiter.fut
@@ -146,8 +169,26 @@ class SlotLedger:
         self.poke()
 
     def poke(self) -> None:
-        """Serve waiters in FIFO order while capacity lasts (after a release or
-        when an instance becomes routable again)."""
+        """Re-evaluate the waiters: serve them in FIFO order while capacity lasts,
+        refuse them all if no decode instance is in rotation any more.
+
+        Re-entrant calls (an instance that changes state while being read here)
+        are folded into one more pass of the outer call.
+        """
+        if self._poking:
+            self._again = True
+            return
+        self._poking = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._serve()
+        finally:
+            self._poking = False
+        self._arm_reopen()
+
+    def _serve(self) -> None:
         while self._waiters:
             head = self._waiters[0]
             if head.fut.done():
@@ -155,14 +196,21 @@ class SlotLedger:
                 continue
             got = self._take(head.avoid, head.key)
             if got is None:
-                return
+                break
             self._waiters.popleft()
             head.fut.set_result(got)
+        if self._waiters and not self._any_in_rotation():
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.fut.done():
+                    waiter.fut.set_exception(self._no_engine())
 
     def _take(self, avoid: frozenset[Instance], key: str | None) -> Reservation | None:
         free = [i for i in self._instances if i.free_slots > 0 and i.routable]
-        if not free:
-            return None
+        if not free and not any(i.routable for i in self._instances):
+            # Panic: with no instance past its breaker, a half-open one takes more
+            # than its single trial rather than leaving requests nowhere to go.
+            free = [i for i in self._instances if i.free_slots > 0 and i.in_rotation]
         while free:
             preferred = [i for i in free if i not in avoid] or free
             inst = self._policy.select(preferred, key)
@@ -173,6 +221,34 @@ class SlotLedger:
             # Another worker took the last slot between our read and its lock.
             free.remove(inst)
         return None
+
+    def _any_in_rotation(self) -> bool:
+        return any(i.in_rotation for i in self._instances)
+
+    def _no_engine(self) -> NoHealthyEngine:
+        now = self._clock()
+        waits = [i.back_in(now, self._probe_interval) for i in self._instances]
+        return NoHealthyEngine("decode", self.model, min(waits, default=self._probe_interval))
+
+    def _arm_reopen(self) -> None:
+        """While requests wait: wake up when the earliest ejection ends by itself."""
+        if self._reopen is not None:
+            self._reopen.cancel()
+            self._reopen = None
+        if not self._waiters:
+            return
+        ends = [
+            i.breaker.reopens_at
+            for i in self._instances
+            if i.in_service and i.breaker.state is BreakerState.OPEN
+        ]
+        if ends:
+            delay = max(0.001, min(ends) - self._clock())
+            self._reopen = asyncio.get_running_loop().call_later(delay, self._on_reopen)
+
+    def _on_reopen(self) -> None:
+        self._reopen = None
+        self.poke()
 
     def _acquire(self, inst: Instance) -> bool:
         """Take the slot router-wide (always granted without a shared table)."""
@@ -202,7 +278,11 @@ class SlotLedger:
 
     def _reclaim(self, waiter: _Waiter) -> None:
         fut = waiter.fut
-        if fut.done() and not fut.cancelled():
-            self.release(fut.result())
-        else:
+        if not fut.done():
             fut.cancel()
+        elif not fut.cancelled() and fut.exception() is None:  # retrieves a refusal too
+            self.release(fut.result())
+
+
+def _nothing() -> None:
+    pass

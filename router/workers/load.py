@@ -54,14 +54,13 @@ class LoadWatcher:
         replicas: int,
         interval: float,
         timeout: float,
-        on_change: Callable[[Instance], None],
     ) -> None:
+        """A changed ``cap`` reaches the ledger through the instance itself."""
         self._instances = decode_instances
         self._upstream = upstream
         self._replicas = replicas
         self._interval = interval
         self._timeout = timeout
-        self._on_change = on_change
         self._failures: dict[str, int] = {}
 
     def initial_caps(self) -> None:
@@ -85,7 +84,6 @@ class LoadWatcher:
         # The smaller sample counts the fewest of ours in the report: the estimate
         # of the other replicas' load errs on the high side.
         ours = min(sent_before, inst.at_engine)
-        before = inst.free_slots
         if reported is None:
             failures = self._failures.get(inst.url, 0) + 1
             self._failures[inst.url] = failures
@@ -96,8 +94,6 @@ class LoadWatcher:
             others = max(0, reported - ours)
             free = max(0, inst.slots - inst.in_flight - others)
             inst.cap = inst.in_flight + math.ceil(free / self._replicas)
-        if inst.free_slots > before:
-            self._on_change(inst)
 
     async def _reported_load(self, inst: Instance) -> int | None:
         try:

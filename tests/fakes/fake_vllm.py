@@ -10,6 +10,7 @@ real push-mode D waits for P's WRITE, and hangs forever if P never finishes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
@@ -17,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -50,6 +53,10 @@ class Behaviour:
     running: int = 0  # reported in /metrics
     waiting: int = 0
     kv_usage: float = 0.0
+    # A push D in another process than its P: poll the P at this URL for "the KV"
+    # (``GET /kv/<request id>``) instead of this process's bus.
+    kv_peer: str | None = None
+    poison: str | None = None  # a prompt containing this gets a 500 (a bad prompt)
 
 
 @dataclass
@@ -139,6 +146,9 @@ class FakeEngine:
                 f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {b.kv_usage}\n'
             )
             await _respond(send, 200, text.encode(), b"text/plain")
+        elif path.startswith("/kv/"):
+            ready = self.bus.done.get(path.removeprefix("/kv/"))
+            await _respond(send, 200 if ready is not None and ready.is_set() else 404, b"")
         elif path == "/v1/models":
             await _respond(send, 200, json.dumps({"data": [{"id": "tiny"}]}).encode())
         else:
@@ -167,14 +177,17 @@ class FakeEngine:
             await asyncio.Event().wait()
         if b.delay:
             await asyncio.sleep(b.delay)
-        if b.status != 200:
+        status = b.status
+        if b.poison is not None and b.poison in json.dumps(rec.body):
+            status = 500
+        if status != 200:
             body = (
                 b.error_body
                 or json.dumps(
-                    {"error": {"message": f"{self.name} failed", "type": "x", "code": b.status}}
+                    {"error": {"message": f"{self.name} failed", "type": "x", "code": status}}
                 ).encode()
             )
-            await _respond(send, b.status, body)
+            await _respond(send, status, body)
             return
         kv = rec.kv
         if kv.get("do_remote_decode"):
@@ -182,7 +195,10 @@ class FakeEngine:
             return
         if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
             # Push-style D: wait for "the KV" from the P leg with the same request id.
-            await self.bus.event(rec.request_id).wait()
+            if b.kv_peer is None:
+                await self.bus.event(rec.request_id).wait()
+            else:
+                await _poll_kv(b.kv_peer, rec.request_id)
         if rec.body.get("stream"):
             await self._stream(rec, send, b)
         else:
@@ -241,6 +257,17 @@ class FakeEngine:
 
 
 # -- helpers -------------------------------------------------------------------
+
+
+async def _poll_kv(peer: str, request_id: str) -> None:
+    """Wait until the P process at ``peer`` has finished ``request_id``; a dead or
+    frozen P leaves this waiting, as a real push D waits for a WRITE that never comes."""
+    async with httpx.AsyncClient(timeout=1.0) as client:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{peer}/kv/{request_id}")).status_code == 200:
+                    return
+            await asyncio.sleep(0.01)
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from router.config import HealthConfig
+from router.config import BreakerConfig, HealthConfig
 from tests.conftest import Cluster, eventually, metric
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
@@ -92,17 +92,32 @@ async def test_prefill_4xx_passes_through(cluster: Cluster, client: httpx.AsyncC
 # -- upstream failures before the first byte -------------------------------------
 
 
-async def test_prefill_5xx_is_502_after_retries(
+async def test_prefill_5xx_on_the_only_prefill_is_502_without_a_retry(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
+    """A retry on the same, only P cannot help: its own answer reaches the client."""
     cluster.prefill[0].behaviour.status = 500
     url, ctx = await cluster.router("pull", retries={"max_attempts": 2, "backoff_initial": 0})
     r = await client.post(url + "/v1/completions", json=PROMPT)
     assert r.status_code == 502 and error_of(r)["code"] == 500
-    assert len(cluster.prefill[0].received) == 2
+    assert "127.0.0.1" not in r.text  # engine URLs go to the log, not to clients
+    assert len(cluster.prefill[0].received) == 1
     assert cluster.decode[0].received == []
-    assert metric(ctx, "pdrouter_retries_total") == 1
+    assert metric(ctx, "pdrouter_retries_total") == 0
     assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
+
+
+async def test_prefill_5xx_is_retried_on_another_prefill(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    for p in cluster2.prefill:
+        p.behaviour.status = 500
+    url, ctx = await cluster2.router("pull", retries={"max_attempts": 3, "backoff_initial": 0})
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 502
+    # Each P once: the third attempt would have gone back to one already tried.
+    assert [len(p.received) for p in cluster2.prefill] == [1, 1]
+    assert metric(ctx, "pdrouter_retries_total") == 1
 
 
 async def test_retry_reselects_another_prefill(
@@ -381,17 +396,57 @@ async def test_queued_request_gets_the_released_slot(
     assert all(a[1] <= b[0] + 0.005 for a, b in itertools.pairwise(legs))
 
 
-async def test_breaker_opens_after_repeated_failures(
+async def test_gateway_failures_eject_the_only_prefill_and_refuse_at_once(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    cluster.prefill[0].behaviour.status = 500
+    cluster.prefill[0].behaviour.status = 503
     url, ctx = await cluster.router("pull", breaker={"failure_threshold": 2, "open_seconds": 60})
     for _ in range(2):
         assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 502
     r = await client.post(url + "/v1/completions", json=PROMPT)
-    assert r.status_code == 503 and error_of(r)["code"] == "no_capacity"
+    assert r.status_code == 503 and error_of(r)["code"] == "no_healthy_prefill"
+    assert error_of(r)["message"] == "no healthy prefill engine for model 'tiny'"
+    assert 55 <= int(r.headers["retry-after"]) <= 60  # when the ejection ends
     assert len(cluster.prefill[0].received) == 2
     assert metric(ctx, "pdrouter_breaker_state", role="prefill") == 1
+    assert metric(ctx, "pdrouter_decode_slots_in_use") == 0
+
+
+async def test_error_answers_never_eject_the_only_prefill(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Poisoned prompts (P answers 500 to them) with the default thresholds: each
+    gets P's own error, and the clean request after them is served."""
+    url, ctx = await cluster.router("pull")
+    cluster.prefill[0].behaviour.status = 500
+    for _ in range(3 * BreakerConfig().consecutive_5xx):
+        r = await client.post(url + "/v1/completions", json=PROMPT)
+        assert r.status_code == 502 and error_of(r)["code"] == 500
+    cluster.prefill[0].behaviour.status = 200
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    assert metric(ctx, "pdrouter_breaker_state", role="prefill") == 0
+
+
+async def test_error_answers_eject_a_prefill_while_another_serves(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    """With a second P in rotation, a P that answers 5xx to everything is ejected
+    and clean traffic flows to the other one."""
+    url, ctx = await cluster2.router(
+        "pull",
+        retries={"max_attempts": 2, "backoff_initial": 0},
+        breaker={"consecutive_5xx": 2, "open_seconds": 60},
+    )
+    cluster2.prefill[0].behaviour.status = 500
+    statuses = [
+        (await client.post(url + "/v1/completions", json=PROMPT)).status_code for _ in range(6)
+    ]
+    assert statuses == [200] * 6  # each failure on P0 is retried on P1
+    assert len(cluster2.prefill[0].received) == 2  # then P0 is out
+    assert (
+        metric(ctx, "pdrouter_breaker_state", role="prefill", instance=cluster2.prefill_urls[0])
+        == 1
+    )
 
 
 async def test_ready_reflects_health(cluster: Cluster, client: httpx.AsyncClient) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from router.errors import Fault
 from router.workers.breaker import Breaker, BreakerState
 from router.workers.instance import Instance, Role
 from router.workers.policies import make_policy
@@ -17,31 +18,95 @@ class Clock:
         return self.now
 
 
-def test_breaker_opens_half_opens_and_closes() -> None:
+def test_engine_faults_eject_half_open_and_close() -> None:
     clock = Clock()
     b = Breaker(threshold=2, open_seconds=10, clock=clock)
-    b.record(False)
+    b.record(Fault.ENGINE)
     assert b.state is BreakerState.CLOSED and b.allows()
-    b.record(False)
+    b.record(Fault.ENGINE)
     assert b.state is BreakerState.OPEN and not b.allows()
     clock.now = 10
     assert b.state is BreakerState.HALF_OPEN and b.allows()
     b.on_dispatch()
     assert not b.allows()  # one trial at a time
-    b.record(False)
-    assert b.state is BreakerState.OPEN
+    b.record(Fault.ENGINE)
+    assert b.state is BreakerState.OPEN and b.reopens_at == 20
     clock.now = 20
     b.on_dispatch()
-    b.record(True)
+    b.record(None)
     assert b.state is BreakerState.CLOSED and b.allows()
 
 
-def test_success_resets_the_failure_count() -> None:
-    b = Breaker(threshold=2, open_seconds=1)
-    b.record(False)
-    b.record(True)
-    b.record(False)
+def test_success_resets_the_fault_streaks() -> None:
+    b = Breaker(threshold=2, open_seconds=1, answer_threshold=2)
+    b.record(Fault.ENGINE)
+    b.record(None)
+    b.record(Fault.ENGINE)
+    b.record(Fault.ANSWER)
+    b.record(None)
+    b.record(Fault.ANSWER)
     assert b.state is BreakerState.CLOSED
+
+
+def test_a_refused_connection_ejects_at_once() -> None:
+    b = Breaker(threshold=5, open_seconds=10)
+    b.record(Fault.REFUSED)
+    assert b.state is BreakerState.OPEN
+
+
+def test_error_answers_eject_only_while_another_instance_remains() -> None:
+    """The panic threshold: bad prompts never eject the last instance of a role."""
+    last = Breaker(threshold=5, open_seconds=10, answer_threshold=3)
+    for _ in range(10):
+        last.record(Fault.ANSWER, may_eject=False)
+    assert last.state is BreakerState.CLOSED
+    spare = Breaker(threshold=5, open_seconds=10, answer_threshold=3)
+    for _ in range(2):
+        spare.record(Fault.ANSWER, may_eject=True)
+    assert spare.state is BreakerState.CLOSED
+    spare.record(Fault.ANSWER, may_eject=True)
+    assert spare.state is BreakerState.OPEN
+
+
+def test_no_verdict_counts_nothing_but_frees_the_half_open_trial() -> None:
+    clock = Clock()
+    b = Breaker(threshold=1, open_seconds=10, clock=clock)
+    for _ in range(5):
+        b.record(Fault.NONE)
+    assert b.state is BreakerState.CLOSED
+    b.record(Fault.ENGINE)
+    clock.now = 10
+    b.on_dispatch()
+    assert not b.allows()
+    b.record(Fault.NONE)  # the trial's client left: the next request is the trial
+    assert b.state is BreakerState.HALF_OPEN and b.allows()
+
+
+def test_a_probe_ends_an_ejection_once_the_engine_was_seen_down() -> None:
+    clock = Clock()
+    refused = Breaker(threshold=5, open_seconds=10, clock=clock)
+    refused.record(Fault.REFUSED)
+    refused.probe(True)  # it listens again (restarted): back before the 10 s
+    assert refused.state is BreakerState.HALF_OPEN
+    slow = Breaker(threshold=1, open_seconds=10, clock=clock)
+    slow.record(Fault.ENGINE)
+    slow.probe(True)  # /health answers, yet requests time out: stays out
+    assert slow.state is BreakerState.OPEN
+    slow.probe(False)
+    slow.probe(True)  # down, then back: a restart
+    assert slow.state is BreakerState.HALF_OPEN
+
+
+def test_every_transition_calls_the_owner() -> None:
+    clock = Clock()
+    b = Breaker(threshold=1, open_seconds=10, clock=clock)
+    changes: list[BreakerState] = []
+    b.on_change = lambda: changes.append(b._state)
+    b.record(Fault.ENGINE)
+    clock.now = 10
+    b.allows()
+    b.record(None)
+    assert changes == [BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED]
 
 
 def insts(n: int) -> list[Instance]:

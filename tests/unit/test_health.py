@@ -34,7 +34,7 @@ def _monitor(config: HealthConfig) -> tuple[HealthMonitor, Instance, Engine]:
     engine = Engine()
     upstream = UpstreamClient(TimeoutConfig(), transport=httpx.MockTransport(engine.handle))
     inst = Instance(URL, Role.PREFILL, "tiny", Breaker(5, 10.0))
-    return HealthMonitor(lambda: [inst], upstream, config, lambda _inst: None), inst, engine
+    return HealthMonitor(lambda: [inst], upstream, config), inst, engine
 
 
 async def test_an_engine_leaves_rotation_only_after_unhealthy_after_misses_in_a_row() -> None:

@@ -1,24 +1,47 @@
-"""Decode slot ledger: reservation, FIFO queueing, release on every path."""
+"""Decode slot ledger: reservation, FIFO queueing, release on every path, and the
+re-evaluation of waiters whenever routability changes."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
-from router.errors import NoCapacity, QueueFull
+from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
 from router.workers.breaker import Breaker
 from router.workers.instance import Instance, Role
 from router.workers.ledger import SlotLedger
 from router.workers.policies import make_policy
 
 
-def decode(url: str, slots: int) -> Instance:
-    return Instance(url, Role.DECODE, "m", Breaker(3, 10), slots=slots)
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def ledger(*insts: Instance, queue: int = 10, wait: float = 1.0) -> SlotLedger:
-    return SlotLedger("m", insts, make_policy("least_loaded"), queue, wait)
+def decode(
+    url: str,
+    slots: int,
+    clock: Callable[[], float] = time.monotonic,
+    open_seconds: float = 10.0,
+) -> Instance:
+    return Instance(url, Role.DECODE, "m", Breaker(3, open_seconds, clock), slots=slots)
+
+
+def ledger(
+    *insts: Instance,
+    queue: int = 10,
+    wait: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> SlotLedger:
+    return SlotLedger(
+        "m", insts, make_policy("least_loaded"), queue, wait, probe_interval=5.0, clock=clock
+    )
 
 
 async def test_reserve_and_release_count_slots() -> None:
@@ -78,18 +101,78 @@ async def test_cancelled_waiter_returns_a_slot_it_was_handed() -> None:
     assert a.in_flight == 0 and led.queue_depth == 0
 
 
-async def test_unroutable_instances_get_no_reservation_until_poked() -> None:
-    a = decode("a", 1)
-    a.healthy = False
-    led = ledger(a)
+async def test_no_decode_in_rotation_is_refused_at_once_with_the_earliest_return() -> None:
+    clock = Clock()
+    a, b = decode("a", 1, clock), decode("b", 1, clock)
+    a.breaker.record(Fault.REFUSED)  # ejected until 10
+    b.healthy = False  # back at the next probe (5 s) at the earliest
+    led = ledger(a, b, clock=clock)
+    clock.now = 7.5
+    with pytest.raises(NoHealthyEngine) as info:
+        await led.reserve()
+    assert info.value.status == 503 and info.value.code == "no_healthy_decode"
+    assert info.value.headers() == {"retry-after": "3"}  # a's ejection ends in 2.5 s
+    assert led.queue_depth == 0
+
+
+async def test_a_waiter_is_served_when_an_ejection_ends_by_itself() -> None:
+    """Nothing but time changes: the ledger's own timer re-evaluates its waiters
+    (the outage of issue 11: waiters that nothing woke, new requests behind them)."""
+    a, b = decode("a", 1), decode("b", 1, open_seconds=0.05)
+    b.breaker.record(Fault.REFUSED)
+    led = ledger(a, b, wait=5.0)
+    held = await led.reserve()
+    assert held.instance is a
+    waiter = asyncio.create_task(led.reserve())
+    got = await asyncio.wait_for(waiter, 10.0)
+    assert got.instance is b
+    later = asyncio.create_task(led.reserve())  # b half-open, its trial out: waits
+    await asyncio.sleep(0.01)
+    assert not later.done()
+    b.breaker.record(None)  # the trial succeeded: b closes, but it is full
+    led.release(held)  # a's slot goes to the waiter at once
+    assert (await asyncio.wait_for(later, 10.0)).instance is a
+
+
+async def test_health_and_leak_verdicts_reach_waiters_without_a_call() -> None:
+    a, b = decode("a", 1), decode("b", 1)
+    b.healthy = False
+    led = ledger(a, b, wait=5.0)
+    held = await led.reserve()
     waiter = asyncio.create_task(led.reserve())
     await asyncio.sleep(0.01)
     assert not waiter.done()
-    a.healthy = True
-    led.poke()
-    r = await waiter
-    assert r.instance is a
-    led.release(r)
+    b.healthy = True  # nothing else: the instance tells the ledger
+    assert (await asyncio.wait_for(waiter, 10.0)).instance is b
+    led.release(held)
+
+
+async def test_waiters_are_refused_when_the_last_decode_leaves_rotation() -> None:
+    a = decode("a", 1)
+    led = ledger(a, wait=30.0)
+    held = await led.reserve()
+    waiters = [asyncio.create_task(led.reserve()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert led.queue_depth == 3
+    a.healthy = False
+    for w in waiters:
+        with pytest.raises(NoHealthyEngine):
+            await asyncio.wait_for(w, 10.0)
+    assert led.queue_depth == 0
+    led.release(held)
+    assert a.in_flight == 0
+
+
+async def test_a_half_open_decode_takes_more_than_its_trial_when_it_is_the_last() -> None:
+    clock = Clock()
+    a = decode("a", 4, clock)
+    a.breaker.record(Fault.REFUSED)
+    clock.now = 10  # half-open
+    led = ledger(a, clock=clock)
+    rs = [await asyncio.wait_for(led.reserve(), 10.0) for _ in range(3)]
+    assert {r.instance for r in rs} == {a}
+    for r in rs:
+        led.release(r)
 
 
 async def test_avoid_is_a_preference_not_a_ban() -> None:
