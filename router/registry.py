@@ -252,7 +252,6 @@ class Registry:
             b.open_seconds,
             self._clock,
             answer_threshold=b.consecutive_5xx,
-            name=f"{role} engine {url}",
         )
         return Instance(url, role, model, breaker)
 

@@ -152,7 +152,8 @@ class RelayResponse(Response):
 
     def _log_refusal(self, exc: RouterError) -> None:
         log.warning(
-            "request (client id %s) for model %r answered %d %s: %s",
+            "event=refused request_id=%s client_id=%s model=%s status=%d code=%s reason=%r",
+            getattr(exc, "request_id", "-"),
             self._client_id,
             self._pool.name,
             exc.status,
@@ -205,14 +206,14 @@ class RelayResponse(Response):
             self._stream_stats(dispatch, count, worst)
             err = dispatch.prefill_error or exc
             log.warning(
-                "request %s (client id %s): stream failed after the first byte on %s "
-                "engine %s: %s [%s]",
+                "event=stream_failed request_id=%s client_id=%s role=%s instance=%s "
+                "reason=%r cause=%r",
                 dispatch.request_id,
                 self._client_id,
                 err.role,
                 err.instance,
                 err.message,
-                err.__cause__ or err.code,
+                str(err.__cause__ or err.code),
             )
             await self._end(send, sse_error_event(err.message, err.type, err.code))
             return Fault.NONE if err is dispatch.prefill_error else exc.fault
@@ -223,7 +224,7 @@ class RelayResponse(Response):
             # D's own error event after its 200 (e.g. its KV read from P failed):
             # relayed as is, counted as the upstream failure it is.
             log.warning(
-                "request %s (client id %s): decode engine %s ended its stream with an error event",
+                "event=stream_error_event request_id=%s client_id=%s role=decode instance=%s",
                 dispatch.request_id,
                 self._client_id,
                 leg.instance.url,

@@ -121,15 +121,16 @@ class Dispatcher:
                     exc.retryable and attempt < attempts and pool.has_alternative(exc.role, avoid)
                 )
                 log.warning(
-                    "request %s (client id %s): attempt %d failed on %s engine %s: %s [%s]%s",
+                    "event=attempt_failed request_id=%s client_id=%s attempt=%d role=%s "
+                    "instance=%s reason=%r cause=%r retry=%s",
                     exc.request_id,
                     client_id,
                     attempt,
                     exc.role,
                     exc.instance,
                     exc.message,
-                    exc.__cause__ or exc.code,
-                    ", retrying elsewhere" if retry else "",
+                    str(exc.__cause__ or exc.code),
+                    "yes" if retry else "no",
                 )
                 if not retry:
                     raise
@@ -481,9 +482,9 @@ class Dispatcher:
                 await cancel_task(task)
         if task is not None and task.done() and not task.cancelled() and task.exception():
             log.warning(
-                "request %s: prefill leg failed after decode started: %s",
+                "event=late_prefill_failure request_id=%s reason=%r",
                 dispatch.request_id,
-                task.exception(),
+                str(task.exception()),
             )
 
 

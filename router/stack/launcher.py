@@ -34,7 +34,7 @@ from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack import ports as portmod
 from router.stack.metrics import Metrics, scrape
-from router.stack.procs import ManagedProcess, stop_all
+from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
 _PROGRESS_EVERY_S = 5.0
@@ -132,6 +132,20 @@ class Stack:
         For fault injection: SIGKILL crashes the engine, SIGSTOP/SIGCONT freeze and thaw it.
         """
         self._engine_proc(name).signal_group(sig)
+
+    def engine_core_pids(self, name: str) -> list[int]:
+        """Pids of engine ``name``'s EngineCore process(es) (scheduler and model; vLLM titles
+        them ``VLLM::EngineCore...``), without its API server.
+
+        For fault injection: SIGSTOP on these freezes the engine while its API server keeps
+        accepting requests (and aborts), which reach the core together on SIGCONT.
+        """
+        pids = []
+        for pid in live_group_members(self._engine_proc(name).pgid):
+            with contextlib.suppress(OSError):
+                if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    pids.append(pid)
+        return pids
 
     def restart_engine(self, name: str, grace_s: float = 5.0) -> float:
         """Stop engine ``name`` (if still running) and start it again with the same ports,

@@ -22,7 +22,7 @@ a probe failed during the ejection (the engine was down and is back), ends the
 ejection at once.
 
 Every state change calls ``on_change`` (the owner's re-evaluation hook) and is
-logged once, with the instance's name and the reason.
+logged once as a ``key=value`` line (``event=ejected role=... instance=... reason=...``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Breaker:
         clock: Callable[[], float] = time.monotonic,
         *,
         answer_threshold: int | None = None,
-        name: str = "instance",
+        name: str = "instance=?",
     ) -> None:
         self._threshold = threshold
         self._answer_threshold = threshold if answer_threshold is None else answer_threshold
@@ -125,9 +125,10 @@ class Breaker:
                 self._trial_in_flight = False
                 if self._answer_faults == self._answer_threshold:
                     log.warning(
-                        "%s: %d error answers in a row, kept in rotation (last of its role)",
+                        "event=ejection_refused %s answers_5xx=%d reason=%r",
                         self.name,
                         self._answer_faults,
+                        "last of its role in rotation (panic threshold)",
                     )
         else:
             # No verdict (a 4xx, the client left): a trial it was frees the next one.
@@ -149,7 +150,7 @@ class Breaker:
         self._trial_in_flight = False
         if self._state is not BreakerState.CLOSED:
             self._state = BreakerState.CLOSED
-            log.warning("%s: back in rotation (request succeeded)", self.name)
+            log.warning("event=breaker_closed %s reason=%r", self.name, "request succeeded")
             self.on_change()
 
     def _eject(self, reason: str, *, refused: bool = False) -> None:
@@ -160,12 +161,14 @@ class Breaker:
         self._refused = refused
         self._probe_failed = False
         if was is not BreakerState.OPEN:
-            log.warning("%s: ejected for %gs (%s)", self.name, self._open_seconds, reason)
+            log.warning(
+                "event=ejected %s seconds=%g reason=%r", self.name, self._open_seconds, reason
+            )
             self.on_change()
 
     def _half_open(self, reason: str) -> None:
         self._state = BreakerState.HALF_OPEN
         self._trial_in_flight = False
         self._engine_faults = self._answer_faults = 0
-        log.warning("%s: half-open, one trial request allowed (%s)", self.name, reason)
+        log.warning("event=breaker_half_open %s reason=%r", self.name, reason)
         self.on_change()

@@ -79,7 +79,7 @@ class HealthMonitor:
         ok = await self._probe(inst.url + "/health")
         if ok:
             if inst.healthy is False:
-                log.warning("%s engine %s answers health checks again", inst.role, inst.url)
+                log.warning("event=healthy role=%s instance=%s", inst.role, inst.url)
             inst.health_failures = 0
             inst.healthy = True
         else:
@@ -87,7 +87,7 @@ class HealthMonitor:
             if inst.health_failures >= self._config.unhealthy_after or inst.healthy is None:
                 if inst.healthy is not False:
                     log.warning(
-                        "%s engine %s is unhealthy (%d failed health checks)",
+                        "event=unhealthy role=%s instance=%s failed_checks=%d",
                         inst.role,
                         inst.url,
                         inst.health_failures,
@@ -118,11 +118,12 @@ class HealthMonitor:
         leaked = load.kv_usage > self._config.leak_usage_epsilon
         if leaked and not inst.degraded:
             log.error(
-                "decode engine %s holds KV (usage %.4f) with no request: out of rotation",
+                "event=degraded role=decode instance=%s kv_usage=%.4f reason=%r",
                 inst.url,
                 load.kv_usage,
+                "holds KV blocks with no request running or waiting",
             )
         if not leaked and inst.degraded:
-            log.warning("decode engine %s is back to idle KV usage: in rotation", inst.url)
+            log.warning("event=degraded_cleared role=decode instance=%s", inst.url)
         inst.degraded = leaked
         inst.suspect = leaked

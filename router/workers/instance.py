@@ -71,8 +71,7 @@ class Instance:
         # Deadlines of legs waiting on this engine: cut short when it turns unhealthy.
         self._deadlines: set[asyncio.Timeout] = set()
         breaker.on_change = self._changed
-        if breaker.name == "instance":
-            breaker.name = f"{role} engine {url}"
+        breaker.name = f"role={role} instance={url}"
 
     def __repr__(self) -> str:
         return f"Instance({self.role.value} {self.url})"
@@ -119,9 +118,14 @@ class Instance:
         if now != self._in_rotation:
             self._in_rotation = now
             if now:
-                log.warning("%s %s: in rotation again", self.role, self.url)
+                log.warning("event=rotation_in role=%s instance=%s", self.role, self.url)
             else:
-                log.warning("%s %s: out of rotation (%s)", self.role, self.url, self.why_out())
+                log.warning(
+                    "event=rotation_out role=%s instance=%s reason=%r",
+                    self.role,
+                    self.url,
+                    self.why_out(),
+                )
         self.on_change()
 
     # -- derived ----------------------------------------------------------------

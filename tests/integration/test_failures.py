@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 
 import httpx
@@ -548,3 +549,36 @@ async def test_decode_error_event_is_relayed_and_counted_as_upstream_error(
     assert '"KV load failed"' in r.text and r.text.endswith("data: [DONE]\n\n")
     assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
     assert metric(ctx, "pdrouter_requests_total", outcome="success") == 0
+
+
+async def test_client_request_id_is_echoed_and_transitions_are_logged(
+    cluster: Cluster, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = await cluster.router("pull", breaker={"failure_threshold": 1})
+    ok = await client.post(url + "/v1/completions", json=PROMPT, headers={"x-request-id": "c-1"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "c-1"
+    # The router's own ids reach the engines, never the client's.
+    assert all(r.request_id != "c-1" for r in cluster.prefill[0].received)
+    cluster.prefill[0].behaviour.status = 503
+    with caplog.at_level(logging.WARNING, logger="pd_router"):
+        failed = await client.post(
+            url + "/v1/completions", json=PROMPT, headers={"x-request-id": "c-2"}
+        )
+        refused = await client.post(
+            url + "/v1/completions", json=PROMPT, headers={"x-request-id": "c-3"}
+        )
+    assert failed.status_code == 502 and failed.headers["x-request-id"] == "c-2"
+    assert refused.status_code == 503 and refused.headers["x-request-id"] == "c-3"
+    lines = [r.getMessage() for r in caplog.records]
+    p_url = cluster.prefill_urls[0]
+    assert any(
+        ln.startswith("event=attempt_failed") and "client_id=c-2" in ln and p_url in ln
+        for ln in lines
+    ), lines
+    assert any(ln.startswith("event=ejected") and p_url in ln for ln in lines), lines
+    assert any(ln.startswith("event=rotation_out") and p_url in ln for ln in lines), lines
+    assert any(
+        ln.startswith("event=refused") and "client_id=c-3" in ln and "no_healthy_prefill" in ln
+        for ln in lines
+    ), lines
+    assert p_url.removeprefix("http://") not in failed.text + refused.text
