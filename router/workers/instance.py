@@ -145,6 +145,15 @@ class Instance:
         a half-open trial ends (``admissible`` when it is the last of its role)."""
         return self.in_service and self.breaker.state is not BreakerState.OPEN
 
+    @property
+    def up_but_degraded(self) -> bool:
+        """Out only for leaked KV blocks: still serves when no other is in rotation."""
+        return (
+            self._degraded
+            and self._healthy is not False
+            and self.breaker.state is not BreakerState.OPEN
+        )
+
     def why_out(self) -> str:
         if self._healthy is False:
             return "failed health checks"

@@ -205,12 +205,23 @@ class SlotLedger:
                 if not waiter.fut.done():
                     waiter.fut.set_exception(self._no_engine())
 
+    def _candidates(self) -> list[Instance]:
+        """The instances requests may go to now, best tier first: past their breaker;
+        else (panic) half-open ones beyond their single trial; else (panic) ones that
+        hold leaked KV blocks, which cost capacity, not correctness — taking the last
+        decode engine out for them would be an outage."""
+        insts = self._instances
+        for tier in (
+            [i for i in insts if i.routable],
+            [i for i in insts if i.in_rotation],
+            [i for i in insts if i.up_but_degraded],
+        ):
+            if tier:
+                return tier
+        return []
+
     def _take(self, avoid: frozenset[Instance], key: str | None) -> Reservation | None:
-        free = [i for i in self._instances if i.free_slots > 0 and i.routable]
-        if not free and not any(i.routable for i in self._instances):
-            # Panic: with no instance past its breaker, a half-open one takes more
-            # than its single trial rather than leaving requests nowhere to go.
-            free = [i for i in self._instances if i.free_slots > 0 and i.in_rotation]
+        free = [i for i in self._candidates() if i.free_slots > 0]
         while free:
             preferred = [i for i in free if i not in avoid] or free
             inst = self._policy.select(preferred, key)
@@ -223,7 +234,7 @@ class SlotLedger:
         return None
 
     def _any_in_rotation(self) -> bool:
-        return any(i.in_rotation for i in self._instances)
+        return bool(self._candidates())
 
     def _no_engine(self) -> NoHealthyEngine:
         now = self._clock()
