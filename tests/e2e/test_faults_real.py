@@ -1,8 +1,9 @@
 """The fault matrix, real-engine half: faults only real vLLM engines show.
 
 vLLM CPU engines with the stock NIXL connectors run behind the router (``router.stack``). Each
-fault is injected at a chosen phase of a request: SIGSTOP/SIGCONT freeze and thaw an engine (so
-a phase lasts as long as the test needs, however slow the machine), SIGKILL crashes one, and a
+fault is injected at a chosen phase of a request: SIGSTOP/SIGCONT freeze and thaw an engine, or
+only its EngineCore (scheduler and model) while its API server keeps accepting requests, so a
+phase lasts as long as the test needs, however slow the machine; SIGKILL crashes one, and a
 prompt too long for P alone makes P reject a request. After each fault the tests check the
 client's answer (status, OpenAI error body or SSE error event, time), the router's decode slots,
 both engines' running/waiting requests and KV usage, and the router's verdict on D.
@@ -10,15 +11,23 @@ both engines' running/waiting requests and KV usage, and the router's verdict on
 Router (``ROUTER``): one attempt per request, so the answer is the fault's own (retries are
 covered on fake engines in tests/integration), small timeouts, health checks every 0.5 s.
 
-Push (``NixlPushConnector``; P's max_model_len 3200, D's 4096; P prefills in 32-token chunks):
+Push (``NixlPushConnector``; P's max_model_len 3200, D's 4096):
 
-* client disconnect mid-prefill: the router keeps D and the slot until P has written D's KV,
-  then closes D; after P's answer, before D's first byte: D is closed at once, the KV still
-  lands. Both engines idle, no leak;
+* client disconnect while P holds the request (P's core frozen before the request, so P cannot
+  answer until the test thaws it) and D waits for its KV: the router keeps P's leg, D and the
+  slot until P has written D's KV, then closes D; after P's answer, before D's first byte: D is
+  closed at once, the KV still lands. Both engines idle, no leak;
 * P rejects the request: P's 400 reaches the client at once;
 * P frozen before it runs the request, so D's KV registration is never fulfilled: D's
   first-byte timeout answers 504;
-* P SIGKILLed mid-prefill while D waits for its KV: 502 at once.
+* P SIGKILLed while it holds the request (its core frozen before it computed any of it) and D
+  waits for its KV: 502 at once.
+
+No push fault is timed into the middle of P's computation: P's progress shows only through its
+API server's ``/metrics``, which on a busy 2-core machine can stay silent for a whole prefill and
+cannot tell a request the core still computes from one it has just finished, so such a test
+would hinge on a race. The router cannot tell the two apart either: in both it has an open P leg
+and no answer, which is the state these tests hold.
 
 In the last three, D is closed while it waits for KV that never comes, and vLLM 0.32 keeps that
 request's blocks for good (KV usage above idle with nothing running or waiting; vLLM issue
@@ -44,14 +53,17 @@ Two stack starts (push, pull) and two restarts of the push D.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import json
+import os
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -59,8 +71,6 @@ import pytest
 
 from router.stack import Stack, ensure_model
 from tests.e2e import helpers as h
-
-R = TypeVar("R")
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -73,21 +83,23 @@ ROUTER: dict[str, Any] = {
     "admission": {"max_wait": 2},
 }
 P_MAX_MODEL_LEN = 3200
-# Push P: small prefill chunks, so a long prompt takes many engine steps (about a second) and a
-# fault timed into its prefill finds part of the prompt's KV computed.
-SLOW_PREFILL = ("--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+# Push P counts the requests its API server is handling (``GET /load``): the tests see that P
+# holds the request while its core is frozen.
+P_LOAD_TRACKING = ("--enable-server-load-tracking",)
 LONG, TOO_LONG_FOR_P, SHORT = 2900, 3600, 300  # prompt tokens
 P, D = "prefill-0", "decode-0"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE, FINISHED = "vllm:kv_cache_usage_perc", "vllm:request_success_total"
 IDLE_KV = 1e-9  # an idle engine holds no KV blocks (no prefix caching)
 IDLE_DEADLINE_S = 5.0
-# After a push drop mid-prefill, P first finishes its prefill and D its first step (2-3 s seen).
+# After a push drop before P's answer, P (thawed) first prefills and D runs its first step.
 SETTLE_DEADLINE_S = 10.0
 VERDICT_DEADLINE_S = 5.0  # ten health intervals: the router has read D's metrics by then
 PHASE_DEADLINE_S = 10.0  # for a request to reach a phase (D waiting, P answered, ...)
 RESTART_READY_S = 15.0
-CATCH_ATTEMPTS = 5
+# A push P killed this long after the request at the latest: the 502 (due within 3 s of the kill)
+# then comes before D's first-byte timeout could answer 504.
+KILL_BY_S = TIMEOUTS["decode_first_byte"] - 3.0
 P_SETTLE_S = 3.0  # a thawed P reads its pending request and prefills it in well under this
 
 
@@ -112,7 +124,7 @@ def fault_prompts(engines_available: None) -> Prompts:
 
 @pytest.fixture(scope="class")
 def push_stack(engines_available: None) -> Iterator[Stack]:
-    args = {P: ("--max-model-len", str(P_MAX_MODEL_LEN), *SLOW_PREFILL)}
+    args = {P: ("--max-model-len", str(P_MAX_MODEL_LEN), *P_LOAD_TRACKING)}
     with Stack(mode="push", router_overrides=ROUTER, engine_args=args) as stack:
         _warm_up(stack)
         yield stack
@@ -132,7 +144,9 @@ def _warm_up(stack: Stack) -> None:
 
 def _serving(stack: Stack) -> None:
     """Before a test: a D that still holds leaked KV is restarted (vLLM never frees it), then
-    both engines must be idle, the router ready, and a request must go through."""
+    both engines must be idle, the router ready, and a request must go through. Returns once
+    the router has P's answer to that request too (in push, D's answer can reach the client
+    first), so P's counters include it when a test reads them."""
     if _load(stack, D).kv > IDLE_KV or _router(stack).degraded:
         took = stack.restart_engine(D)
         print(f"restarted {D} (leaked KV) in {took:.1f}s")
@@ -141,6 +155,7 @@ def _serving(stack: Stack) -> None:
     )
     assert ok, f"stack not back to idle and ready: {what}"
     _warm_up(stack)
+    _wait_phase(stack, "P answered the warm-up", lambda: _prefill_legs_open(stack) == 0)
 
 
 # -- observing engines and router ----------------------------------------------------------
@@ -391,35 +406,35 @@ class TestPush:
     def _ready(self, push_stack: Stack) -> None:
         _serving(push_stack)
 
-    def test_disconnect_mid_prefill_lets_p_finish_and_leaves_both_idle(
+    def test_disconnect_while_p_holds_the_request_lets_p_finish_and_leaves_both_idle(
         self, push_stack: Stack, fault_prompts: Prompts
     ) -> None:
-        """Dropped while P prefills and D waits for the KV: the router does not close D at once
-        (that would leak its blocks); it keeps D and the slot until P has written the KV."""
+        """Dropped while P holds the request and D waits for the KV: the router closes neither
+        (closing D would leak its blocks; closing P would abort the request, so the KV would
+        never come); it keeps P's leg, D and the slot until P has written the KV.
+
+        P's core is frozen before the request (its API server accepts it), so P cannot answer
+        before the test thaws it, after the drop, however slow the machine."""
         st = push_stack
-        drops = 0.0
-
-        def start() -> OpenRequest:
-            nonlocal drops
-            drops = _disconnects(st)
-            return OpenRequest(st.router_url, _body(fault_prompts.long))
-
-        req, p_done = _freeze_p_mid_prefill(
-            st, fault_prompts.long, start, OpenRequest.poll, OpenRequest.drop
-        )
-        try:
-            assert not req.answered()
-            req.drop()
-            time.sleep(0.5)  # P frozen mid-prefill: the router must still hold D and the slot
-            assert _router(st).slots_in_use == 1
-            assert _load(st, D).waiting == 1
-        finally:
-            st.signal_engine(P, signal.SIGCONT)
+        p_done, drops = _finished(st, P), _disconnects(st)
+        with _frozen_core(st, P):
+            held = functools.partial(_p_holds_d_waits, st, _p_server_load(st))
+            with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
+                took = _wait_phase(st, "P holds the request, D waits for KV", held)
+                assert not req.answered()
+                req.drop()
+                _wait_phase(st, "router saw the disconnect", lambda: _disconnects(st) == drops + 1)
+                time.sleep(0.5)  # a router that closed P or D would show it by now
+                assert _router(st).slots_in_use == 1
+                assert held(), "the router closed P or D while P held the request"
         waited = _assert_idle_soon(st, "the disconnect", deadline_s=SETTLE_DEADLINE_S)
-        assert _finished(st, P) == p_done + 1, "P's prefill was aborted (D would leak)"
+        assert _finished(st, P) == p_done + 1, "P's request was aborted (D would leak)"
         assert _disconnects(st) == drops + 1
         assert not _assert_decode_leak_handled(st)
-        print(f"push, dropped mid-prefill: idle {waited:.1f}s after P resumed")
+        print(
+            f"push, dropped while P held the request ({took:.2f}s after it was sent): "
+            f"idle {waited:.1f}s after P's core resumed"
+        )
 
     def test_disconnect_after_p_answered_leaves_both_idle(
         self, push_stack: Stack, fault_prompts: Prompts
@@ -493,27 +508,42 @@ class TestPush:
             assert _load(st, D).kv > IDLE_KV and view.ready == 503, view.describe()
             assert view.instances["decode"]["degraded"] is True
 
-    def test_prefill_killed_mid_prefill(self, push_stack: Stack, fault_prompts: Prompts) -> None:
-        """P SIGKILLed while it prefills and D waits for the KV: the router sees P's connection
-        die, closes D and answers 502 at once. Last push test: P stays dead."""
+    def test_prefill_killed_while_holding_the_request(
+        self, push_stack: Stack, fault_prompts: Prompts
+    ) -> None:
+        """P SIGKILLed while it holds the request and D waits for the KV: the router sees P's
+        connection die, closes D and answers 502 at once. Last push test: P stays dead.
+
+        P's core is frozen before the request, so until the kill the request is P's (accepted
+        by its API server, not yet computed by its core), however slow the machine; the kill
+        takes the whole engine, the frozen core included."""
         st = push_stack
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            future, _ = _freeze_p_mid_prefill(
-                st,
-                fault_prompts.long,
-                lambda: pool.submit(_ask, st, fault_prompts.long),
-                lambda f: f.done(),
-                lambda f: f.result(),
-            )
-            d = _load(st, D)
-            assert d.running == 0 and d.waiting == 1, f"D got its KV before the kill: {d}"
-            st.signal_engine(P, signal.SIGKILL)
-            killed_at = time.monotonic()
+            with _frozen_core(st, P) as core_pids:
+                p_load = _p_server_load(st)
+                held = functools.partial(_p_holds_d_waits, st, p_load)
+                sent_at = time.monotonic()
+                future = pool.submit(_ask, st, fault_prompts.long)
+                _wait_phase(st, "P holds the request, D waits for KV", held)
+                d = _load(st, D)
+                assert d.running == 0 and d.waiting == 1, f"D got its KV before the kill: {d}"
+                took = time.monotonic() - sent_at
+                assert took < KILL_BY_S, f"request took {took:.1f}s to reach P and D"
+                st.signal_engine(P, signal.SIGKILL)
+                killed_at = time.monotonic()
             answer = future.result(timeout=TIMEOUTS["total"])
         assert answer.status == 502, answer
         assert answer.error()["code"] == "prefill_unreachable"
         assert answer.ended_at - killed_at < 3.0, "waited for a timeout"
-        print(f"push, P killed: 502 {answer.ended_at - killed_at:.2f}s after the kill")
+        print(
+            f"push, P killed holding the request ({took:.2f}s after it was sent; P's load before "
+            f"it {p_load:g}): 502 {answer.ended_at - killed_at:.2f}s after the kill"
+        )
+        ok, what, _ = h.wait_until(
+            lambda: (not any(map(_alive, core_pids)), f"P's EngineCore {core_pids} alive"),
+            IDLE_DEADLINE_S,
+        )
+        assert ok, what
         _assert_decode_leak_handled(st)
         ok, what, _ = h.wait_until(
             lambda: (_router(st).instances["prefill"]["healthy"] is False, "P unhealthy"),
@@ -523,53 +553,62 @@ class TestPush:
         assert _router(st).ready == 503
 
 
-def _freeze_p_mid_prefill(
-    stack: Stack,
-    prompt: str,
-    start: Callable[[], R],
-    ended: Callable[[R], bool],
-    discard: Callable[[R], object],
-) -> tuple[R, float]:
-    """Start a request for ``prompt`` and freeze P (SIGSTOP) about a third of the way through
-    its prefill, with D waiting for the KV; returns the request and the number of requests P
-    had finished before it.
-
-    The moment is timed, not probed: on a busy 2-core machine P's /metrics can stay silent for a
-    whole prefill. A first request measures how long the router waits for P on this prompt;
-    then P is frozen before the request reaches it, thawed once D waits for the KV, and frozen
-    again a third of that time later. If P answered or wrote the KV meanwhile (it was faster
-    than measured), that request runs to its end and another one is tried."""
-    before = stack.router_metrics()
-    assert _ask(stack, prompt).status == 200
-    after = stack.router_metrics()
-    name = "pdrouter_prefill_duration_seconds"
-    prefill_s = h.delta(after, before, f"{name}_sum") / h.delta(after, before, f"{name}_count")
-    print(f"P's prefill of the long prompt: {prefill_s:.2f}s")
-    for _ in range(CATCH_ATTEMPTS):
-        _wait_phase(stack, "router ready", lambda: _router(stack).ready == 200)
-        p_done = _finished(stack, P)
-        stack.signal_engine(P, signal.SIGSTOP)
-        try:
-            request = start()
-            _wait_phase(stack, "P leg open, D waiting", lambda: _p_pending_d_waiting(stack))
-        finally:
-            stack.signal_engine(P, signal.SIGCONT)
-        time.sleep(prefill_s / 3)
-        stack.signal_engine(P, signal.SIGSTOP)
-        time.sleep(0.1)
-        if _p_pending_d_waiting(stack):
-            return request, p_done
-        stack.signal_engine(P, signal.SIGCONT)
-        _wait_phase(stack, "request ended", functools.partial(ended, request))
-        discard(request)
-        print(f"P answered within {prefill_s / 3:.2f}s; trying another request")
-    raise AssertionError(f"P not frozen mid-prefill in {CATCH_ATTEMPTS} attempts")
+def _proc_state(pid: int) -> str | None:
+    """The process's state letter from ``/proc`` (``T`` stopped, ``Z`` zombie); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()[0]
 
 
-def _p_pending_d_waiting(stack: Stack) -> bool:
-    """P has not answered (the router still waits for it) and D waits for the KV."""
+def _alive(pid: int) -> bool:
+    return _proc_state(pid) not in (None, "Z")
+
+
+@contextlib.contextmanager
+def _frozen_core(stack: Stack, name: str) -> Iterator[list[int]]:
+    """Freeze engine ``name``'s EngineCore (SIGSTOP; returns once the kernel shows it stopped)
+    and thaw it on exit (SIGCONT), unless it was killed meanwhile.
+
+    Only the core: the API server keeps accepting requests and answering ``/health``,
+    ``/metrics`` and ``/load``; a request it accepts waits for the core, so nothing of it is
+    computed and the engine cannot answer it until the core is thawed."""
+    pids = stack.engine_core_pids(name)
+    assert pids, f"no EngineCore process under {name}"
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        ok, what, _ = h.wait_until(
+            lambda: (all(_proc_state(p) == "T" for p in pids), f"{name} core {pids} not stopped"),
+            PHASE_DEADLINE_S,
+            every_s=0.01,
+        )
+        assert ok, what
+        yield pids
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+
+
+def _p_server_load(stack: Stack) -> float:
+    """Requests P's API server has taken in and neither answered nor seen their client leave
+    (``--enable-server-load-tracking``); callers compare with the count before their request."""
+    load = httpx.get(f"{stack.engine(P).url}/load", timeout=5).json()["server_load"]
+    return float(load)
+
+
+def _p_holds_d_waits(stack: Stack, p_load_before: float) -> bool:
+    """The router's P leg is open and P's API server has the request (P has not answered); D
+    has it too and waits for the KV. With P's core frozen, only the test can end this."""
     d = _load(stack, D)
-    return _prefill_legs_open(stack) == 1 and d.running == 0 and d.waiting == 1
+    return (
+        _prefill_legs_open(stack) == 1
+        and _p_server_load(stack) == p_load_before + 1
+        and d.running == 0
+        and d.waiting == 1
+    )
 
 
 # -- pull ----------------------------------------------------------------------------------
@@ -588,9 +627,8 @@ class TestPull:
         """Dropped while the P leg is open: the router closes it, P aborts the request and keeps
         no blocks (a P that finished would keep them for D until its 30 s lease ends).
 
-        P is frozen before the request reaches it, so the phase lasts until the drop. (Unlike
-        in push, a drop in the middle of P's prefill cannot be timed here: a pull P prefills
-        a long prompt in about a second and its /metrics does not answer meanwhile.)"""
+        P is frozen before the request reaches it, so the phase lasts until the drop. (As in
+        push, no drop is timed into the middle of P's prefill: see the module docstring.)"""
         st = pull_stack
         p_done, d_done, drops = _finished(st, P), _finished(st, D), _disconnects(st)
         st.signal_engine(P, signal.SIGSTOP)
