@@ -1,6 +1,7 @@
 """Serve fake engines in their own process (so a test can SIGKILL them, or so a load
 driver does not share their CPU). Several ports share one KV bus, so a push-mode D
-served here waits for the P served here.
+served here waits for the P served here; a D given ``kv_peer`` (a P's URL) waits for
+that P, in another process, instead.
 
     python -m tests.fakes.run_fake PORT '{"delay": 1.0, "tokens": 50}'
     python -m tests.fakes.run_fake P_PORT,D_PORT '{"chaos": 0.02}'
