@@ -481,17 +481,23 @@ class TestPush:
 
     def test_registration_never_fulfilled(self, push_stack: Stack, fault_prompts: Prompts) -> None:
         """P frozen before it runs the request: D registers its blocks with P and waits; P never
-        writes. D's first-byte timeout (shorter than P's) ends the request with a 504."""
+        writes. A 504 ends the request by D's first-byte timeout (shorter than P's) at the
+        latest: sooner if the health checks find the frozen P unhealthy first (about 4.5 s
+        here, then P's leg is cut at once), which of the two is up to the probes' timing and
+        both are the right answer."""
         st = push_stack
         assert TIMEOUTS["decode_first_byte"] < TIMEOUTS["prefill"]
         st.signal_engine(P, signal.SIGSTOP)
         try:
             answer = _ask(st, fault_prompts.short)
             assert answer.status == 504, answer
-            assert answer.error()["code"] == "decode_first_byte_timeout"
+            code = answer.error()["code"]
+            assert code in ("decode_first_byte_timeout", "prefill_unhealthy"), code
             limit = TIMEOUTS["decode_first_byte"]
-            assert limit <= answer.elapsed < limit + 2.0, answer.elapsed
-            print(f"push, P frozen: 504 after {answer.elapsed:.2f}s")
+            assert answer.elapsed < limit + 2.0, answer.elapsed
+            if code == "decode_first_byte_timeout":
+                assert answer.elapsed >= limit, answer.elapsed
+            print(f"push, P frozen: 504 {code} after {answer.elapsed:.2f}s")
             leaked = _assert_decode_leak_handled(st)
         finally:
             st.signal_engine(P, signal.SIGCONT)
