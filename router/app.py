@@ -166,9 +166,10 @@ def _relay(
     )
 
 
-async def _handle(ctx: AppContext, request: Request, endpoint: Endpoint) -> Response:
+async def _handle(
+    ctx: AppContext, request: Request, endpoint: Endpoint, client_id: bytes | None
+) -> Response:
     started = ctx.clock()
-    client_id = _client_request_id(request.scope["headers"])
     _authorize(ctx, request)
     raw = await _read_body(request, ctx.config.admission.max_body_bytes)
     creq = parse_client_request(raw, endpoint)
@@ -193,11 +194,15 @@ def _openapi_body(endpoint: Endpoint) -> dict[str, Any]:
 def _register_routes(app: FastAPI, ctx: AppContext) -> None:
     @app.post("/v1/completions", openapi_extra=_openapi_body(Endpoint.COMPLETIONS))
     async def completions(request: Request) -> Any:
-        return await _handle(ctx, request, Endpoint.COMPLETIONS)
+        return await _handle(
+            ctx, request, Endpoint.COMPLETIONS, _client_request_id(request.scope["headers"])
+        )
 
     @app.post("/v1/chat/completions", openapi_extra=_openapi_body(Endpoint.CHAT))
     async def chat_completions(request: Request) -> Any:
-        return await _handle(ctx, request, Endpoint.CHAT)
+        return await _handle(
+            ctx, request, Endpoint.CHAT, _client_request_id(request.scope["headers"])
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -350,10 +355,11 @@ class RouterApp:
             await self.api(scope, receive, send)
             return
         request = Request(scope, receive)
+        client_id = _client_request_id(scope["headers"])
         try:
-            response = await _handle(self._ctx, request, endpoint)
+            response = await _handle(self._ctx, request, endpoint, client_id)
         except RouterError as exc:
-            await send_error(send, exc, _client_request_id(scope["headers"]))
+            await send_error(send, exc, client_id)
             return
         except ClientDisconnect:
             return  # gone while sending its body: nothing was reserved or sent upstream

@@ -21,12 +21,12 @@ from router.config import (
     PrefillInstanceConfig,
     RouterConfig,
 )
-from router.errors import Fault, NoHealthyEngine
+from router.errors import Fault
 from router.pd.kv_params import PrefillIdentity
 from router.pd.pipelined_params import PeerIdentity
 from router.shared_slots import WorkerSlots
 from router.workers.breaker import Breaker
-from router.workers.instance import Instance, Role
+from router.workers.instance import Instance, Role, candidates
 from router.workers.ledger import SlotLedger
 from router.workers.policies import Policy, make_policy
 
@@ -58,23 +58,13 @@ class ModelPool:
         return self.prefill_policy.needs_key
 
     def select_prefill(self, key: str | None, avoid: frozenset[Instance]) -> Instance | None:
-        """A prefill instance in rotation, preferring those not in ``avoid``; None if
-        there is none. Half-open ones take more than their one trial when no other
-        instance is past its breaker (P has no queue to wait in)."""
-        routable = [p for p in self.prefill if p.routable] or [
-            p for p in self.prefill if p.in_rotation
-        ]
-        if not routable:
+        """A prefill instance from the best tier of :func:`candidates`, preferring
+        those not in ``avoid``; None if there is none (P has no queue to wait in)."""
+        usable = candidates(self.prefill)
+        if not usable:
             return None
-        preferred = [p for p in routable if p not in avoid] or routable
+        preferred = [p for p in usable if p not in avoid] or usable
         return self.prefill_policy.select(preferred, key)
-
-    def prefill_in_rotation(self) -> bool:
-        return any(p.in_rotation for p in self.prefill)
-
-    def no_prefill(self, now: float, probe_interval: float) -> NoHealthyEngine:
-        waits = [p.back_in(now, probe_interval) for p in self.prefill]
-        return NoHealthyEngine("prefill", self.name, min(waits, default=probe_interval))
 
     def record(self, inst: Instance, fault: Fault | None) -> None:
         """Feed one engine call's outcome (None: success) to the instance's outlier
@@ -84,18 +74,17 @@ class ModelPool:
             inst.breaker.record(None)
             return
         may_eject = fault is not Fault.ANSWER or any(
-            o is not inst and o.in_rotation for o in self._peers(inst)
+            o is not inst and o.in_rotation for o in self.of_role(inst.role)
         )
         inst.breaker.record(fault, may_eject=may_eject)
 
     def has_alternative(self, role: str, avoid: frozenset[Instance]) -> bool:
         """Whether an instance of ``role`` outside ``avoid`` is in rotation (a retry
         can go somewhere new)."""
-        insts = self.prefill if role == Role.PREFILL else self.decode
-        return any(i.in_rotation and i not in avoid for i in insts)
+        return any(i.in_rotation and i not in avoid for i in self.of_role(Role(role)))
 
-    def _peers(self, inst: Instance) -> list[Instance]:
-        return self.prefill if inst.role is Role.PREFILL else self.decode
+    def of_role(self, role: Role) -> list[Instance]:
+        return self.prefill if role is Role.PREFILL else self.decode
 
     def learn_identity(self, url: str, identity: PrefillIdentity) -> None:
         if url not in self.configured_identities:

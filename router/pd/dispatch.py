@@ -27,7 +27,7 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import Mode, RetryConfig
-from router.errors import Fault, UpstreamError
+from router.errors import Fault, NoHealthyEngine, UpstreamError
 from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd import pipelined_params as pp
@@ -35,7 +35,7 @@ from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.settle import Settler, cancel_task, discard_decode
 from router.registry import ModelPool
 from router.workers.breaker import BreakerState
-from router.workers.instance import Instance
+from router.workers.instance import Instance, Role, candidates, refusal
 from router.workers.ledger import Reservation
 
 __all__ = ["Dispatch", "Dispatcher"]
@@ -138,6 +138,9 @@ class Dispatcher:
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _no_prefill(self, pool: ModelPool) -> NoHealthyEngine:
+        return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
+
     def _backoff(self, attempt: int) -> float:
         r = self._retries
         base = min(r.backoff_max, r.backoff_initial * (2.0 ** (attempt - 1)))
@@ -152,9 +155,9 @@ class Dispatcher:
         key: str | None,
         avoid: frozenset[Instance],
     ) -> Dispatch:
-        if decision in _DISAGGREGATED and not pool.prefill_in_rotation():
+        if decision in _DISAGGREGATED and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
-            raise pool.no_prefill(self._clock(), self._probe_interval)
+            raise self._no_prefill(pool)
         reservation = await pool.ledger.reserve(key, avoid)
         ids = kp.new_dispatch_ids()
         try:
@@ -164,14 +167,11 @@ class Dispatcher:
                 return Dispatch(pool, reservation, leg, decision, ids.request_id)
             prefill = pool.select_prefill(key, avoid)
             if prefill is None:  # left rotation while this request waited for its slot
-                raise pool.no_prefill(self._clock(), self._probe_interval)
+                raise self._no_prefill(pool)
             return await self._by_mode(pool, creq, reservation, prefill, ids)
-        except UpstreamError as exc:
-            exc.request_id = ids.request_id
-            if not reservation.detached:
-                pool.ledger.release(reservation)
-            raise
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, UpstreamError):
+                exc.request_id = ids.request_id  # for the attempt's log line
             if not reservation.detached:
                 pool.ledger.release(reservation)
             raise
@@ -397,7 +397,7 @@ class Dispatcher:
         body: dict[str, Any],
         ids: kp.DispatchIds,
     ) -> DecodeLeg:
-        """Open D's leg. A stream is judged when it ends (:meth:`finish`), except a
+        """Open D's leg. A leg is judged when it ends (:meth:`finish`), except a
         half-open D's trial, which succeeds with its first bytes: the other
         requests need not wait for the whole stream to know that D is back."""
         d = res.instance
@@ -408,7 +408,7 @@ class Dispatcher:
         except UpstreamError as exc:
             pool.record(d, exc.fault)
             raise
-        if leg.rest is None or d.breaker.state is BreakerState.HALF_OPEN:
+        if d.breaker.state is BreakerState.HALF_OPEN:
             pool.record(d, None)
         return leg
 

@@ -57,13 +57,12 @@ class Breaker:
         clock: Callable[[], float] = time.monotonic,
         *,
         answer_threshold: int | None = None,
-        name: str = "instance=?",
     ) -> None:
         self._threshold = threshold
         self._answer_threshold = threshold if answer_threshold is None else answer_threshold
         self._open_seconds = open_seconds
         self._clock = clock
-        self.name = name
+        self.name = "instance=?"  # for log lines; the owning Instance names it
         self.on_change: Callable[[], None] = _nothing
         self._engine_faults = 0
         self._answer_faults = 0

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+from router.errors import NoHealthyEngine
 from router.pd.pipelined_params import PeerIdentity
 from router.workers.breaker import Breaker, BreakerState
 
-__all__ = ["Instance", "Role"]
+__all__ = ["Instance", "Role", "candidates", "refusal"]
 
 log = logging.getLogger("pd_router.rotation")
 
@@ -113,6 +114,10 @@ class Instance:
             self._cap = value
             self._changed()
 
+    def detach(self) -> None:
+        """No longer watched (dropped by a reload or discovery)."""
+        self.on_change = _nothing
+
     def _changed(self) -> None:
         now = self.in_rotation
         if now != self._in_rotation:
@@ -201,3 +206,26 @@ class Instance:
         for cm in list(self._deadlines):
             with contextlib.suppress(RuntimeError):  # already expiring
                 cm.reschedule(loop_time())
+
+
+def candidates(instances: Sequence[Instance]) -> list[Instance]:
+    """The instances of one role that requests may go to now, best tier first: past
+    their breaker; else (panic) half-open ones beyond their single trial; else (panic)
+    decode engines that hold leaked KV blocks, which cost capacity, not correctness:
+    taking the last one out for them would be an outage. Empty: refuse at once."""
+    for tier in (
+        [i for i in instances if i.routable],
+        [i for i in instances if i.in_rotation],
+        [i for i in instances if i.up_but_degraded],
+    ):
+        if tier:
+            return tier
+    return []
+
+
+def refusal(
+    role: Role, model: str, instances: Sequence[Instance], now: float, probe_interval: float
+) -> NoHealthyEngine:
+    """The 503 for a role with no candidate, its Retry-After the earliest return."""
+    waits = [i.back_in(now, probe_interval) for i in instances]
+    return NoHealthyEngine(role.value, model, min(waits, default=probe_interval))

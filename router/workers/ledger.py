@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from router.errors import NoCapacity, NoHealthyEngine, QueueFull
 from router.shared_slots import WorkerSlots, slot_key
 from router.workers.breaker import BreakerState
-from router.workers.instance import Instance
+from router.workers.instance import Instance, Role, candidates, refusal
 from router.workers.policies import Policy
 
 __all__ = ["Reservation", "SlotLedger"]
@@ -102,7 +102,7 @@ class SlotLedger:
         """Replace the decode instances (reload, discovery); waiters may now fit."""
         wanted = list(instances)
         for gone in set(self._instances) - set(wanted):
-            gone.on_change = _nothing
+            gone.detach()
         self._instances = wanted
         for inst in wanted:
             inst.on_change = self.poke
@@ -125,13 +125,14 @@ class SlotLedger:
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
         :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
         """
-        self.poke()
+        self.poke()  # waiters refused if none is in rotation, else served first
+        usable = candidates(self._instances)
+        if not usable:
+            raise self._refusal()
         if not self._waiters:
-            got = self._take(avoid, key)
+            got = self._take(usable, avoid, key)
             if got is not None:
                 return got
-            if not self._any_in_rotation():
-                raise self._no_engine()
         if len(self._waiters) >= self._queue_size:
             raise QueueFull(
                 f"all decode slots for model {self.model!r} are busy and the queue is full",
@@ -194,34 +195,26 @@ class SlotLedger:
             if head.fut.done():
                 self._waiters.popleft()
                 continue
-            got = self._take(head.avoid, head.key)
+            usable = candidates(self._instances)
+            if not usable:
+                self._refuse_all()
+                return
+            got = self._take(usable, head.avoid, head.key)
             if got is None:
-                break
+                return
             self._waiters.popleft()
             head.fut.set_result(got)
-        if self._waiters and not self._any_in_rotation():
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.fut.done():
-                    waiter.fut.set_exception(self._no_engine())
 
-    def _candidates(self) -> list[Instance]:
-        """The instances requests may go to now, best tier first: past their breaker;
-        else (panic) half-open ones beyond their single trial; else (panic) ones that
-        hold leaked KV blocks, which cost capacity, not correctness — taking the last
-        decode engine out for them would be an outage."""
-        insts = self._instances
-        for tier in (
-            [i for i in insts if i.routable],
-            [i for i in insts if i.in_rotation],
-            [i for i in insts if i.up_but_degraded],
-        ):
-            if tier:
-                return tier
-        return []
+    def _refuse_all(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.fut.done():
+                waiter.fut.set_exception(self._refusal())
 
-    def _take(self, avoid: frozenset[Instance], key: str | None) -> Reservation | None:
-        free = [i for i in self._candidates() if i.free_slots > 0]
+    def _take(
+        self, usable: list[Instance], avoid: frozenset[Instance], key: str | None
+    ) -> Reservation | None:
+        free = [i for i in usable if i.free_slots > 0]
         while free:
             preferred = [i for i in free if i not in avoid] or free
             inst = self._policy.select(preferred, key)
@@ -233,13 +226,10 @@ class SlotLedger:
             free.remove(inst)
         return None
 
-    def _any_in_rotation(self) -> bool:
-        return bool(self._candidates())
-
-    def _no_engine(self) -> NoHealthyEngine:
-        now = self._clock()
-        waits = [i.back_in(now, self._probe_interval) for i in self._instances]
-        return NoHealthyEngine("decode", self.model, min(waits, default=self._probe_interval))
+    def _refusal(self) -> NoHealthyEngine:
+        return refusal(
+            Role.DECODE, self.model, self._instances, self._clock(), self._probe_interval
+        )
 
     def _arm_reopen(self) -> None:
         """While requests wait: wake up when the earliest ejection ends by itself."""
@@ -293,7 +283,3 @@ class SlotLedger:
             fut.cancel()
         elif not fut.cancelled() and fut.exception() is None:  # retrieves a refusal too
             self.release(fut.result())
-
-
-def _nothing() -> None:
-    pass

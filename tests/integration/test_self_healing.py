@@ -230,6 +230,17 @@ async def _assert_nothing_left(r: Rig) -> None:
     assert metric(r.ctx, "pdrouter_queue_depth") == 0
 
 
+async def _kill_and_restart(engine: EngineProc) -> tuple[float, float]:
+    """After a second of traffic: SIGKILL, DOWN_S dead, restart on the same port.
+    Returns when it was killed and when it was back (listening again)."""
+    await asyncio.sleep(1.0)
+    killed = time.monotonic()
+    await engine.kill()
+    await asyncio.sleep(DOWN_S)
+    await engine.start()
+    return killed, time.monotonic()
+
+
 def _failures(results: list[Result], after: float) -> list[Result]:
     return [r for r in results if not r.ok and r.started >= after]
 
@@ -244,14 +255,8 @@ async def test_sole_engine_killed_and_restarted(mode: str, role: str) -> None:
     ones, then 503 naming the role with a Retry-After); once it is back, every request
     succeeds within the bound."""
     async with rig(mode, 1, 1) as r:
-        engine = r.engines(role)[0]
         r.traffic.start()
-        await asyncio.sleep(1.0)
-        killed = time.monotonic()
-        await engine.kill()
-        await asyncio.sleep(DOWN_S)
-        await engine.start()
-        back = time.monotonic()
+        killed, back = await _kill_and_restart(r.engines(role)[0])
         await r.traffic.run_until_quiet(back)
     results = r.traffic.results
     recovered = r.traffic.recovered_at(back)
@@ -298,12 +303,7 @@ async def test_one_of_two_killed_no_clean_request_fails(mode: str, role: str) ->
         engine = r.engines(role)[0]
         inst = next(i for i in r.ctx.registry.instances() if i.url == engine.url)
         r.traffic.start()
-        await asyncio.sleep(1.0)
-        killed = time.monotonic()
-        await engine.kill()
-        await asyncio.sleep(DOWN_S)
-        await engine.start()
-        back = time.monotonic()
+        killed, back = await _kill_and_restart(engine)
         deadline = back + BOUND_S
         while not (inst.breaker.state is BreakerState.CLOSED and inst.healthy):
             assert time.monotonic() < deadline, f"{inst} not back: {inst.breaker.state}"
