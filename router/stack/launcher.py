@@ -37,6 +37,8 @@ from router.stack.metrics import Metrics, scrape
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
+_RELOADED = "reloaded "  # the router's log line for an applied reload (router/reload.py)
+_RELOAD_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 5.0
 _KEEP_RUNS = 20
 
@@ -148,23 +150,54 @@ class Stack:
         return pids
 
     def restart_engine(self, name: str, grace_s: float = 5.0) -> float:
-        """Stop engine ``name`` (if still running) and start it again with the same ports,
-        flags and engine id; returns once its ``/health`` answers 200, with the seconds taken.
+        """Stop engine ``name`` (if still running) and start it again with the same ports and
+        flags; returns once its ``/health`` answers 200, with the seconds taken.
 
         The router keeps running and sees the engine come back through its health checks.
-        An engine without a pinned engine id (D in pull and push mode) gets a fresh NIXL
-        identity; a restarted P keeps its pinned one, which peers may still have cached.
+        A restarted engine is a new incarnation, as at start: an engine without a pinned
+        engine id (D in pull and push mode) gets a fresh NIXL identity from vLLM, and a P gets
+        a fresh pinned one. Reusing P's id breaks its peers: vLLM 0.32's ``NixlConnector`` on
+        D keeps the NIXL agent it cached for that id and fails every READ from the new P with
+        ``NIXL_ERR_REMOTE_DISCONNECT``. The router learns the new id from a reload of its
+        config (SIGHUP), as it would from discovery, before the new P starts.
         """
         with self._lock:
             old = self._engine_proc(name)
             index = self._procs.index(old)
             old.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
             stop_all([old], grace_s=grace_s)
-            self._procs[index] = self._launch(self.engine(name))
+            spec = self._new_incarnation(name)
+            self._procs[index] = self._launch(spec)
             proc = self._procs[index]
         t0 = time.monotonic()
-        self._wait_ready({name: (proc, _http_ok(f"{self.engine(name).url}/health"))}, t0)
+        self._wait_ready({name: (proc, _http_ok(f"{spec.url}/health"))}, t0)
         return time.monotonic() - t0
+
+    def _new_incarnation(self, name: str) -> eng.EngineSpec:
+        """The spec to restart ``name`` with: a P gets a new engine id, which the running
+        router is given (config rewritten, SIGHUP, the reload seen in its log)."""
+        spec = self.engine(name)
+        if spec.role != "prefill" or spec.engine_id is None:
+            return spec
+        spec = replace(spec, engine_id=f"{name}-{uuid.uuid4().hex[:8]}")
+        self.engines = [spec if s.name == name else s for s in self.engines]
+        if self._router_proc is not None:
+            self._reload_router()
+        return spec
+
+    def _reload_router(self) -> None:
+        assert self.run_dir is not None and self._router_proc is not None
+        log = self.log_path("router")
+        before = log.read_text(errors="replace").count(_RELOADED)
+        (self.run_dir / "router.yaml").write_text(
+            yaml.safe_dump(self.router_config(), sort_keys=False)
+        )
+        self._router_proc.signal_group(signal.SIGHUP)
+        deadline = time.monotonic() + _RELOAD_TIMEOUT_S
+        while log.read_text(errors="replace").count(_RELOADED) == before:
+            if time.monotonic() > deadline:
+                raise StackError(f"router did not reload its config in {_RELOAD_TIMEOUT_S:g}s")
+            time.sleep(0.05)
 
     def _engine_proc(self, name: str) -> ManagedProcess:
         self.engine(name)  # KeyError for an unknown name

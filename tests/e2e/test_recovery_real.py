@@ -1,4 +1,4 @@
-"""Recovery on real engines: D restarted under a steady ``openai`` SDK load.
+"""Recovery on real engines: D, then P, restarted under a steady ``openai`` SDK load.
 
 One stack per mode (push, pull) with the router's default health, outlier-detection and
 retry settings. A background thread starts a streamed completion every ``1 / RATE`` s with
@@ -11,9 +11,10 @@ succeeded. It must stay within one health interval + the ejection time + 2 s. Re
 fail while the engine is down must fail fast (no queue wait). Afterwards no decode slot is
 held and both engines are idle.
 
-P is not restarted here yet: a restarted P keeps its pinned engine id, D keeps the NIXL
-agent it cached for that id, and every request after the restart fails on D with a 500
-until D restarts too (seen in push and pull on vLLM 0.32). Making that recover is open work.
+A restarted P is a new incarnation with a fresh engine id, which the stack gives the router
+by a config reload (``Stack.restart_engine``): with P's old id reused, D kept the NIXL agent
+it had cached for it and failed every request on a READ from the dead agent
+(``NIXL_ERR_REMOTE_DISCONNECT``, HTTP 500) until D restarted too.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.e2e import helpers as h
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
 MODEL = "tiny"
-P, D = "prefill-0", "decode-0"  # P: checked idle at the end
+P, D = "prefill-0", "decode-0"
 RATE = 2.0
 QUIET_S = 5.0
 BOUND_S = HealthConfig().interval + BreakerConfig().open_seconds + 2.0
@@ -134,7 +135,7 @@ def _settled(load: Load, since: float) -> bool:
     return len(ended) >= (QUIET_S - 1) * RATE
 
 
-@pytest.mark.parametrize("name", [D])
+@pytest.mark.parametrize("name", [D, P])
 def test_engine_restart_under_load_recovers(loaded: tuple[Stack, Load], name: str) -> None:
     stack, load = loaded
     mode = stack.router_config()["models"][0]["mode"]
