@@ -32,7 +32,8 @@ and no answer, which is the state these tests hold.
 In the last three, D is closed while it waits for KV that never comes, and vLLM 0.32 keeps that
 request's blocks for good (KV usage above idle with nothing running or waiting; vLLM issue
 #48633). The router reads D's metrics, marks it degraded (``/ready`` 503,
-``pdrouter_instance_degraded`` 1) and sends it nothing while its KV stays above idle. Seen in
+``pdrouter_instance_degraded`` 1) and, while another D serves, sends it nothing while its KV
+stays above idle; the only D keeps serving (the panic threshold: a leak is no outage). Seen in
 every run on vLLM 0.32; the check accepts either outcome (leak and degraded, or idle and in
 rotation) so it keeps holding if vLLM frees the blocks. A leaked D is restarted before the next
 test (``Stack.restart_engine``) and the router puts it back in rotation by itself.
@@ -473,11 +474,10 @@ class TestPush:
         assert answer.elapsed < TIMEOUTS["decode_first_byte"], "waited for a timeout"
         print(f"push, P rejects: 400 after {answer.elapsed:.2f}s")
         if _assert_decode_leak_handled(st):
-            # Out of rotation: with its only D degraded, the router answers 503 from admission.
-            refused = _ask(st, fault_prompts.short)
-            assert refused.status == 503 and refused.error()["code"] == "no_capacity", refused
-            assert refused.headers.get("retry-after")
-            assert refused.elapsed < ROUTER["admission"]["max_wait"] + 2
+            # Degraded, yet the only D: leaked blocks cost capacity, not correctness, so the
+            # router keeps serving on it (panic threshold) rather than refusing every request.
+            served = _ask(st, fault_prompts.short)
+            assert served.status == 200, served
 
     def test_registration_never_fulfilled(self, push_stack: Stack, fault_prompts: Prompts) -> None:
         """P frozen before it runs the request: D registers its blocks with P and waits; P never
@@ -503,7 +503,7 @@ class TestPush:
             st.signal_engine(P, signal.SIGCONT)
         if leaked:
             # P is back and healthy; its copy of the request was aborted when the router closed
-            # it, so it never writes: D keeps the blocks and stays out of rotation.
+            # it, so it never writes: D keeps the blocks and stays flagged degraded.
             ok, what, _ = h.wait_until(
                 lambda: (_router(st).instances["prefill"]["healthy"] is True, "P healthy"),
                 IDLE_DEADLINE_S,
