@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
 
+from router.stack import Stack
 from router.stack.metrics import Metrics
 
 MAX_TOKENS = 24
@@ -126,3 +130,42 @@ def prompts_of_lengths(tokenizer_json: Path, lengths: Sequence[int]) -> list[str
         start = (i * 211) % max(1, len(ids) - n)
         prompts.append(tok.decode(ids[start : start + n]))
     return prompts
+
+
+def proc_state(pid: int) -> str | None:
+    """The process's state letter from ``/proc`` (``T`` stopped, ``Z`` zombie); None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :].split()[0]
+
+
+def alive(pid: int) -> bool:
+    return proc_state(pid) not in (None, "Z")
+
+
+@contextlib.contextmanager
+def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[list[int]]:
+    """Freeze engine ``name``'s EngineCore (SIGSTOP; returns once the kernel shows it stopped)
+    and thaw it on exit (SIGCONT), unless it was killed meanwhile.
+
+    Only the core: the API server keeps accepting requests and answering ``/health``,
+    ``/metrics`` and ``/load``; a request it accepts waits for the core, so nothing of it is
+    computed and the engine cannot answer it until the core is thawed."""
+    pids = stack.engine_core_pids(name)
+    assert pids, f"no EngineCore process under {name}"
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        ok, what, _ = wait_until(
+            lambda: (all(proc_state(p) == "T" for p in pids), f"{name} core {pids} not stopped"),
+            deadline_s,
+            every_s=0.01,
+        )
+        assert ok, what
+        yield pids
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)

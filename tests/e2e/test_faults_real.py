@@ -54,16 +54,13 @@ Two stack starts (push, pull) and two restarts of the push D.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import json
-import os
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -418,7 +415,7 @@ class TestPush:
         before the test thaws it, after the drop, however slow the machine."""
         st = push_stack
         p_done, drops = _finished(st, P), _disconnects(st)
-        with _frozen_core(st, P):
+        with h.frozen_core(st, P, PHASE_DEADLINE_S):
             held = functools.partial(_p_holds_d_waits, st, _p_server_load(st))
             with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
                 took = _wait_phase(st, "P holds the request, D waits for KV", held)
@@ -525,7 +522,7 @@ class TestPush:
         takes the whole engine, the frozen core included."""
         st = push_stack
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            with _frozen_core(st, P) as core_pids:
+            with h.frozen_core(st, P, PHASE_DEADLINE_S) as core_pids:
                 p_load = _p_server_load(st)
                 held = functools.partial(_p_holds_d_waits, st, p_load)
                 sent_at = time.monotonic()
@@ -546,7 +543,7 @@ class TestPush:
             f"it {p_load:g}): 502 {answer.ended_at - killed_at:.2f}s after the kill"
         )
         ok, what, _ = h.wait_until(
-            lambda: (not any(map(_alive, core_pids)), f"P's EngineCore {core_pids} alive"),
+            lambda: (not any(map(h.alive, core_pids)), f"P's EngineCore {core_pids} alive"),
             IDLE_DEADLINE_S,
         )
         assert ok, what
@@ -557,45 +554,6 @@ class TestPush:
         )
         assert ok, what
         assert _router(st).ready == 503
-
-
-def _proc_state(pid: int) -> str | None:
-    """The process's state letter from ``/proc`` (``T`` stopped, ``Z`` zombie); None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()[0]
-
-
-def _alive(pid: int) -> bool:
-    return _proc_state(pid) not in (None, "Z")
-
-
-@contextlib.contextmanager
-def _frozen_core(stack: Stack, name: str) -> Iterator[list[int]]:
-    """Freeze engine ``name``'s EngineCore (SIGSTOP; returns once the kernel shows it stopped)
-    and thaw it on exit (SIGCONT), unless it was killed meanwhile.
-
-    Only the core: the API server keeps accepting requests and answering ``/health``,
-    ``/metrics`` and ``/load``; a request it accepts waits for the core, so nothing of it is
-    computed and the engine cannot answer it until the core is thawed."""
-    pids = stack.engine_core_pids(name)
-    assert pids, f"no EngineCore process under {name}"
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        ok, what, _ = h.wait_until(
-            lambda: (all(_proc_state(p) == "T" for p in pids), f"{name} core {pids} not stopped"),
-            PHASE_DEADLINE_S,
-            every_s=0.01,
-        )
-        assert ok, what
-        yield pids
-    finally:
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGCONT)
 
 
 def _p_server_load(stack: Stack) -> float:
