@@ -4,7 +4,7 @@ Every NIXL notification this connector sends is ``b"PDR" + JSON``; the JSON obje
 ``"v"`` (``CONNECTOR_VERSION``) and ``"t"`` (the message kind). A message with another version is
 never interpreted: the receiver answers ``REFUSE`` so both sides log a clear error.
 
-Message kinds (``tid`` = the router's ``transfer_id``):
+Message kinds (``Kind``; ``tid`` = the router's ``transfer_id``):
 
 ============  =========  ==================================================================
 kind          direction  meaning
@@ -23,18 +23,22 @@ kind          direction  meaning
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from connector.address import NixlAddress
+
 __all__ = [
     "CONNECTOR_VERSION",
     "Compat",
+    "Kind",
     "Message",
-    "PeerAddr",
     "RecvSpec",
     "SendSpec",
     "StepMeta",
+    "agent_name",
     "decode",
     "encode",
 ]
@@ -46,33 +50,26 @@ CONNECTOR_VERSION = 1
 _PREFIX = b"PDR"
 
 
-@dataclass(frozen=True, slots=True)
-class PeerAddr:
-    """The other engine of a transfer, as the router named it in ``kv_transfer_params``."""
+class Kind(enum.StrEnum):
+    """Message kinds (the table above); each member's value is its ``"t"`` on the wire."""
 
-    engine_id: str
-    host: str
-    port: int  # base side-channel port; rank r listens on port + r
-
-    def agent_name(self, tp_rank: int) -> str:
-        """Name of that engine's NIXL agent for ``tp_rank`` (same rank on both sides)."""
-        return agent_name(self.engine_id, tp_rank)
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any]) -> PeerAddr | None:
-        """Parse ``remote_engine_id``/``remote_host``/``remote_port``; None if any is missing."""
-        try:
-            return cls(
-                str(params["remote_engine_id"]),
-                str(params["remote_host"]),
-                int(params["remote_port"]),
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
+    HELLO = "HELLO"
+    REFUSE = "REFUSE"
+    REG = "REG"
+    W = "W"
+    DONE = "DONE"
+    FAIL = "FAIL"
+    ABORT = "ABORT"
+    # Never sent: ``decode``'s kind for a message of another wire version, so the receiver can
+    # refuse that peer instead of misreading it.
+    VERSION = "VERSION"
 
 
 def agent_name(engine_id: str, tp_rank: int) -> str:
-    """Deterministic agent name, so a peer knows it from the engine id alone."""
+    """Name of ``engine_id``'s NIXL agent for ``tp_rank`` (rank r talks to rank r).
+
+    Deterministic, so a peer knows it from the engine id alone.
+    """
     return f"pdr-{engine_id}-tp{tp_rank}"
 
 
@@ -100,21 +97,22 @@ class Compat:
 class Message:
     """One decoded notification. ``body`` keeps the kind-specific fields."""
 
-    kind: str
+    kind: Kind
     tid: str = ""
     body: dict[str, Any] = field(default_factory=dict)
 
 
-def encode(kind: str, tid: str = "", **body: Any) -> bytes:
+def encode(kind: Kind, tid: str = "", **body: Any) -> bytes:
     """Serialise one message; ``body`` values must be JSON-serialisable."""
-    payload = {"v": CONNECTOR_VERSION, "t": kind, "tid": tid, **body}
+    payload = {"v": CONNECTOR_VERSION, "t": kind.value, "tid": tid, **body}
     return _PREFIX + json.dumps(payload, separators=(",", ":")).encode()
 
 
 def decode(raw: bytes) -> Message | None:
-    """Parse a notification; None for foreign notifications.
+    """Parse a notification; None for foreign notifications and for kinds not in ``Kind``
+    (which no handler would act on).
 
-    A message of another version decodes as kind ``"VERSION"`` with the peer's version in
+    A message of another version decodes as ``Kind.VERSION`` with the peer's version in
     ``body["v"]``, so the caller can refuse the peer instead of misreading it.
     """
     if not raw.startswith(_PREFIX):
@@ -126,8 +124,11 @@ def decode(raw: bytes) -> Message | None:
     if not isinstance(obj, dict):
         return None
     if obj.get("v") != CONNECTOR_VERSION:
-        return Message("VERSION", str(obj.get("tid", "")), {"v": obj.get("v")})
-    kind = str(obj.pop("t", ""))
+        return Message(Kind.VERSION, str(obj.get("tid", "")), {"v": obj.get("v")})
+    try:
+        kind = Kind(str(obj.pop("t", "")))
+    except ValueError:
+        return None
     tid = str(obj.pop("tid", ""))
     obj.pop("v", None)
     return Message(kind, tid, obj)
@@ -147,7 +148,7 @@ class SendSpec:
 
     req_id: str
     tid: str
-    peer: PeerAddr
+    peer: NixlAddress
     first_block: int
     block_ids: list[int]
     num_tokens: int
@@ -160,7 +161,7 @@ class RecvSpec:
 
     req_id: str
     tid: str
-    peer: PeerAddr
+    peer: NixlAddress
     start_block: int
     block_ids: list[int]
     num_tokens: int
@@ -177,8 +178,8 @@ class StepMeta:
 
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
-    fail_sends: dict[str, tuple[str, PeerAddr]] = field(default_factory=dict)
-    abort_recvs: dict[str, tuple[str, PeerAddr]] = field(default_factory=dict)
+    fail_sends: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
+    abort_recvs: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
         return not (self.sends or self.recvs or self.fail_sends or self.abort_recvs)

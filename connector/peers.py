@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from connector.address import NixlAddress
 from connector.layout import CacheLayout
-from connector.metadata import Compat, Message, PeerAddr, encode
+from connector.metadata import Compat, Kind, Message, agent_name, encode
 from connector.transport import NixlAgent
 
 __all__ = ["Link", "LinkState", "PeerTable"]
@@ -38,7 +39,7 @@ class Link:
     """This rank's view of one peer rank."""
 
     name: str
-    addr: PeerAddr | None
+    addr: NixlAddress | None
     started: float
     state: LinkState = LinkState.CONNECTING
     hello_sent: bool = False
@@ -49,6 +50,11 @@ class Link:
     @property
     def settled(self) -> bool:
         return self.state is not LinkState.CONNECTING
+
+    @property
+    def failure_kind(self) -> str:
+        """The stats failure kind (``stats.FAILURE_KINDS``) of a settled link that is not READY."""
+        return "refused" if self.state is LinkState.REFUSED else "handshake"
 
 
 class PeerTable:
@@ -74,9 +80,9 @@ class PeerTable:
     def get(self, name: str) -> Link | None:
         return self._links.get(name)
 
-    def ensure(self, addr: PeerAddr) -> Link:
+    def ensure(self, addr: NixlAddress) -> Link:
         """The link to ``addr``'s rank, starting the metadata exchange on first use."""
-        name = addr.agent_name(self._rank)
+        name = agent_name(addr.engine_id, self._rank)
         link = self._links.get(name)
         if link is not None and link.state is LinkState.FAILED:
             del self._links[name]  # a failed peer may have restarted: try again
@@ -106,7 +112,7 @@ class PeerTable:
                 continue
             # A link can be READY (their HELLO checked) before ours could be sent: keep trying.
             if not link.hello_sent and self.can_notify(link.name):
-                self._send(link, encode("HELLO", **self._hello))
+                self._send(link, encode(Kind.HELLO, **self._hello))
                 link.hello_sent = True
             if link.state is LinkState.CONNECTING and now - link.started > self._timeout_s:
                 link.state = LinkState.FAILED
@@ -121,14 +127,14 @@ class PeerTable:
         if link is None:
             link = Link(sender, None, self._clock())
             self._links[sender] = link
-        if msg.kind == "HELLO":
+        if msg.kind is Kind.HELLO:
             self._on_hello(link, msg.body)
-        elif msg.kind == "VERSION":
+        elif msg.kind is Kind.VERSION:
             self._refuse(
                 link,
                 f"peer speaks wire version {msg.body.get('v')!r}, we speak {self._compat.version}",
             )
-        elif msg.kind == "REFUSE":
+        elif msg.kind is Kind.REFUSE:
             self._mark_refused(link, f"peer refused us: {msg.body.get('reason', '')}")
         else:
             return None
@@ -158,9 +164,9 @@ class PeerTable:
         if body.get("layout") is not None:
             link.layout = CacheLayout.from_wire(body["layout"])
         if link.addr is None and body.get("engine_id") is not None:
-            self.ensure(PeerAddr(str(body["engine_id"]), str(body["host"]), int(body["port"])))
+            self.ensure(NixlAddress(str(body["engine_id"]), str(body["host"]), int(body["port"])))
         if not link.hello_sent and self.can_notify(link.name):
-            self._send(link, encode("HELLO", **self._hello))
+            self._send(link, encode(Kind.HELLO, **self._hello))
             link.hello_sent = True
         if link.state is LinkState.CONNECTING:
             link.state = LinkState.READY
@@ -169,7 +175,7 @@ class PeerTable:
 
     def _refuse(self, link: Link, reason: str) -> None:
         if self.can_notify(link.name):
-            self._send(link, encode("REFUSE", reason=reason))
+            self._send(link, encode(Kind.REFUSE, reason=reason))
         self._mark_refused(link, reason)
 
     def _mark_refused(self, link: Link, reason: str) -> None:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from connector.metadata import PeerAddr, RecvSpec, SendSpec, StepMeta
+from connector.address import NixlAddress
+from connector.metadata import RecvSpec, SendSpec, StepMeta
 
 __all__ = ["SchedulerSide", "TransferParams"]
 
@@ -46,7 +47,7 @@ class TransferParams:
     """The connector's reading of a request's ``kv_transfer_params``."""
 
     tid: str
-    peer: PeerAddr
+    peer: NixlAddress
     is_prefill: bool  # True: this engine is P for the request; False: D
 
     @classmethod
@@ -54,11 +55,11 @@ class TransferParams:
         """None when the request is not a pipelined transfer (plain request, or bad params)."""
         if not params or not (params.get("do_remote_decode") or params.get("do_remote_prefill")):
             return None
-        peer = PeerAddr.from_params(params)
+        peer = NixlAddress.from_params(params)  # None if a field is missing or mistyped
         tid = params.get("transfer_id")
         if peer is None or not tid:
             log.error(
-                "request %s: kv_transfer_params lack transfer_id/remote_engine_id/"
+                "request %s: kv_transfer_params lack (or mistype) transfer_id/remote_engine_id/"
                 "remote_host/remote_port; served without transfer: %s",
                 req_id,
                 params,

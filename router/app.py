@@ -22,22 +22,27 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from router import __version__
 from router.client_request import (
-    ClientRequest,
     Endpoint,
     parse_client_request,
     request_json_schema,
 )
 from router.config import RouterConfig
+from router.engines.health import HealthMonitor
+from router.engines.load import LoadWatcher
 from router.errors import (
     BodyTooLarge,
+    HttpError,
+    InternalError,
     InvalidRequest,
     ModelNotFound,
+    Outcome,
     RouterError,
     Unauthorized,
-    error_body,
+    render,
 )
-from router.metrics import Metrics, Outcome
+from router.metrics import Metrics
 from router.pd.dispatch import Dispatcher
 from router.pd.legs import LegRunner
 from router.registry import ModelPool, Registry
@@ -45,8 +50,6 @@ from router.relay import Receive, RelayResponse, Scope, Send, send_error
 from router.reload import ConfigReloader
 from router.shared_slots import WorkerSlots
 from router.upstream import UpstreamClient
-from router.workers.health import HealthMonitor
-from router.workers.load import LoadWatcher
 
 __all__ = ["AppContext", "RouterApp", "create_app"]
 
@@ -96,8 +99,9 @@ def _build_context(
     return AppContext(config, registry, metrics, upstream, dispatcher, health, clock, load)
 
 
-def _json(status: int, content: bytes, headers: dict[str, str] | None = None) -> Response:
-    return Response(content, status_code=status, media_type="application/json", headers=headers)
+def _error_response(exc: RouterError) -> Response:
+    status, headers, body = render(exc)
+    return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
 def _authorize(ctx: AppContext, request: Request) -> None:
@@ -140,50 +144,40 @@ def _client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def _relay(
-    ctx: AppContext,
-    pool: ModelPool,
-    creq: ClientRequest,
-    started: float,
-    client_id: bytes | None,
-) -> RelayResponse:
-    mode = pool.mode.value
-
-    def observe(outcome: str, ttft: float | None) -> None:
-        ctx.metrics.requests.labels(pool.name, mode, outcome).inc()
-        if ttft is not None:
-            ctx.metrics.ttft.labels(pool.name, mode).observe(ttft)
-
+async def _handle(
+    ctx: AppContext, request: Request, endpoint: Endpoint, client_id: bytes | None
+) -> Response:
+    """The relay for one generate request, or the :class:`RouterError` that refuses
+    it (counted here: every request is counted once, here or by the relay)."""
+    started = ctx.clock()
+    pool: ModelPool | None = None
+    try:
+        _authorize(ctx, request)
+        raw = await _read_body(request, ctx.config.admission.max_body_bytes)
+        creq = parse_client_request(raw, endpoint)
+        pool = ctx.registry.get(creq.model)
+        if pool is None:
+            raise ModelNotFound(f"the model {creq.model!r} does not exist on this router")
+        if creq.num_prompts > 1 and pool.mode.uses_prefill:
+            raise InvalidRequest(
+                "prompt: disaggregated serving takes one prompt per request; "
+                "send the prompts as separate requests",
+                param="prompt",
+            )
+    except RouterError as exc:
+        model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
+        ctx.metrics.observe_request(model, mode, exc.outcome)
+        raise
     return RelayResponse(
         ctx.dispatcher,
+        ctx.metrics,
         pool,
         creq,
-        observe,
         started,
         ctx.clock,
         ctx.config.timeouts.total,
         client_id,
     )
-
-
-async def _handle(
-    ctx: AppContext, request: Request, endpoint: Endpoint, client_id: bytes | None
-) -> Response:
-    started = ctx.clock()
-    _authorize(ctx, request)
-    raw = await _read_body(request, ctx.config.admission.max_body_bytes)
-    creq = parse_client_request(raw, endpoint)
-    pool = ctx.registry.get(creq.model)
-    if pool is None:
-        raise ModelNotFound(f"the model {creq.model!r} does not exist on this router")
-    if creq.num_prompts > 1 and pool.mode.uses_prefill:
-        ctx.metrics.requests.labels(pool.name, pool.mode.value, Outcome.CLIENT_ERROR).inc()
-        raise InvalidRequest(
-            "prompt: disaggregated serving takes one prompt per request; "
-            "send the prompts as separate requests",
-            param="prompt",
-        )
-    return _relay(ctx, pool, creq, started, client_id)
 
 
 def _openapi_body(endpoint: Endpoint) -> dict[str, Any]:
@@ -253,17 +247,16 @@ def _readiness(ctx: AppContext) -> Response:
 def _register_errors(app: FastAPI) -> None:
     @app.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
-        return _json(exc.status, exc.body(), exc.headers())
+        return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = "not_found" if exc.status_code == 404 else str(exc.status_code)
-        return _json(exc.status_code, error_body(str(exc.detail), "invalid_request_error", code))
+        return _error_response(HttpError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        return _json(500, error_body("internal router error", "internal_error", "internal_error"))
+        return _error_response(InternalError())
 
 
 def create_app(
@@ -317,7 +310,7 @@ def create_app(
             await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
 
-    app = FastAPI(title="pd-router", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="pd-router", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     app.state.reloader = reloader
     _register_routes(app, ctx)
@@ -365,10 +358,7 @@ class RouterApp:
             return  # gone while sending its body: nothing was reserved or sent upstream
         except Exception:
             log.exception("unhandled error on %s", endpoint.value)
-            await send_error(send, _internal_error())
+            self._ctx.metrics.observe_request("", "", Outcome.INTERNAL_ERROR)
+            await send_error(send, InternalError(), client_id)
             return
         await response(scope, receive, send)
-
-
-def _internal_error() -> RouterError:
-    return RouterError("internal router error")

@@ -210,7 +210,7 @@ class AdmissionConfig(_Strict):
     max_wait: PositiveFloat = 30.0
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     # Router replicas sharing the same decode engines. Above 1, each replica reads
-    # every decode engine's own load (see router/workers/load.py) and takes only its
+    # every decode engine's own load (see router/engines/load.py) and takes only its
     # fair part of the capacity the engine reports free.
     replicas: int = Field(default=1, ge=1)
 
@@ -224,7 +224,7 @@ class RetryConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
-    """Outlier detection per instance (rules in router/workers/breaker.py and the README).
+    """Outlier detection per instance (rules in router/engines/breaker.py and the README).
 
     A refused connection ejects at once; ``failure_threshold`` engine faults in a row
     (timeouts, resets, dropped streams, 502/503/504) eject; ``consecutive_5xx`` error

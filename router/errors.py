@@ -1,21 +1,27 @@
-"""Router errors, rendered once as OpenAI-style JSON.
+"""Router errors: each a class that knows its status, body and outcome; rendered once.
 
 ::
 
-    RouterError                      status  type / code
-    ├── InvalidRequest               400     invalid_request_error
-    ├── BodyTooLarge                 413     invalid_request_error / body_too_large
-    ├── Unauthorized                 401     authentication_error / invalid_api_key
-    ├── ModelNotFound                404     invalid_request_error / model_not_found
-    ├── QueueFull                    429     rate_limit_error / queue_full (+ Retry-After)
-    ├── NoCapacity                   503     service_unavailable / no_capacity (+ Retry-After)
-    │   ├── NoHealthyEngine          503     service_unavailable / no_healthy_<role> (+ Retry-After)
-    │   └── ShuttingDown             503     service_unavailable / shutting_down
-    ├── TotalTimeout                 504     timeout / total_timeout
-    └── UpstreamError                502     upstream_error / <kind>
-        ├── UpstreamTimeout          504     timeout / <role>_timeout
-        └── UpstreamStatus           4xx: the engine's status and body as is; 5xx: 502
+    RouterError                  status  type / code                              outcome
+    ├── InternalError            500     internal_error                           internal_error
+    ├── HttpError                4xx     invalid_request_error / not_found, 405   client_error
+    ├── InvalidRequest           400     invalid_request_error                    client_error
+    │   └── BodyTooLarge         413     invalid_request_error / body_too_large   client_error
+    ├── Unauthorized             401     authentication_error / invalid_api_key   client_error
+    ├── ModelNotFound            404     invalid_request_error / model_not_found  client_error
+    ├── QueueFull                429     rate_limit_error / queue_full (1)        no_capacity
+    ├── NoCapacity               503     service_unavailable / no_capacity (1)    no_capacity
+    │   ├── NoHealthyEngine      503     service_unavailable / no_healthy_<role>  no_capacity
+    │   └── ShuttingDown         503     service_unavailable / shutting_down      shutdown
+    ├── TotalTimeout             504     timeout / total_timeout                  timeout
+    └── UpstreamError            502     upstream_error / <kind>                  upstream_error
+        ├── UpstreamTimeout      504     timeout / <role>_timeout                 timeout
+        └── UpstreamStatus       4xx     the engine's status and body as is       client_error
+                                 502     for the engine's 5xx                     upstream_error
 
+    (1) with Retry-After, as are NoHealthyEngine and ShuttingDown.
+
+:func:`render` is the one renderer (status, headers, body) of every error response.
 Upstream errors carry the role (``prefill``/``decode``), the instance they came
 from and their :class:`Fault` (what they say about the engine), so the dispatcher
 can retry elsewhere and feed outlier detection. Their messages never name the
@@ -33,10 +39,13 @@ import orjson
 __all__ = [
     "BodyTooLarge",
     "Fault",
+    "HttpError",
+    "InternalError",
     "InvalidRequest",
     "ModelNotFound",
     "NoCapacity",
     "NoHealthyEngine",
+    "Outcome",
     "QueueFull",
     "RouterError",
     "ShuttingDown",
@@ -46,12 +55,26 @@ __all__ = [
     "UpstreamStatus",
     "UpstreamTimeout",
     "error_body",
+    "render",
     "sse_error_event",
 ]
 
 
+class Outcome(enum.StrEnum):
+    """How a request ended: the ``outcome`` label of ``pdrouter_requests_total``."""
+
+    SUCCESS = "success"
+    CLIENT_ERROR = "client_error"
+    UPSTREAM_ERROR = "upstream_error"
+    TIMEOUT = "timeout"
+    NO_CAPACITY = "no_capacity"
+    DISCONNECT = "client_disconnect"
+    SHUTDOWN = "shutdown"  # cut off by the router's own shutdown past its grace period
+    INTERNAL_ERROR = "internal_error"  # a bug in the router
+
+
 class Fault(enum.Enum):
-    """What a failed engine call says about the engine (see router/workers/breaker.py)."""
+    """What a failed engine call says about the engine (see router/engines/breaker.py)."""
 
     NONE = "none"  # nothing: a 4xx, 408/429, the client left
     REFUSED = "refused"  # no connection could be made: nothing listens there
@@ -72,9 +95,12 @@ def sse_error_event(message: str, type_: str, code: str | int | None) -> bytes:
 
 
 class RouterError(Exception):
+    """Base of every error the router answers with; subclasses set the class fields."""
+
     status: int = 500
     type: str = "internal_error"
     code: str | int | None = "internal_error"
+    outcome: Outcome = Outcome.INTERNAL_ERROR
     retry_after: float | None = None
 
     def __init__(self, message: str) -> None:
@@ -90,10 +116,30 @@ class RouterError(Exception):
         return {"retry-after": str(max(1, math.ceil(self.retry_after)))}
 
 
+class InternalError(RouterError):
+    """A bug in the router: the client sees no detail, the log has the traceback."""
+
+    def __init__(self) -> None:
+        super().__init__("internal router error")
+
+
+class HttpError(RouterError):
+    """A request the routes cannot take (unknown path, wrong method)."""
+
+    type = "invalid_request_error"
+    outcome = Outcome.CLIENT_ERROR
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = "not_found" if status == 404 else str(status)
+
+
 class InvalidRequest(RouterError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    outcome = Outcome.CLIENT_ERROR
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -112,18 +158,21 @@ class Unauthorized(RouterError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+    outcome = Outcome.CLIENT_ERROR
 
 
 class ModelNotFound(RouterError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+    outcome = Outcome.CLIENT_ERROR
 
 
 class QueueFull(RouterError):
     status = 429
     type = "rate_limit_error"
     code = "queue_full"
+    outcome = Outcome.NO_CAPACITY
 
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
@@ -134,6 +183,7 @@ class NoCapacity(RouterError):
     status = 503
     type = "service_unavailable"
     code = "no_capacity"
+    outcome = Outcome.NO_CAPACITY
 
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
@@ -151,6 +201,7 @@ class NoHealthyEngine(NoCapacity):
 
 class ShuttingDown(NoCapacity):
     code = "shutting_down"
+    outcome = Outcome.SHUTDOWN
 
     def __init__(self) -> None:
         super().__init__("the router is shutting down; retry the request", retry_after=1.0)
@@ -160,6 +211,7 @@ class TotalTimeout(RouterError):
     status = 504
     type = "timeout"
     code = "total_timeout"
+    outcome = Outcome.TIMEOUT
 
     def __init__(self, seconds: float) -> None:
         super().__init__(f"request exceeded the router's total timeout of {seconds:g}s")
@@ -170,6 +222,7 @@ class UpstreamError(RouterError):
 
     status = 502
     type = "upstream_error"
+    outcome = Outcome.UPSTREAM_ERROR
 
     def __init__(
         self,
@@ -195,6 +248,7 @@ class UpstreamError(RouterError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     type = "timeout"
+    outcome = Outcome.TIMEOUT
 
 
 class UpstreamStatus(UpstreamError):
@@ -207,6 +261,7 @@ class UpstreamStatus(UpstreamError):
         # A client error (4xx) is the client's to see as is; an engine failure is a 502.
         self.upstream_status = status
         self.status = status if status < 500 else 502
+        self.outcome = Outcome.CLIENT_ERROR if status < 500 else Outcome.UPSTREAM_ERROR
         self.content = content
         self.fault = _fault_of_status(status)
 
@@ -219,6 +274,18 @@ class UpstreamStatus(UpstreamError):
             return self.content
         text = self.content.decode("utf-8", "replace")[:500]
         return error_body(f"{self.message}: {text}", "upstream_error", self.upstream_status)
+
+
+def render(
+    exc: RouterError, request_id: bytes | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``exc`` as a whole response: status, headers (``request_id``, the client's
+    X-Request-Id, echoed) and the OpenAI error body."""
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
+    if request_id:
+        headers.append((b"x-request-id", request_id))
+    return exc.status, headers, exc.body()
 
 
 def _fault_of_status(status: int) -> Fault:

@@ -25,10 +25,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from router.errors import Outcome
+
 if TYPE_CHECKING:
     from router.registry import ModelPool
 
-__all__ = ["WORKER_STATE_INTERVAL", "Metrics", "Outcome"]
+__all__ = ["WORKER_STATE_INTERVAL", "Metrics"]
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0
@@ -56,18 +58,6 @@ _LATENCY_BUCKETS = (
     60.0,
 )
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
-
-
-class Outcome:
-    """Label values of ``pdrouter_requests_total{outcome}``."""
-
-    SUCCESS = "success"
-    CLIENT_ERROR = "client_error"
-    UPSTREAM_ERROR = "upstream_error"
-    TIMEOUT = "timeout"
-    NO_CAPACITY = "no_capacity"
-    DISCONNECT = "client_disconnect"
-    SHUTDOWN = "shutdown"  # cut off by the router's own shutdown past its grace period
 
 
 class StateCollector(Collector):
@@ -223,7 +213,7 @@ class Metrics:
         self.max_chunk_gap = Histogram(
             "pdrouter_stream_max_chunk_gap_seconds",
             "Longest client-observed time between two chunks of a stream",
-            ["model", "mode"],
+            ["model", "decision"],
             buckets=_ITL_BUCKETS,
             registry=r,
         )
@@ -272,6 +262,16 @@ class Metrics:
             ["model"],
             registry=r,
         )
+
+    def observe_request(
+        self, model: str, mode: str, outcome: Outcome, ttft: float | None = None
+    ) -> None:
+        """Count one client request by how it ended (and its TTFT, if it got a first
+        byte). ``model``/``mode`` are empty for a request refused before its model
+        was known (bad JSON, unknown model, no API key)."""
+        self.requests.labels(model, mode, outcome).inc()
+        if ttft is not None:
+            self.ttft.labels(model, mode).observe(ttft)
 
     def attach_state(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
         self._pools = pools

@@ -1,5 +1,5 @@
-"""Model pools: each model's prefill and decode instances, policies, ledger and
-learned prefill identities. The registry is the single owner of instance state.
+"""Model pools: each model's prefill and decode instances, policies and ledger.
+The registry is the single owner of instance state.
 
 Pools are reconciled, not rebuilt: :meth:`Registry.apply` (config reload) and
 :meth:`Registry.set_instances` (service discovery) keep the :class:`Instance`
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from connector.address import NixlAddress
 from router.config import (
     DecodeInstanceConfig,
     Mode,
@@ -21,14 +22,12 @@ from router.config import (
     PrefillInstanceConfig,
     RouterConfig,
 )
+from router.engines.breaker import Breaker
+from router.engines.instance import Instance, Role, candidates
+from router.engines.ledger import SlotLedger
+from router.engines.policies import Policy, make_policy
 from router.errors import Fault
-from router.pd.kv_params import PrefillIdentity
-from router.pd.pipelined_params import PeerIdentity
 from router.shared_slots import WorkerSlots
-from router.workers.breaker import Breaker
-from router.workers.instance import Instance, Role, candidates
-from router.workers.ledger import SlotLedger
-from router.workers.policies import Policy, make_policy
 
 __all__ = ["ModelPool", "Registry"]
 
@@ -40,10 +39,6 @@ class ModelPool:
     decode: list[Instance]
     ledger: SlotLedger
     prefill_policy: Policy
-    # Push mode: P's NIXL identity per P url, configured or learned from responses.
-    identities: dict[str, PrefillIdentity] = field(default_factory=dict)
-    configured_identities: frozenset[str] = frozenset()
-    kv_hosts: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -86,15 +81,6 @@ class ModelPool:
     def of_role(self, role: Role) -> list[Instance]:
         return self.prefill if role is Role.PREFILL else self.decode
 
-    def learn_identity(self, url: str, identity: PrefillIdentity) -> None:
-        if url not in self.configured_identities:
-            self.identities[url] = identity
-
-    def forget_identity(self, url: str) -> None:
-        """Drop a learned identity after P failed: it may have restarted with a new one."""
-        if url not in self.configured_identities:
-            self.identities.pop(url, None)
-
     def has_healthy_pair(self) -> bool:
         d_ok = any(d.healthy is True and not d.degraded for d in self.decode)
         if not self.mode.uses_prefill:
@@ -109,10 +95,13 @@ def _reconcile(
     return [by_url.get(url) or make(url) for url in wanted]
 
 
-def _peer(cfg: PrefillInstanceConfig | DecodeInstanceConfig) -> PeerIdentity | None:
-    if cfg.engine_id and cfg.kv_host and cfg.kv_port:
-        return PeerIdentity(cfg.engine_id, cfg.kv_host, cfg.kv_port)
-    return None
+def _nixl(cfg: PrefillInstanceConfig | DecodeInstanceConfig) -> NixlAddress | None:
+    """The configured (or discovered) NIXL address, if the config names one."""
+    if not (cfg.engine_id and cfg.kv_host and cfg.kv_port):
+        return None
+    if isinstance(cfg, PrefillInstanceConfig):
+        return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port, cfg.tp_size, cfg.pp_size)
+    return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port)
 
 
 class Registry:
@@ -197,11 +186,10 @@ class Registry:
             lambda u: self._instance(u, Role.DECODE, model),
         )
         for p_inst, p_cfg in zip(pool.prefill, prefill, strict=True):
-            p_inst.peer = _peer(p_cfg)
+            p_inst.configure_nixl(_nixl(p_cfg), p_cfg.kv_host)
         for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
             d_inst.slots = d_cfg.slots
-            d_inst.peer = _peer(d_cfg)
-        self._set_identities(pool, prefill)
+            d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}
         return [f"model {model!r}: + {u}" for u in sorted(after - before)] + [
@@ -243,22 +231,3 @@ class Registry:
             answer_threshold=b.consecutive_5xx,
         )
         return Instance(url, role, model, breaker)
-
-    @staticmethod
-    def _set_identities(pool: ModelPool, prefill: Sequence[PrefillInstanceConfig]) -> None:
-        urls = {p.base_url for p in prefill}
-        learned = {
-            u: ident
-            for u, ident in pool.identities.items()
-            if u in urls and u not in pool.configured_identities
-        }
-        configured: dict[str, PrefillIdentity] = {}
-        pool.kv_hosts = {}
-        for p in prefill:
-            pool.kv_hosts[p.base_url] = p.kv_host
-            if p.engine_id and p.kv_host and p.kv_port:
-                configured[p.base_url] = PrefillIdentity(
-                    p.engine_id, p.kv_host, p.kv_port, p.tp_size, p.pp_size
-                )
-        pool.identities = {**learned, **configured}
-        pool.configured_identities = frozenset(configured)

@@ -19,26 +19,21 @@ from starlette.responses import Response
 
 from router.client_request import ClientRequest
 from router.errors import (
-    Fault,
+    Outcome,
     RouterError,
     ShuttingDown,
     TotalTimeout,
     UpstreamError,
+    render,
     sse_error_event,
 )
-from router.metrics import Outcome
+from router.metrics import Metrics
 from router.pd.dispatch import Dispatch, Dispatcher
 from router.registry import ModelPool
-from router.upstream import map_errors
 
-__all__ = ["Receive", "RelayResponse", "Scope", "Send", "outcome_of", "send_error"]
+__all__ = ["Receive", "RelayResponse", "Scope", "Send", "send_error"]
 
 log = logging.getLogger("pd_router.relay")
-
-# How vLLM reports a failure after a streaming response has started (the JSON of
-# an error response as one SSE event). Generated text cannot contain it: inside
-# the JSON of a token event its quotes are escaped.
-_ENGINE_ERROR_EVENT = b'data: {"error"'
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -46,24 +41,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
-def outcome_of(exc: RouterError) -> str:
-    if exc.status == 504:
-        return Outcome.TIMEOUT
-    if exc.status in (429, 503) and not isinstance(exc, UpstreamError):
-        return Outcome.NO_CAPACITY
-    if isinstance(exc, UpstreamError) and exc.status >= 500:
-        return Outcome.UPSTREAM_ERROR
-    return Outcome.CLIENT_ERROR if exc.status < 500 else Outcome.UPSTREAM_ERROR
-
-
 async def send_error(send: Send, exc: RouterError, request_id: bytes | None = None) -> None:
     """The error as a whole response; ``request_id`` is the client's, echoed."""
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.encode(), v.encode()) for k, v in exc.headers().items()]
-    if request_id:
-        headers.append((b"x-request-id", request_id))
-    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
-    await send({"type": "http.response.body", "body": exc.body(), "more_body": False})
+    status, headers, body = render(exc, request_id)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -77,9 +59,9 @@ class RelayResponse(Response):
     def __init__(
         self,
         dispatcher: Dispatcher,
+        metrics: Metrics,
         pool: ModelPool,
         creq: ClientRequest,
-        observe: Callable[[str, float | None], None],
         started_at: float,
         clock: Callable[[], float],
         total_timeout: float,
@@ -90,9 +72,9 @@ class RelayResponse(Response):
         self._echo = client_id
         self._client_id = client_id.decode("latin-1") if client_id else "-"
         self._dispatcher = dispatcher
+        self._metrics = metrics
         self._pool = pool
         self._creq = creq
-        self._observe = observe  # (outcome, ttft or None) -> None
         self._t0 = started_at
         self._clock = clock
         self._total = total_timeout
@@ -122,33 +104,36 @@ class RelayResponse(Response):
                 # The server is shutting down past its grace period: end the
                 # response properly so the client sees why, then stop.
                 await self._fail_late_or_early(send, ShuttingDown())
-                self._observe(Outcome.SHUTDOWN, self._ttft)
+                self._observe(Outcome.SHUTDOWN)
                 raise
             task.uncancel()
             outcome = Outcome.DISCONNECT
             phase = "streaming" if self._started else "before_first_byte"
-            self._dispatcher.metrics.disconnects.labels(self._pool.name, phase).inc()
+            self._metrics.disconnects.labels(self._pool.name, phase).inc()
         except TimeoutError:
             outcome = Outcome.TIMEOUT
             await self._fail_late_or_early(send, TotalTimeout(self._total))
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
-        self._observe(outcome, self._ttft)
+        self._observe(outcome)
 
-    async def _run(self, send: Send) -> str:
+    def _observe(self, outcome: Outcome) -> None:
+        self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+
+    async def _run(self, send: Send) -> Outcome:
         try:
-            dispatch = await self._dispatcher.open(self._pool, self._creq, self._client_id)
+            async with self._dispatcher.dispatch(
+                self._pool, self._creq, self._client_id
+            ) as dispatch:
+                await self._relay(dispatch, send)
         except RouterError as exc:
+            if self._started:
+                raise  # not from the dispatch's opening: a bug, not a refusal
             self._log_refusal(exc)
             await send_error(send, exc, self._echo)
-            return outcome_of(exc)
-        fault: Fault | None = Fault.NONE  # no verdict unless the relay gives one
-        try:
-            fault = await self._relay(dispatch, send)
-        finally:
-            await self._dispatcher.finish(dispatch, fault)
-        return Outcome.SUCCESS if fault is None else Outcome.UPSTREAM_ERROR
+            return exc.outcome
+        return Outcome.SUCCESS if dispatch.verdict is None else Outcome.UPSTREAM_ERROR
 
     def _log_refusal(self, exc: RouterError) -> None:
         log.warning(
@@ -161,9 +146,8 @@ class RelayResponse(Response):
             exc.message,
         )
 
-    async def _relay(self, dispatch: Dispatch, send: Send) -> Fault | None:
-        """Send D's status and bytes; None if D's response ended normally, else what
-        its end says about D."""
+    async def _relay(self, dispatch: Dispatch, send: Send) -> None:
+        """Send D's status and bytes; a broken stream ends with an SSE error event."""
         leg = dispatch.leg
         request_id = self._echo or dispatch.request_id.encode("latin-1")
         headers = [
@@ -174,69 +158,60 @@ class RelayResponse(Response):
             headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": leg.status, "headers": headers})
         self._started = True
-        if leg.rest is None:
-            self._complete = True
-            await send({"type": "http.response.body", "body": leg.first, "more_body": False})
-            self._ttft = self._clock() - self._t0
-            return None
-        await send({"type": "http.response.body", "body": leg.first, "more_body": True})
-        now = self._clock()
-        self._ttft = now - self._t0
-        stream = leg.stream
-        last = b""
-        worst = 0.0
-        count = 1
-        engine_error = _ENGINE_ERROR_EVENT in leg.first
+        more = leg.rest is not None
+        self._complete = not more
+        await send({"type": "http.response.body", "body": leg.first, "more_body": more})
+        self._ttft = self._clock() - self._t0
+        if not more:
+            return
+
+        async def write(chunk: bytes, more_body: bool) -> None:
+            if not more_body:
+                self._stream_stats(dispatch)  # counted before the client sees the end
+                self._complete = True
+            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+
         try:
-            with map_errors("decode", leg.instance.url):
-                async for chunk in leg.rest:
-                    count += 1
-                    engine_error = engine_error or _ENGINE_ERROR_EVENT in chunk
-                    t = self._clock()
-                    worst = max(worst, t - now)
-                    now = t
-                    if stream.ended:
-                        # D's last bytes came with the end of its response: relay
-                        # both in one write.
-                        last = chunk
-                        break
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await leg.forward(write)
         except UpstreamError as exc:
-            leg.mark_ended()
-            self._stream_stats(dispatch, count, worst)
+            self._stream_stats(dispatch)
             err = dispatch.prefill_error or exc
-            log.warning(
-                "event=stream_failed request_id=%s client_id=%s role=%s instance=%s "
-                "reason=%r cause=%r",
-                dispatch.request_id,
-                self._client_id,
-                err.role,
-                err.instance,
-                err.message,
-                str(err.__cause__ or err.code),
-            )
+            self._log_stream(dispatch, "stream_failed", err)
             await self._end(send, sse_error_event(err.message, err.type, err.code))
-            return Fault.NONE if err is dispatch.prefill_error else exc.fault
-        leg.mark_ended()
-        self._stream_stats(dispatch, count, worst)
-        await self._end(send, last)
-        if engine_error:
+            return
+        if leg.error_event:
             # D's own error event after its 200 (e.g. its KV read from P failed):
             # relayed as is, counted as the upstream failure it is.
+            self._log_stream(dispatch, "stream_error_event", None)
+
+    def _log_stream(self, dispatch: Dispatch, event: str, err: UpstreamError | None) -> None:
+        if err is None:
             log.warning(
-                "event=stream_error_event request_id=%s client_id=%s role=decode instance=%s",
+                "event=%s request_id=%s client_id=%s role=decode instance=%s",
+                event,
                 dispatch.request_id,
                 self._client_id,
-                leg.instance.url,
+                dispatch.leg.instance.url,
             )
-            return Fault.ANSWER
-        return None
+            return
+        log.warning(
+            "event=%s request_id=%s client_id=%s role=%s instance=%s reason=%r cause=%r",
+            event,
+            dispatch.request_id,
+            self._client_id,
+            err.role,
+            err.instance,
+            err.message,
+            str(err.__cause__ or err.code),
+        )
 
-    def _stream_stats(self, dispatch: Dispatch, chunks: int, worst_gap: float) -> None:
-        metrics = self._dispatcher.metrics
-        metrics.chunks.labels(self._pool.name).inc(chunks)
-        if chunks > 1:
-            metrics.max_chunk_gap.labels(self._pool.name, dispatch.decision).observe(worst_gap)
+    def _stream_stats(self, dispatch: Dispatch) -> None:
+        leg = dispatch.leg
+        self._metrics.chunks.labels(self._pool.name).inc(leg.chunks)
+        if leg.chunks > 1:
+            self._metrics.max_chunk_gap.labels(self._pool.name, dispatch.decision).observe(
+                leg.worst_gap
+            )
 
     async def _end(self, send: Send, body: bytes) -> None:
         self._complete = True

@@ -176,7 +176,8 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
     """(connector GB/s, raw GB/s, bytes) for one ~2048-token prompt's KV of the bench model."""
     import torch
 
-    from connector.metadata import PeerAddr, RecvSpec, SendSpec, StepMeta
+    from connector.address import NixlAddress
+    from connector.metadata import RecvSpec, SendSpec, StepMeta, agent_name
     from connector.transport import RealNixlAgent
     from connector.worker import WorkerSide
     from router.stack.model import VARIANTS
@@ -194,10 +195,10 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
         "head_size": spec.head_dim,
         "tp_size": 1,
     }
-    addrs = [PeerAddr(f"bench-{r}", "127.0.0.1", ports[i]) for i, r in enumerate(("p", "d"))]
+    addrs = [NixlAddress(f"bench-{r}", "127.0.0.1", ports[i]) for i, r in enumerate(("p", "d"))]
     sides, caches = [], []
     for addr in addrs:
-        agent = RealNixlAgent(addr.agent_name(0), addr.port)
+        agent = RealNixlAgent(agent_name(addr.engine_id, 0), addr.port)
         w = WorkerSide(
             agent,
             engine_id=addr.engine_id,
@@ -225,7 +226,7 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
             p.bind(StepMeta())
             p.get_finished(set())
             d.get_finished(set())
-            if tid in p._sends_by_tid or tid in p._early_regs:
+            if p._sender.knows(tid):
                 break
             time.sleep(0.001)
         t0 = time.perf_counter()

@@ -20,14 +20,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from connector.address import NixlAddress
 from router.client_request import Endpoint
 
 __all__ = [
     "DispatchIds",
-    "PrefillIdentity",
     "aggregated_body",
     "decode_body",
-    "identity_from_params",
     "new_dispatch_ids",
     "predicted_prefill_request_id",
     "prefill_body",
@@ -58,17 +57,6 @@ def new_dispatch_ids() -> DispatchIds:
     """
     hex_ = f"{random.getrandbits(128):032x}"
     return DispatchIds(request_id=f"pdr-{hex_}", transfer_id=f"xfer-{hex_}")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillIdentity:
-    """What D needs to find P over NIXL in push mode."""
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int = 1
-    pp_size: int = 1
 
 
 def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -138,35 +126,13 @@ def predicted_prefill_request_id(endpoint: Endpoint, request_id: str) -> str:
 
 
 def push_decode_params(
-    identity: PrefillIdentity, remote_request_id: str, transfer_id: str
+    prefill: NixlAddress, remote_request_id: str, transfer_id: str
 ) -> dict[str, Any]:
-    """D's params in push mode: P's coordinates, no block ids (D allocates and registers)."""
+    """D's params in push mode: P's address, no block ids (D allocates and registers)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_engine_id": identity.engine_id,
-        "remote_host": identity.host,
-        "remote_port": identity.port,
-        "tp_size": identity.tp_size,
-        "pp_size": identity.pp_size,
+        **prefill.as_params(with_layout=True),
         "remote_request_id": remote_request_id,
         "transfer_id": transfer_id,
     }
-
-
-def identity_from_params(p_params: dict[str, Any], kv_host: str | None) -> PrefillIdentity | None:
-    """P's NIXL identity as reported in its response, or None if incomplete."""
-    engine_id = p_params.get("remote_engine_id")
-    host = kv_host or p_params.get("remote_host")
-    port = p_params.get("remote_port")
-    if not isinstance(engine_id, str) or not isinstance(host, str) or not isinstance(port, int):
-        return None
-    tp = p_params.get("tp_size")
-    pp = p_params.get("pp_size")
-    return PrefillIdentity(
-        engine_id=engine_id,
-        host=host,
-        port=port,
-        tp_size=tp if isinstance(tp, int) and tp > 0 else 1,
-        pp_size=pp if isinstance(pp, int) and pp > 0 else 1,
-    )

@@ -10,22 +10,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from router.config import TimeoutConfig
-from router.errors import UpstreamError, UpstreamStatus, UpstreamTimeout
+from router.engines.instance import Instance
+from router.errors import Fault, UpstreamError, UpstreamStatus, UpstreamTimeout
 from router.http1 import Http1Response
 from router.metrics import Metrics
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
-from router.workers.instance import Instance
 
-__all__ = ["DecodeLeg", "LegRunner", "PrefillResult"]
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Write"]
 
 _MAX_ERROR_BODY = 64 * 1024
+# How vLLM reports a failure after a streaming response has started (the JSON of
+# an error response as one SSE event). Generated text cannot contain it: inside
+# the JSON of a token event its quotes are escaped.
+_ENGINE_ERROR_EVENT = b'data: {"error"'
 
 
 @contextlib.asynccontextmanager
@@ -60,39 +64,92 @@ class PrefillResult:
     finished_at: float
 
 
-@dataclass(slots=True)
+Write = Callable[[bytes, bool], Awaitable[None]]  # (chunk, more_body)
+
+
 class DecodeLeg:
     """D's response, open: status and first bytes in hand, the rest still to read.
 
-    ``rest`` is None when ``first`` is the whole body (non-streaming responses).
+    The leg owns D's connection and its body: :meth:`forward` reads the rest, maps
+    its errors and detects its end; :meth:`close` closes the connection (vLLM
+    aborts the request there). ``verdict`` is what the end says about D, for outlier
+    detection: ``Fault.NONE`` (no verdict) until the end is read, then None (a clean
+    end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
+    error that broke the stream. ``rest`` is None when ``first`` is the whole body
+    (non-streaming responses, whose verdict is None at once).
     """
 
-    instance: Instance
-    stream: UpstreamStream
-    first: bytes
-    rest: AsyncIterator[bytes] | None
-    closed: bool = False
-    counted: bool = False  # in instance.at_engine (see router/workers/load.py)
-
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        instance: Instance,
+        stream: UpstreamStream,
+        first: bytes,
+        rest: AsyncIterator[bytes] | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.instance = instance
+        self.stream = stream
+        self.first = first
+        self.rest = rest
+        self.verdict: Fault | None = Fault.NONE if rest is not None else None
+        self.chunks = 1  # chunks read from D, the first included
+        self.worst_gap = 0.0  # longest wait between two chunks, seconds
+        self._clock = clock
+        self._closed = False
         # A streaming leg whose first bytes are in is surely running at the engine
         # until its end is read; a complete (non-streaming) body is not.
-        if self.rest is not None:
-            self.counted = True
-            self.instance.at_engine += 1
+        self._counted = rest is not None  # in instance.at_engine (router/engines/load.py)
+        if self._counted:
+            instance.at_engine += 1
 
-    def mark_ended(self) -> None:
-        """D's stream has ended (or is being abandoned): the engine is done with it."""
-        if self.counted:
-            self.counted = False
+    async def forward(self, write: Write) -> None:
+        """Pass the rest of D's body to ``write`` chunk by chunk, as read (no buffering),
+        the last call with ``more_body`` False. Raises :class:`UpstreamError` if D's
+        stream breaks; ``verdict`` then holds its fault."""
+        assert self.rest is not None, "a complete body has nothing left to forward"
+        error_event = _ENGINE_ERROR_EVENT in self.first
+        last = b""
+        now = self._clock()
+        try:
+            with map_errors("decode", self.instance.url):
+                async for chunk in self.rest:
+                    self.chunks += 1
+                    error_event = error_event or _ENGINE_ERROR_EVENT in chunk
+                    t = self._clock()
+                    self.worst_gap = max(self.worst_gap, t - now)
+                    now = t
+                    if self.stream.ended:
+                        last = chunk  # D's last bytes came with its end: one write for both
+                        break
+                    await write(chunk, True)
+        except UpstreamError as exc:
+            self.verdict = exc.fault
+            raise
+        finally:
+            self._mark_ended()
+        self.verdict = Fault.ANSWER if error_event else None
+        await write(last, False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def error_event(self) -> bool:
+        """D ended its 200 stream with its own error event."""
+        return self.verdict is Fault.ANSWER
+
+    def _mark_ended(self) -> None:
+        if self._counted:
+            self._counted = False
             self.instance.at_engine -= 1
 
     async def close(self) -> None:
         """Close D's connection (vLLM aborts the request there); idempotent."""
-        self.mark_ended()
-        if self.closed:
+        self._mark_ended()
+        if self._closed:
             return
-        self.closed = True
+        self._closed = True
         await _close_quietly(self.stream)
 
     @property
@@ -200,10 +257,10 @@ class LegRunner:
                             raise UpstreamStatus(
                                 opened.status, content, role="decode", instance=inst.url
                             )
-                        return DecodeLeg(inst, opened, content, None)
+                        return DecodeLeg(inst, opened, content, None, self._clock)
                     rest = opened.chunks().__aiter__()
                     first = await anext(rest, b"")
-                    return DecodeLeg(inst, opened, first, rest)
+                    return DecodeLeg(inst, opened, first, rest, self._clock)
         except BaseException:
             if opened is not None:
                 await _close_quietly(opened)

@@ -27,37 +27,22 @@ carries no parameters D needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from connector.address import NixlAddress
 
-__all__ = ["TRANSFER_MODE", "PeerIdentity", "decode_params", "prefill_params"]
+__all__ = ["TRANSFER_MODE", "decode_params", "prefill_params"]
 
 TRANSFER_MODE = "pipelined"
 
 
-@dataclass(frozen=True, slots=True)
-class PeerIdentity:
-    """Where an engine's connector can be reached: its KV ``engine_id`` and NIXL side channel."""
-
-    engine_id: str
-    host: str  # NIXL side-channel host of that engine
-    port: int  # its side-channel port
+def _common(transfer_id: str, peer: NixlAddress) -> dict[str, object]:
+    return {"transfer_id": transfer_id, "transfer_mode": TRANSFER_MODE, **peer.as_params()}
 
 
-def _common(transfer_id: str, peer: PeerIdentity) -> dict[str, object]:
-    return {
-        "transfer_id": transfer_id,
-        "transfer_mode": TRANSFER_MODE,
-        "remote_engine_id": peer.engine_id,
-        "remote_host": peer.host,
-        "remote_port": peer.port,
-    }
-
-
-def prefill_params(transfer_id: str, decode: PeerIdentity) -> dict[str, object]:
+def prefill_params(transfer_id: str, decode: NixlAddress) -> dict[str, object]:
     """``kv_transfer_params`` for the P leg: it names the D engine that P writes into."""
     return {"do_remote_decode": True, "do_remote_prefill": False, **_common(transfer_id, decode)}
 
 
-def decode_params(transfer_id: str, prefill: PeerIdentity) -> dict[str, object]:
+def decode_params(transfer_id: str, prefill: NixlAddress) -> dict[str, object]:
     """``kv_transfer_params`` for the D leg: it names the P engine that will write D's blocks."""
     return {"do_remote_decode": False, "do_remote_prefill": True, **_common(transfer_id, prefill)}

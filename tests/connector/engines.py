@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from router.pd.pipelined_params import PeerIdentity, decode_params, prefill_params
+from connector.address import NixlAddress
+from router.pd.pipelined_params import decode_params, prefill_params
 from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack.metrics import Metrics, scrape
@@ -37,7 +38,7 @@ KV_PORTS = range(6600, 6800)
 class Engine:
     spec: eng.EngineSpec
     proc: ManagedProcess
-    identity: PeerIdentity
+    identity: NixlAddress
 
     @property
     def url(self) -> str:
@@ -111,7 +112,7 @@ def engine_pair(
             proc = ManagedProcess(
                 spec.name, eng.engine_argv(spec, opts), env, run_dir / f"{spec.name}.log"
             )
-            engines.append(Engine(spec, proc, PeerIdentity(engine_id, eng.LOCALHOST, kv[i])))
+            engines.append(Engine(spec, proc, NixlAddress(engine_id, eng.LOCALHOST, kv[i])))
         _wait_healthy(engines, startup_timeout_s)
         yield engines[0], engines[1]
     finally:

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from connector.metadata import CONNECTOR_VERSION, PeerAddr
+from connector.address import NixlAddress
+from connector.metadata import CONNECTOR_VERSION, agent_name
 from connector.worker import Timeouts, WorkerSide
-from tests.connector.fake_nixl import Fabric
+from tests.connector.fake_nixl import Fabric, FakeAgent
 
 if TYPE_CHECKING:
     import torch
@@ -17,8 +18,8 @@ LAYERS = 3
 BLOCKS = 16
 BLOCK_SIZE = 4
 WIDTH = 8  # num_kv_heads * head_size in the CPU layout (num_blocks, 2, block_size, width)
-P_ADDR = PeerAddr("prefill-0", "127.0.0.1", 6600)
-D_ADDR = PeerAddr("decode-0", "127.0.0.1", 6700)
+P_ADDR = NixlAddress("prefill-0", "127.0.0.1", 6600)
+D_ADDR = NixlAddress("decode-0", "127.0.0.1", 6700)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Side:
     worker: WorkerSide
     caches: dict[str, torch.Tensor]
     name: str
+    agent: FakeAgent  # what the worker sent (``agent.sent``)
     finished: set[str] = field(default_factory=set)
 
     def layers(self) -> list[str]:
@@ -71,14 +73,14 @@ class Side:
 
 def make_side(
     fabric: Fabric,
-    addr: PeerAddr,
+    addr: NixlAddress,
     clock: Clock,
     *,
     fill: float | None = None,
     timeouts: Timeouts | None = None,
     **compat: Any,
 ) -> Side:
-    name = addr.agent_name(0)
+    name = agent_name(addr.engine_id, 0)
     agent = fabric.agent(name, addr.port)
     w = WorkerSide(
         agent,
@@ -92,7 +94,7 @@ def make_side(
     )
     caches = kv_caches(fill)
     w.register_kv_caches(caches, BLOCKS, "DRAM")
-    return Side(w, caches, name)
+    return Side(w, caches, name, agent)
 
 
 def forward(side: Side, step: Any) -> tuple[set[str], set[str], set[str]]:

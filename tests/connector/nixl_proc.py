@@ -11,12 +11,13 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 from typing import Any
 
-from connector.metadata import PeerAddr, StepMeta
+from connector.address import NixlAddress
+from connector.metadata import StepMeta, agent_name
 
 
 def serve(
     conn: Connection,
-    addr: PeerAddr,
+    addr: NixlAddress,
     fill: float | None,
     timeouts: dict[str, float],
     compat: dict[str, Any],
@@ -27,7 +28,7 @@ def serve(
     from connector.worker import Timeouts, WorkerSide
     from tests.connector.helpers import BLOCKS, compat_fields, kv_caches
 
-    agent = RealNixlAgent(addr.agent_name(0), addr.port)
+    agent = RealNixlAgent(agent_name(addr.engine_id, 0), addr.port)
     worker = WorkerSide(
         agent,
         engine_id=addr.engine_id,

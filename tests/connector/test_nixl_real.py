@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from connector.metadata import PeerAddr, RecvSpec, SendSpec, StepMeta
+from connector.address import NixlAddress
+from connector.metadata import RecvSpec, SendSpec, StepMeta
 from router.stack.ports import pick_ports
 from tests.connector import nixl_proc
 from tests.connector.helpers import LAYERS
@@ -22,7 +23,11 @@ pytest.importorskip("nixl")
 
 class Proc:
     def __init__(
-        self, addr: PeerAddr, fill: float | None, timeouts: dict[str, float], compat: dict[str, Any]
+        self,
+        addr: NixlAddress,
+        fill: float | None,
+        timeouts: dict[str, float],
+        compat: dict[str, Any],
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
@@ -52,10 +57,10 @@ class Proc:
 @contextmanager
 def pair(
     timeouts: dict[str, float] | None = None, d_compat: dict[str, Any] | None = None
-) -> Iterator[tuple[Proc, Proc, PeerAddr, PeerAddr]]:
+) -> Iterator[tuple[Proc, Proc, NixlAddress, NixlAddress]]:
     p_port, d_port = pick_ports(2, range(6600, 6800))
-    p_addr = PeerAddr("it-prefill", "127.0.0.1", p_port)
-    d_addr = PeerAddr("it-decode", "127.0.0.1", d_port)
+    p_addr = NixlAddress("it-prefill", "127.0.0.1", p_port)
+    d_addr = NixlAddress("it-decode", "127.0.0.1", d_port)
     p = Proc(p_addr, None, timeouts or {}, {})
     d = Proc(d_addr, 0.0, timeouts or {}, d_compat or {})
     try:

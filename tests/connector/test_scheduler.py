@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from connector.address import NixlAddress
 from connector.scheduler import SchedulerSide
-from router.pd.pipelined_params import PeerIdentity, decode_params, prefill_params
+from router.pd.pipelined_params import decode_params, prefill_params
 from tests.connector.helpers import request, sched_output
 
 BS = 4
-P_PARAMS = prefill_params("t1", PeerIdentity("decode-0", "h", 6700))
-D_PARAMS = decode_params("t1", PeerIdentity("prefill-0", "h", 6600))
+P_PARAMS = prefill_params("t1", NixlAddress("decode-0", "h", 6700))
+D_PARAMS = decode_params("t1", NixlAddress("prefill-0", "h", 6600))
 
 
 def test_chunked_prefill_writes_each_block_once_and_the_tail_last() -> None:
@@ -99,7 +100,12 @@ def test_decode_finished_after_transfer_is_quiet() -> None:
 
 def test_plain_and_malformed_requests_are_not_transfers() -> None:
     s = SchedulerSide(BS)
-    for req in (request("a", None, 8), request("b", {"do_remote_prefill": True}, 8)):
+    mistyped = {**D_PARAMS, "remote_port": "6600"}  # NixlAddress.from_params wants an int
+    for req in (
+        request("a", None, 8),
+        request("b", {"do_remote_prefill": True}, 8),
+        request("c", mistyped, 8),
+    ):
         s.on_new_request(req)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)
         assert s.request_finished(req, []) == (False, None)

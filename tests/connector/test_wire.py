@@ -6,20 +6,41 @@ import json
 
 import pytest
 
+from connector.address import NixlAddress
 from connector.layout import CacheLayout, block_runs, write_descs
-from connector.metadata import CONNECTOR_VERSION, Compat, PeerAddr, decode, encode
-from router.pd.pipelined_params import PeerIdentity, decode_params, prefill_params
+from connector.metadata import CONNECTOR_VERSION, Compat, Kind, decode, encode
+from router.pd.pipelined_params import decode_params, prefill_params
 
 
 def test_roundtrip_keeps_kind_tid_and_body() -> None:
-    msg = decode(encode("REG", "t1", start=2, blocks=[5, 6]))
+    msg = decode(encode(Kind.REG, "t1", start=2, blocks=[5, 6]))
     assert msg is not None
     assert (msg.kind, msg.tid, msg.body) == ("REG", "t1", {"start": 2, "blocks": [5, 6]})
+    assert msg.kind is Kind.REG
+
+
+def test_encoding_is_the_version_1_wire_format() -> None:
+    """The kinds are an enum in code, plain strings on the wire (unchanged since version 1)."""
+    assert CONNECTOR_VERSION == 1
+    assert encode(Kind.REG, "t1", start=2, blocks=[5, 6]) == (
+        b'PDR{"v":1,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
+    )
+    assert encode(Kind.DONE, "t1", writes=3, tokens=10) == (
+        b'PDR{"v":1,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
+    )
+    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":1,"t":"REFUSE","tid":"","reason":"x"}'
+    wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT"}
+    assert {k.value for k in Kind} == wire | {"VERSION"}
+    for kind in wire:
+        raw = b'PDR{"v":1,"t":"%s","tid":"t"}' % kind.encode()
+        assert decode(raw) == decode(encode(Kind(kind), "t"))
+        assert decode(raw).kind is Kind(kind)  # type: ignore[union-attr]
 
 
 def test_foreign_notifications_are_ignored() -> None:
     assert decode(b"HB:req-1") is None
     assert decode(b"PDRnot json") is None
+    assert decode(b'PDR{"v":1,"t":"NEW","tid":"x"}') is None  # no handler for it
 
 
 def test_other_version_is_reported_not_parsed() -> None:
@@ -61,10 +82,10 @@ def test_kv_first_layout_has_two_segments() -> None:
 
 
 def test_router_params_carry_the_other_engine() -> None:
-    d = PeerIdentity("decode-0", "10.0.0.2", 6700)
-    p = PeerIdentity("prefill-0", "10.0.0.1", 6600)
+    d = NixlAddress("decode-0", "10.0.0.2", 6700)
+    p = NixlAddress("prefill-0", "10.0.0.1", 6600)
     pp, dp = prefill_params("x1", d), decode_params("x1", p)
     assert pp["do_remote_decode"] is True and dp["do_remote_prefill"] is True
-    assert PeerAddr.from_params(pp) == PeerAddr("decode-0", "10.0.0.2", 6700)
-    assert PeerAddr.from_params(dp) == PeerAddr("prefill-0", "10.0.0.1", 6600)
+    assert NixlAddress.from_params(pp) == NixlAddress("decode-0", "10.0.0.2", 6700)
+    assert NixlAddress.from_params(dp) == NixlAddress("prefill-0", "10.0.0.1", 6600)
     assert pp["transfer_id"] == dp["transfer_id"] == "x1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from connector.metadata import RecvSpec, SendSpec, StepMeta, decode
+from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.worker import Timeouts
 from tests.connector.fake_nixl import Fabric
 from tests.connector.helpers import (
@@ -190,7 +190,7 @@ def test_registration_timeout_frees_p_and_tells_d() -> None:
     # A registration that arrives afterwards is answered with FAIL at once.
     forward(d, recv("d1", 0, [10]))
     settle(p, d, steps=2)
-    assert not d.worker._recvs
+    assert not d.worker._receiver.busy
 
 
 def test_receive_timeout_aborts_p() -> None:
@@ -199,7 +199,7 @@ def test_receive_timeout_aborts_p() -> None:
     settle(p, d)
     clock.advance(11)
     assert idle(d)[2] == {"d1"}
-    aborts = [m for _, m in d.worker._agent.sent if decode(m).kind == "ABORT"]  # type: ignore[attr-defined, union-attr]
+    aborts = [m for _, m in d.agent.sent if decode(m).kind is Kind.ABORT]  # type: ignore[union-attr]
     assert len(aborts) == 1
 
 
@@ -259,7 +259,7 @@ def test_finished_ids_of_other_requests_are_not_kept() -> None:
     _, _, p, _ = pair()
     p.finished.update({"plain-1", "plain-2"})
     idle(p)
-    assert p.worker._finished_reqs == set()
+    assert p.worker._sender._finished_reqs == set()
 
 
 def test_idle_steps_pause_only_while_waiting_for_a_peer() -> None:

@@ -78,7 +78,8 @@ async def test_pool_follows_pods_and_streams_survive_removal(
     assert pool is not None
 
     await eventually(lambda: urls(pool) == ([p0], []))  # d-0 not Ready: not routed to
-    assert pool.identities[p0].engine_id == "p-0" and pool.identities[p0].port == 7001
+    nixl = pool.prefill[0].nixl
+    assert nixl is not None and nixl.engine_id == "p-0" and nixl.port == 7001
 
     await kube.set_ready("d-0", True)
     await eventually(lambda: urls(pool) == ([p0], [d0]))

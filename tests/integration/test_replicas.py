@@ -1,5 +1,5 @@
 """Two router processes sharing two decode engines never oversubscribe them by more
-than the stated margin (see router/workers/load.py)."""
+than the stated margin (see router/engines/load.py)."""
 
 from __future__ import annotations
 

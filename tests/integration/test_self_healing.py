@@ -32,7 +32,7 @@ import pytest
 
 from router.app import AppContext, create_app
 from router.config import BreakerConfig, HealthConfig, parse_config
-from router.workers.breaker import BreakerState
+from router.engines.breaker import BreakerState
 from tests.conftest import Cluster, metric
 from tests.fakes.router_proc import free_port
 from tests.fakes.servers import serve

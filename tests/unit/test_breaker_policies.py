@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
+from router.engines.breaker import Breaker, BreakerState
+from router.engines.instance import Instance, Role
+from router.engines.policies import make_policy
 from router.errors import Fault
-from router.workers.breaker import Breaker, BreakerState
-from router.workers.instance import Instance, Role
-from router.workers.policies import make_policy
 
 
 class Clock:

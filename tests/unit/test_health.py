@@ -6,10 +6,10 @@ import httpx
 import pytest
 
 from router.config import HealthConfig, TimeoutConfig
+from router.engines.breaker import Breaker
+from router.engines.health import HealthMonitor
+from router.engines.instance import Instance, Role
 from router.upstream import UpstreamClient
-from router.workers.breaker import Breaker
-from router.workers.health import HealthMonitor
-from router.workers.instance import Instance, Role
 
 URL = "http://p:8000"
 

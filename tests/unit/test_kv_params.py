@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from connector.address import NixlAddress
 from router.client_request import Endpoint
 from router.pd import kv_params as kp
 
@@ -67,7 +68,7 @@ def test_pull_params_are_verbatim_except_reachable_host() -> None:
 
 
 def test_push_params_carry_identity_and_no_block_ids() -> None:
-    ident = kp.PrefillIdentity("p0", "10.0.0.1", 5600, tp_size=2)
+    ident = NixlAddress("p0", "10.0.0.1", 5600, tp_size=2)
     params = kp.push_decode_params(ident, "cmpl-r-0", "xfer-9")
     assert params == {
         "do_remote_prefill": True,
@@ -87,11 +88,11 @@ def test_predicted_prefill_request_id_per_endpoint() -> None:
     assert kp.predicted_prefill_request_id(Endpoint.COMPLETIONS, "abc") == "cmpl-abc-0"
 
 
-def test_identity_from_params() -> None:
+def test_nixl_address_from_params() -> None:
     full = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "tp_size": 4}
-    assert kp.identity_from_params(full, None) == kp.PrefillIdentity("e", "h", 1, 4, 1)
-    assert kp.identity_from_params(full, "override").host == "override"  # type: ignore[union-attr]
-    assert kp.identity_from_params({"remote_engine_id": "e"}, None) is None
+    assert NixlAddress.from_params(full) == NixlAddress("e", "h", 1, 4, 1)
+    assert NixlAddress.from_params(full, "override").host == "override"  # type: ignore[union-attr]
+    assert NixlAddress.from_params({"remote_engine_id": "e"}) is None
 
 
 def test_dispatch_ids_are_fresh() -> None:

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import pytest
 
+from router.engines.breaker import Breaker
+from router.engines.instance import Instance, Role
+from router.engines.ledger import SlotLedger
+from router.engines.policies import make_policy
 from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
-from router.workers.breaker import Breaker
-from router.workers.instance import Instance, Role
-from router.workers.ledger import SlotLedger
-from router.workers.policies import make_policy
 
 
 class Clock:

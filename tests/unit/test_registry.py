@@ -49,9 +49,9 @@ def test_set_instances_from_discovery_keeps_learned_identities() -> None:
     )
     pool = reg.get("m")
     assert pool is not None
-    from router.pd.kv_params import PrefillIdentity
-
-    pool.learn_identity("http://p:1", PrefillIdentity("e", "h", 1))
+    learned = pool.prefill[0].learn_nixl(
+        {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1}
+    )
     reg.set_instances("m", pool.config.prefill, [DecodeInstanceConfig(url="http://d2:1")])  # type: ignore[arg-type]
-    assert "http://p:1" in pool.identities
+    assert learned is not None and pool.prefill[0].nixl == learned
     assert [d.url for d in pool.decode] == ["http://d2:1"]

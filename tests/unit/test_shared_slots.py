@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from router.engines.breaker import Breaker
+from router.engines.instance import Instance, Role
+from router.engines.ledger import SlotLedger
+from router.engines.policies import make_policy
 from router.shared_slots import SharedSlotTable, SlotTableFull, slot_key
-from router.workers.breaker import Breaker
-from router.workers.instance import Instance, Role
-from router.workers.ledger import SlotLedger
-from router.workers.policies import make_policy
 
 MP = multiprocessing.get_context("fork")
 KEY = slot_key("m", "http://d")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import HealthConfig
+from router.engines.instance import Instance, Role
 from router.upstream import UpstreamClient
-from router.workers.instance import Instance, Role
 
 __all__ = ["EngineLoad", "HealthMonitor", "parse_engine_load"]
 
@@ -54,7 +54,7 @@ def parse_engine_load(text: str) -> EngineLoad | None:
 
 class HealthMonitor:
     """Probes every engine; what it learns reaches the ledger through the instances
-    themselves (see :class:`~router.workers.instance.Instance`), not through hooks here."""
+    themselves (see :class:`~router.engines.instance.Instance`), not through hooks here."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from router.workers.instance import Instance
+from router.engines.instance import Instance
 
 __all__ = ["Policy", "make_policy"]
 

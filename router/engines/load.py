@@ -31,9 +31,9 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 
+from router.engines.health import parse_engine_load
+from router.engines.instance import Instance
 from router.upstream import UpstreamClient
-from router.workers.health import parse_engine_load
-from router.workers.instance import Instance
 
 __all__ = ["LoadWatcher", "static_share"]
 

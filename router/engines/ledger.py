@@ -23,11 +23,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from router.engines.breaker import BreakerState
+from router.engines.instance import Instance, Role, candidates, refusal
+from router.engines.policies import Policy
 from router.errors import NoCapacity, NoHealthyEngine, QueueFull
 from router.shared_slots import WorkerSlots, slot_key
-from router.workers.breaker import BreakerState
-from router.workers.instance import Instance, Role, candidates, refusal
-from router.workers.policies import Policy
 
 __all__ = ["Reservation", "SlotLedger"]
 

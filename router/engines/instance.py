@@ -7,10 +7,11 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+from connector.address import NixlAddress
+from router.engines.breaker import Breaker, BreakerState
 from router.errors import NoHealthyEngine
-from router.pd.pipelined_params import PeerIdentity
-from router.workers.breaker import Breaker, BreakerState
 
 __all__ = ["Instance", "Role", "candidates", "refusal"]
 
@@ -59,8 +60,11 @@ class Instance:
         self.at_engine = 0  # decode: streams with first bytes in and no end seen yet
         self.health_failures = 0
         self.suspect = False  # decode: a leg was closed while waiting for KV
-        # The engine's NIXL identity as configured or discovered (pipelined mode).
-        self.peer: PeerIdentity | None = None
+        # The engine's NIXL address: configured (or discovered), else learned from
+        # P's responses in push mode. ``kv_host`` overrides the host P reports.
+        self.kv_host: str | None = None
+        self._nixl_configured: NixlAddress | None = None
+        self._nixl_learned: NixlAddress | None = None
         # Decode, ``--workers N``: reads the router-wide count of this instance from the
         # shared slot table (set by the ledger); None = this process is the router.
         self.shared_in_use: Callable[[], int] | None = None
@@ -132,6 +136,32 @@ class Instance:
                     self.why_out(),
                 )
         self.on_change()
+
+    # -- NIXL address ---------------------------------------------------------------
+
+    @property
+    def nixl(self) -> NixlAddress | None:
+        """Where this engine's KV connector is reached: as configured, else as learned."""
+        return self._nixl_configured or self._nixl_learned
+
+    def configure_nixl(self, address: NixlAddress | None, kv_host: str | None) -> None:
+        """Set from the config (or discovery); a learned address is kept only while
+        none is configured."""
+        self._nixl_configured = address
+        self.kv_host = kv_host
+
+    def learn_nixl(self, params: dict[str, Any]) -> NixlAddress | None:
+        """Learn the address P reported in its ``kv_transfer_params`` (``kv_host``
+        replacing its host); returns it, or None if the params lack one."""
+        address = NixlAddress.from_params(params, self.kv_host)
+        if address is not None:
+            self._nixl_learned = address
+        return address
+
+    def forget_nixl(self) -> None:
+        """Drop a learned address after a failure: the engine may have restarted with
+        another engine id. A configured address stays."""
+        self._nixl_learned = None
 
     # -- derived ----------------------------------------------------------------
 

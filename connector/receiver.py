@@ -1,0 +1,174 @@
+"""D side of a worker rank: register blocks with P, count its WRITEs, report the receive.
+
+Per transfer id: the scheduler's ``RecvSpec`` names the blocks P must fill; once the link to P is
+READY, ``REG`` sends them. Every WRITE from P carries a ``W`` notice, delivered after its data;
+``DONE`` says how many there are, so the receive is complete once that many ``W`` were seen.
+
+Every receive the scheduler hands over is reported exactly once, successful or failed: failed on
+P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also sends ``ABORT`` so P
+stops writing). A request vLLM aborted while it waited is reported finished, not failed (vLLM has
+already ended it), after an ``ABORT`` to P.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from connector.address import NixlAddress
+from connector.context import WorkerContext
+from connector.metadata import Kind, RecvSpec, encode
+from connector.peers import Link, LinkState
+
+__all__ = ["Receiver"]
+
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass(slots=True)
+class _Recv:
+    spec: RecvSpec
+    link: str
+    started: float
+    reg_sent: bool = False
+    writes_seen: int = 0
+    expected: int | None = None  # from DONE
+    failed: bool = False
+    finished: bool = False
+
+
+class Receiver:
+    """All D-side receives of one rank, keyed by request id and by tid; their only owner."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        self._recvs: dict[str, _Recv] = {}
+        self._by_tid: dict[str, _Recv] = {}
+
+    @property
+    def busy(self) -> bool:
+        """True while any receive is not yet reported."""
+        return bool(self._recvs)
+
+    # -- the scheduler's plan -------------------------------------------------------------------
+
+    def start(self, spec: RecvSpec) -> None:
+        """Begin a receive: connect to P and register the blocks as soon as the link allows."""
+        link = self._ctx.peers.ensure(spec.peer)
+        recv = _Recv(spec, link.name, self._ctx.clock())
+        self._recvs[spec.req_id] = recv
+        self._by_tid[spec.tid] = recv
+        self._try_register(recv)
+
+    def decode_aborted(self, req_id: str, tid: str, peer: NixlAddress) -> None:
+        """vLLM aborted D's request: ABORT to P (even for a receive never started here)."""
+        recv = self._recvs.get(req_id)
+        if recv is None:
+            link = self._ctx.peers.ensure(peer)
+            self._ctx.notice(link.name, encode(Kind.ABORT, tid, reason="aborted"))
+            return
+        if not recv.finished:
+            self._fail(recv, "decode_abort", "decode request aborted", notify=True)
+        recv.failed = False  # an abort is not a load failure: vLLM has already ended it
+
+    # -- messages and links ---------------------------------------------------------------------
+
+    def on_write(self, tid: str) -> None:
+        """A ``W`` notice: one more WRITE of ``tid`` has landed."""
+        recv = self._by_tid.get(tid)
+        if recv is not None:
+            recv.writes_seen += 1
+            self._maybe_complete(recv)
+
+    def on_done(self, tid: str, body: dict[str, Any]) -> None:
+        """P posted all ``body["writes"]`` WRITEs of ``tid``."""
+        recv = self._by_tid.get(tid)
+        if recv is not None:
+            recv.expected = int(body.get("writes", 0))
+            self._maybe_complete(recv)
+
+    def on_fail(self, tid: str, reason: str) -> None:
+        """P gave up on ``tid``: the receive fails (P already knows, so no ABORT)."""
+        recv = self._by_tid.get(tid)
+        if recv is not None:
+            self._fail(recv, "peer_fail", f"P failed the transfer: {reason}", notify=False)
+
+    def on_link_settled(self, link: Link) -> None:
+        """Register (or fail) the receives that waited for ``link``."""
+        for recv in list(self._recvs.values()):
+            if recv.link == link.name:
+                self._try_register(recv)
+
+    # -- once per step --------------------------------------------------------------------------
+
+    def collect(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids after applying the receive timeout; forgets them."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        now = self._ctx.clock()
+        recv_s = self._ctx.t.recv_s
+        for recv in list(self._recvs.values()):
+            if not recv.finished and now - recv.started > recv_s:
+                self._fail(recv, "recv_timeout", f"no KV from P in {recv_s}s", notify=True)
+            if recv.finished:
+                finished.add(recv.spec.req_id)
+                if recv.failed:
+                    failed.add(recv.spec.req_id)
+                self._recvs.pop(recv.spec.req_id, None)
+                self._by_tid.pop(recv.spec.tid, None)
+        return finished, failed
+
+    def shutdown(self) -> None:
+        """Fail every receive and ABORT it, so each P stops writing and frees its blocks."""
+        for recv in list(self._recvs.values()):
+            self._fail(recv, "decode_abort", "D worker shutting down", notify=True)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _try_register(self, recv: _Recv) -> None:
+        link = self._ctx.peers.get(recv.link)
+        if recv.reg_sent or recv.finished or link is None:
+            return
+        if link.state is LinkState.READY:
+            spec = recv.spec
+            self._ctx.notice(
+                link.name, encode(Kind.REG, spec.tid, start=spec.start_block, blocks=spec.block_ids)
+            )
+            recv.reg_sent = True
+            log.debug(
+                "pd-connector: REG %s sent %.1f ms after the receive began",
+                spec.tid,
+                1000 * (self._ctx.clock() - recv.started),
+            )
+        elif link.settled:
+            self._fail(recv, link.failure_kind, link.reason, notify=False)
+
+    def _maybe_complete(self, recv: _Recv) -> None:
+        if recv.finished or recv.expected is None or recv.writes_seen < recv.expected:
+            return
+        recv.finished = True
+        log.debug(
+            "pd-connector: receive %s complete after %.1f ms (%d writes)",
+            recv.spec.tid,
+            1000 * (self._ctx.clock() - recv.started),
+            recv.writes_seen,
+        )
+        layout = self._ctx.layout
+        if layout is not None:
+            segs = len(layout.layers[0].segments) if layout.layers else 0
+            per_block = layout.block_bytes * segs * len(layout.layers)
+            self._ctx.stats.received(len(recv.spec.block_ids) * per_block)
+
+    def _fail(self, recv: _Recv, kind: str, reason: str, notify: bool) -> None:
+        """End ``recv`` as failed once; ``notify`` sends ABORT so P stops writing."""
+        if recv.finished:
+            return
+        recv.finished = recv.failed = True
+        self._ctx.stats.failure(kind)
+        log.warning(
+            "pd-connector: receive %s (tid %s) failed: %s", recv.spec.req_id, recv.spec.tid, reason
+        )
+        if notify:
+            self._ctx.notice(recv.link, encode(Kind.ABORT, recv.spec.tid, reason=reason))

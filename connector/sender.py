@@ -1,0 +1,342 @@
+"""P side of a worker rank: WRITE each layer's new blocks into the blocks D registered, then DONE.
+
+Per transfer id: each step's ``SendSpec`` names the blocks the forward computes; ``save_layer``
+queues them per layer and posts one WRITE per layer (each carrying a ``W`` notice) as soon as D's
+``REG`` and the link's layout are known, so layers saved before REG arrives wait in the queue.
+Once the final step has ended, REG is known and the queue is empty, ``DONE`` tells D how many
+WRITEs to count. A send is reported finished once vLLM has finished its request and no WRITE from
+its blocks is still in flight (vLLM frees the blocks then).
+
+P gives up with ``FAIL`` to D on its request's abort or error, on the registration timeout and
+on a WRITE error or timeout; after D's ``ABORT`` it just stops writing. For ``memory_s`` it
+remembers tids it holds no send for: an early REG (used when the send starts), an ABORT (the send
+starts failed), and a tid it gave up on (a REG arriving later is answered ``FAIL`` at once).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.address import NixlAddress
+from connector.context import WorkerContext
+from connector.layout import block_runs, write_descs
+from connector.metadata import Kind, SendSpec, encode
+from connector.peers import Link, LinkState
+
+__all__ = ["Sender"]
+
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass(slots=True)
+class _Send:
+    req_id: str
+    tid: str
+    link: str
+    started: float
+    queued: list[tuple[int, int, list[int]]] = field(default_factory=list)  # layer, first, ids
+    step: tuple[int, list[int]] | None = None  # this step's (first logical block, local ids)
+    step_final: bool = False
+    num_tokens: int = 0
+    reg: tuple[int, list[int]] | None = None  # D's (start block, block ids)
+    handles: list[tuple[object, float]] = field(default_factory=list)  # (WRITE, posted at)
+    writes: int = 0
+    final_at: float | None = None
+    done_sent: bool = False
+    failed: bool = False
+    first_post: float | None = None
+    last_done: float | None = None
+
+
+class Sender:
+    """All P-side transfers of one rank, keyed by request id and by tid; their only owner."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        self._sends: dict[str, _Send] = {}
+        self._by_tid: dict[str, _Send] = {}
+        self._early_regs: dict[str, tuple[str, dict[str, Any], float]] = {}  # D agent, body, at
+        self._aborted_tids: dict[str, float] = {}  # D aborted before P started
+        self._failed_tids: dict[str, float] = {}  # given up on, answered at once
+        self._finished_reqs: set[str] = set()  # finished by vLLM, not yet reported
+
+    @property
+    def busy(self) -> bool:
+        """True while any send holds blocks (not yet reported finished)."""
+        return bool(self._sends)
+
+    def knows(self, tid: str) -> bool:
+        """True once P holds a send or an early REG for ``tid``."""
+        return tid in self._by_tid or tid in self._early_regs
+
+    # -- the scheduler's plan -------------------------------------------------------------------
+
+    def plan(self, spec: SendSpec) -> None:
+        """Take this step's blocks of a send, starting the send on its first spec."""
+        send = self._sends.get(spec.req_id)
+        if send is None:
+            send = self._start(spec)
+        elif spec.first_block == 0:
+            # Resumed after preemption: queued layers may name blocks vLLM has since freed and
+            # reused. Everything is planned again from block 0.
+            send.queued.clear()
+        send.step = (spec.first_block, spec.block_ids)
+        send.step_final = spec.final
+        send.num_tokens = spec.num_tokens
+
+    def prefill_failed(self, req_id: str, tid: str, peer: NixlAddress) -> None:
+        """P's request was aborted or failed: FAIL to D, even if no send was ever planned."""
+        send = self._sends.get(req_id)
+        if send is not None:
+            self._fail(send, "prefill_abort", "prefill request aborted or failed")
+            return
+        link = self._ctx.peers.ensure(peer)  # never scheduled here: notify D all the same
+        self._ctx.stats.failure("prefill_abort")
+        self._failed_tids[tid] = self._ctx.clock()
+        self._ctx.notice(
+            link.name, encode(Kind.FAIL, tid, reason="prefill request aborted or failed")
+        )
+
+    # -- the forward ----------------------------------------------------------------------------
+
+    def awaiting_reg(self) -> bool:
+        """True if a send of this forward still lacks D's REG (worth reading notifications)."""
+        return any(s.reg is None for s in self._stepping())
+
+    def save_layer(self, layer: int) -> None:
+        """``layer`` is computed: queue this step's blocks of it and post what can be posted."""
+        for send in self._stepping():
+            assert send.step is not None
+            if send.step[1]:
+                send.queued.append((layer, send.step[0], send.step[1]))
+            self._flush(send)
+
+    def end_step(self) -> None:
+        """The forward is over: close this step's plan; DONE where the prompt is complete."""
+        now = self._ctx.clock()
+        for send in self._sends.values():
+            if send.step_final and send.final_at is None:
+                send.final_at = now
+            send.step, send.step_final = None, False
+            self._maybe_done(send)
+
+    # -- messages and links ---------------------------------------------------------------------
+
+    def on_reg(self, peer: str, tid: str, body: dict[str, Any]) -> None:
+        """D's REG from agent ``peer``: its blocks for ``tid``; kept if the send has not started."""
+        send = self._by_tid.get(tid)
+        if send is None and tid in self._failed_tids:
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="prefill already failed"))
+            return
+        if send is None:
+            self._early_regs[tid] = (peer, body, self._ctx.clock())
+            return
+        send.link = peer
+        send.reg = (int(body["start"]), [int(b) for b in body["blocks"]])
+        self._flush(send)
+        self._maybe_done(send)
+
+    def on_abort(self, tid: str) -> None:
+        """D's ABORT: stop writing ``tid`` (or start it failed, if it has not started)."""
+        send = self._by_tid.get(tid)
+        if send is None:
+            self._aborted_tids[tid] = self._ctx.clock()
+            self._early_regs.pop(tid, None)
+        else:
+            self._fail(send, "decode_abort", "D aborted the transfer", notify=False)
+
+    def on_link_settled(self, link: Link) -> None:
+        """Post what waited for ``link``; fail its sends if it will never be READY."""
+        for send in list(self._sends.values()):
+            if send.link != link.name:
+                continue
+            if link.state is LinkState.READY:
+                self._flush(send)
+                self._maybe_done(send)
+            else:
+                self._fail(send, link.failure_kind, link.reason, notify=False)
+
+    # -- once per step --------------------------------------------------------------------------
+
+    def note_finished(self, req_ids: set[str]) -> None:
+        """vLLM finished these requests; only ours are kept (all ids would grow without bound)."""
+        self._finished_reqs |= req_ids & self._sends.keys()
+
+    def check_writes(self) -> None:
+        """Check in-flight WRITEs: a completed one releases its W notice to D when checked."""
+        for send in self._sends.values():
+            if send.handles:
+                self._check_handles(send, self._ctx.clock())
+
+    def collect(self) -> set[str]:
+        """Request ids whose send is settled, drained and finished by vLLM; forgets them."""
+        done: set[str] = set()
+        now = self._ctx.clock()
+        for send in list(self._sends.values()):
+            self._check_handles(send, now)
+            self._check_reg_timeout(send, now)
+            settled = send.failed or send.done_sent
+            if send.req_id in self._finished_reqs and settled and not send.handles:
+                done.add(send.req_id)
+                self._drop(send)
+        return done
+
+    def expire_memory(self) -> None:
+        """Forget tids older than ``memory_s``; an unclaimed REG gets a FAIL so D stops waiting."""
+        cutoff = self._ctx.clock() - self._ctx.t.memory_s
+        for tid in [t for t, (_, _, at) in self._early_regs.items() if at < cutoff]:
+            peer = self._early_regs.pop(tid)[0]
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no prefill request for this tid"))
+        for memory in (self._aborted_tids, self._failed_tids):
+            for tid in [t for t, at in memory.items() if at < cutoff]:
+                del memory[tid]
+
+    def shutdown(self) -> None:
+        """Fail every send, so each D frees its blocks now."""
+        for send in list(self._sends.values()):
+            self._fail(send, "prefill_abort", "P worker shutting down")
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _start(self, spec: SendSpec) -> _Send:
+        link = self._ctx.peers.ensure(spec.peer)
+        send = _Send(spec.req_id, spec.tid, link.name, self._ctx.clock())
+        self._sends[spec.req_id] = send
+        self._by_tid[spec.tid] = send
+        if self._aborted_tids.pop(send.tid, None) is not None:
+            self._fail(send, "decode_abort", "D aborted before P started", notify=False)
+        early = self._early_regs.pop(send.tid, None)
+        if early is not None:
+            self.on_reg(early[0], send.tid, early[1])
+        return send
+
+    def _stepping(self) -> list[_Send]:
+        return [s for s in self._sends.values() if s.step is not None and not s.failed]
+
+    def _flush(self, send: _Send) -> None:
+        """Post every queued layer write, if D's blocks and layout are known."""
+        if send.failed:
+            send.queued.clear()
+            return
+        link = self._ctx.peers.get(send.link)
+        if send.reg is None or link is None or link.state is not LinkState.READY:
+            return
+        if link.layout is None:
+            self._fail(send, "refused", f"peer {link.name} sent no KV layout")
+            return
+        by_layer = _pair_blocks(send.queued, *send.reg)
+        send.queued.clear()
+        for layer, (src, dst) in sorted(by_layer.items()):
+            if src:
+                self._post(send, link, layer, src, dst)
+
+    def _post(self, send: _Send, link: Link, layer: int, src: list[int], dst: list[int]) -> None:
+        layout = self._ctx.layout
+        assert layout is not None and link.layout is not None
+        local, remote = write_descs(layout, link.layout, layer, block_runs(src, dst))
+        try:
+            handle = self._ctx.agent.post_write(
+                link.name, local, remote, layout.mem_type, encode(Kind.W, send.tid)
+            )
+        except Exception as exc:
+            self._fail(send, "write_error", f"posting WRITE failed: {exc}")
+            return
+        now = self._ctx.clock()
+        send.first_post = send.first_post or now
+        send.handles.append((handle, now))
+        send.writes += 1
+        self._ctx.stats.wrote(sum(d[1] for d in local))
+
+    def _maybe_done(self, send: _Send) -> None:
+        """DONE once the prompt is complete, D's blocks are known and every WRITE is posted."""
+        if send.failed or send.done_sent or send.final_at is None or send.reg is None:
+            return
+        if send.queued:
+            return
+        send.done_sent = True
+        log.debug(
+            "pd-connector: DONE %s after %d writes, %.1f ms after the plan",
+            send.tid,
+            send.writes,
+            1000 * (self._ctx.clock() - send.started),
+        )
+        self._ctx.notice(
+            send.link, encode(Kind.DONE, send.tid, writes=send.writes, tokens=send.num_tokens)
+        )
+
+    def _fail(self, send: _Send, kind: str, reason: str, notify: bool = True) -> None:
+        """Give up on ``send`` once; ``kind`` is its ``stats.FAILURE_KINDS`` entry."""
+        if send.failed:
+            return
+        send.failed = True
+        send.queued.clear()
+        self._ctx.stats.failure(kind)
+        log.warning("pd-connector: send %s (tid %s) failed: %s", send.req_id, send.tid, reason)
+        if notify:  # also after DONE: D still waits for the W of the failed WRITE
+            self._ctx.notice(send.link, encode(Kind.FAIL, send.tid, reason=reason))
+
+    def _check_handles(self, send: _Send, now: float) -> None:
+        pending: list[tuple[object, float]] = []
+        for handle, posted in send.handles:
+            state = self._xfer_state(handle)
+            if state == "PROC" and now - posted <= self._ctx.t.write_s:
+                pending.append((handle, posted))
+                continue
+            self._release(handle)
+            if state == "PROC":
+                self._fail(send, "write_timeout", "WRITE did not complete in time")
+            elif state == "ERR":
+                self._fail(send, "write_error", "WRITE failed")
+            else:
+                send.last_done = now
+        send.handles = pending
+        if send.done_sent and not pending and send.first_post is not None and not send.failed:
+            self._ctx.stats.sent(send.writes, (send.last_done or now) - send.first_post)
+            send.first_post = None  # count once
+
+    def _check_reg_timeout(self, send: _Send, now: float) -> None:
+        if send.failed or send.reg is not None or send.final_at is None:
+            return
+        if now - send.final_at > self._ctx.t.reg_s:
+            self._fail(send, "reg_timeout", f"no registration from D in {self._ctx.t.reg_s}s")
+
+    def _drop(self, send: _Send) -> None:
+        if send.failed:
+            self._failed_tids[send.tid] = self._ctx.clock()
+        self._sends.pop(send.req_id, None)
+        self._by_tid.pop(send.tid, None)
+        self._finished_reqs.discard(send.req_id)
+
+    def _xfer_state(self, handle: object) -> str:
+        try:
+            return self._ctx.agent.xfer_state(handle)
+        except Exception:  # an agent that cannot tell is treated like a failed WRITE
+            return "ERR"
+
+    def _release(self, handle: object) -> None:
+        try:
+            self._ctx.agent.release(handle)
+        except Exception as exc:  # releasing a stuck WRITE may fail; nothing else to do
+            log.debug("pd-connector: release failed: %s", exc)
+
+
+def _pair_blocks(
+    queued: list[tuple[int, int, list[int]]], start: int, remote: list[int]
+) -> dict[int, tuple[list[int], list[int]]]:
+    """Per layer, (local ids, D's ids) for the queued blocks D registered.
+
+    D's ``remote[j]`` is logical block ``start + j``; blocks before ``start`` are cached on D
+    already and are not written.
+    """
+    by_layer: dict[int, tuple[list[int], list[int]]] = {}
+    for layer, first, ids in queued:
+        src, dst = by_layer.setdefault(layer, ([], []))
+        for i, local_id in enumerate(ids):
+            j = first + i - start
+            if 0 <= j < len(remote):
+                src.append(local_id)
+                dst.append(remote[j])
+    return by_layer
