@@ -165,14 +165,12 @@ class RelayResponse(Response):
         if not more:
             return
 
-        async def write(chunk: bytes, more_body: bool) -> None:
-            if not more_body:
-                self._stream_stats(dispatch)  # counted before the client sees the end
-                self._complete = True
-            await send({"type": "http.response.body", "body": chunk, "more_body": more_body})
+        def before_last() -> None:
+            self._stream_stats(dispatch)  # counted before the client sees the end
+            self._complete = True
 
         try:
-            await leg.forward(write)
+            await leg.forward(send, before_last)
         except UpstreamError as exc:
             self._stream_stats(dispatch)
             err = dispatch.prefill_error or exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from router.http1 import Http1Response
 from router.metrics import Metrics
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 
-__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Write"]
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
 
 _MAX_ERROR_BODY = 64 * 1024
 # How vLLM reports a failure after a streaming response has started (the JSON of
@@ -64,7 +64,7 @@ class PrefillResult:
     finished_at: float
 
 
-Write = Callable[[bytes, bool], Awaitable[None]]  # (chunk, more_body)
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASGI send
 
 
 class DecodeLeg:
@@ -78,6 +78,19 @@ class DecodeLeg:
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
     """
+
+    __slots__ = (
+        "_clock",
+        "_closed",
+        "_counted",
+        "chunks",
+        "first",
+        "instance",
+        "rest",
+        "stream",
+        "verdict",
+        "worst_gap",
+    )
 
     def __init__(
         self,
@@ -102,33 +115,38 @@ class DecodeLeg:
         if self._counted:
             instance.at_engine += 1
 
-    async def forward(self, write: Write) -> None:
-        """Pass the rest of D's body to ``write`` chunk by chunk, as read (no buffering),
-        the last call with ``more_body`` False. Raises :class:`UpstreamError` if D's
-        stream breaks; ``verdict`` then holds its fault."""
+    async def forward(self, send: Send, before_last: Callable[[], None]) -> None:
+        """Send the rest of D's body to the client as ASGI body messages, chunk by chunk
+        as read (no buffering); ``before_last()`` runs just before the last message (whose
+        ``more_body`` is False). Raises :class:`UpstreamError` if D's stream breaks;
+        ``verdict`` then holds its fault."""
         assert self.rest is not None, "a complete body has nothing left to forward"
         error_event = _ENGINE_ERROR_EVENT in self.first
         last = b""
-        now = self._clock()
+        clock, stream = self._clock, self.stream
+        count, worst, now = 1, 0.0, clock()
         try:
+            # Locals, not attributes, in the loop: it runs once per token of every stream.
             with map_errors("decode", self.instance.url):
                 async for chunk in self.rest:
-                    self.chunks += 1
+                    count += 1
                     error_event = error_event or _ENGINE_ERROR_EVENT in chunk
-                    t = self._clock()
-                    self.worst_gap = max(self.worst_gap, t - now)
+                    t = clock()
+                    worst = max(worst, t - now)
                     now = t
-                    if self.stream.ended:
+                    if stream.ended:
                         last = chunk  # D's last bytes came with its end: one write for both
                         break
-                    await write(chunk, True)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             self.verdict = exc.fault
             raise
         finally:
+            self.chunks, self.worst_gap = count, worst
             self._mark_ended()
         self.verdict = Fault.ANSWER if error_event else None
-        await write(last, False)
+        before_last()
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
     @property
     def closed(self) -> bool:
