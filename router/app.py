@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +20,17 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from router import __version__
 from router.client_request import (
     Endpoint,
     parse_client_request,
+    parse_json_object,
     request_json_schema,
 )
-from router.config import RouterConfig
+from router.config import CorsConfig, RouterConfig
 from router.engines.health import HealthMonitor
 from router.engines.load import LoadWatcher
 from router.errors import (
@@ -37,12 +39,15 @@ from router.errors import (
     InternalError,
     InvalidRequest,
     ModelNotFound,
+    NoCapacity,
     Outcome,
     RouterError,
     Unauthorized,
     render,
 )
 from router.metrics import Metrics
+from router.passthrough import POST_PATHS, PassThrough
+from router.pd import kv_params as kp
 from router.pd.dispatch import Dispatcher
 from router.pd.legs import LegRunner
 from router.registry import ModelPool, Registry
@@ -68,6 +73,7 @@ class AppContext:
     health: HealthMonitor
     clock: Callable[[], float]
     load: LoadWatcher | None  # several router replicas: engine-reported decode load
+    passthrough: PassThrough
 
 
 def _build_context(
@@ -96,7 +102,10 @@ def _build_context(
             config.health.load_interval,
             config.health.timeout,
         )
-    return AppContext(config, registry, metrics, upstream, dispatcher, health, clock, load)
+    passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
+    return AppContext(
+        config, registry, metrics, upstream, dispatcher, health, clock, load, passthrough
+    )
 
 
 def _error_response(exc: RouterError) -> Response:
@@ -155,9 +164,7 @@ async def _handle(
         _authorize(ctx, request)
         raw = await _read_body(request, ctx.config.admission.max_body_bytes)
         creq = parse_client_request(raw, endpoint)
-        pool = ctx.registry.get(creq.model)
-        if pool is None:
-            raise ModelNotFound(f"the model {creq.model!r} does not exist on this router")
+        pool = _pool_for(ctx, creq.model)
         if creq.num_prompts > 1 and pool.mode.uses_prefill:
             raise InvalidRequest(
                 "prompt: disaggregated serving takes one prompt per request; "
@@ -180,6 +187,21 @@ async def _handle(
     )
 
 
+def _pool_for(ctx: AppContext, model: str | None) -> ModelPool:
+    """The pool serving ``model``; without a model, the only one (as vLLM serves its
+    one model to requests that name none)."""
+    if model is not None:
+        pool = ctx.registry.get(model)
+        if pool is None:
+            raise ModelNotFound(f"the model {model!r} does not exist on this router")
+        return pool
+    pools = list(ctx.registry.pools())
+    if len(pools) != 1:
+        names = ", ".join(sorted(p.name for p in pools))
+        raise InvalidRequest(f"model: Field required (this router serves {names})", "model")
+    return pools[0]
+
+
 def _openapi_body(endpoint: Endpoint) -> dict[str, Any]:
     schema = request_json_schema(endpoint)
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
@@ -198,6 +220,12 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
             ctx, request, Endpoint.CHAT, _client_request_id(request.scope["headers"])
         )
 
+    @app.post("/v1/responses", openapi_extra=_openapi_body(Endpoint.RESPONSES))
+    async def responses(request: Request) -> Any:
+        return await _handle(
+            ctx, request, Endpoint.RESPONSES, _client_request_id(request.scope["headers"])
+        )
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         _authorize(ctx, request)
@@ -207,6 +235,8 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
             if any(d.healthy is not False and not d.degraded for d in p.decode)
         ]
         return JSONResponse({"object": "list", "data": data})
+
+    _register_passthrough(app, ctx)
 
     @app.get("/health")
     async def health() -> Response:
@@ -219,6 +249,31 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _register_passthrough(app: FastAPI, ctx: AppContext) -> None:
+    """vLLM's endpoints that need no P/D, forwarded to one engine (router/passthrough.py)."""
+
+    async def forward(request: Request) -> Response:
+        _authorize(ctx, request)
+        body = parse_json_object(await _read_body(request, ctx.config.admission.max_body_bytes))
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise InvalidRequest("model: Input should be a valid string", "model")
+        client_id = _client_request_id(request.scope["headers"])
+        request_id = client_id.decode() if client_id else kp.new_dispatch_ids().request_id
+        pool = _pool_for(ctx, model)
+        return await ctx.passthrough.forward(pool, request.url.path, body, request_id)
+
+    for path in POST_PATHS:
+        app.add_api_route(path, forward, methods=["POST"], name=path.strip("/"))
+
+    @app.get("/version")
+    async def version() -> Response:
+        pools = list(ctx.registry.pools())
+        if not pools:
+            raise NoCapacity("no model is configured", retry_after=1.0)
+        return await ctx.passthrough.forward(pools[0], "/version", None, "-")
 
 
 def _readiness(ctx: AppContext) -> Response:
@@ -244,6 +299,15 @@ def _readiness(ctx: AppContext) -> Response:
     return JSONResponse({"ready": ok, "models": models}, status_code=200 if ok else 503)
 
 
+def _served(app: FastAPI) -> list[str]:
+    """``METHOD /path`` of every route, for the 404 that tells a client what exists."""
+    served = []
+    for route in app.routes:
+        methods = sorted(getattr(route, "methods", None) or ()) or ["GET"]
+        served += [f"{m} {getattr(route, 'path', '')}" for m in methods if m != "HEAD"]
+    return sorted(set(served))
+
+
 def _register_errors(app: FastAPI) -> None:
     @app.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
@@ -251,7 +315,13 @@ def _register_errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return _error_response(HttpError(exc.status_code, str(exc.detail)))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = (
+                f"{request.method} {request.url.path}: {message}; "
+                f"this router serves {', '.join(_served(app))}"
+            )
+        return _error_response(HttpError(exc.status_code, message))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -319,6 +389,21 @@ def create_app(
 
 
 _HOT_ROUTES = {e.value: e for e in Endpoint}
+_ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _with_cors(app: _ASGI, cors: CorsConfig) -> _ASGI:
+    """``app`` behind Starlette's CORS middleware, on every route (the generate routes
+    included); requests without an ``Origin`` header pass straight through."""
+    if not cors.allowed_origins:
+        return app
+    return CORSMiddleware(
+        app,
+        allow_origins=cors.allowed_origins,
+        allow_methods=cors.allowed_methods,
+        allow_headers=cors.allowed_headers,
+        allow_credentials=cors.allow_credentials,
+    )
 
 
 class RouterApp:
@@ -334,6 +419,7 @@ class RouterApp:
     def __init__(self, api: FastAPI, ctx: AppContext) -> None:
         self.api = api
         self._ctx = ctx
+        self._entry = _with_cors(self._route, ctx.config.cors)
 
     @property
     def state(self) -> Any:
@@ -343,6 +429,9 @@ class RouterApp:
         return self.api.openapi()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._entry(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None or scope["method"] != "POST":
             await self.api(scope, receive, send)

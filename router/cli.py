@@ -1,4 +1,4 @@
-"""The ``pd-router`` command: ``serve``, ``check-config`` and ``demo``."""
+"""The ``pd-router`` command: ``serve``, ``check-config`` and ``demo`` (and ``--version``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from router import __version__
 from router.config import ConfigError, RouterConfig, load_config
 
 __all__ = ["main"]
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pd-router", description="Prefill/decode disaggregation router for vLLM"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the router")

@@ -3,45 +3,72 @@
 The router validates only what it relies on (model, stream, token limits, the
 prompt's shape) and passes every other field through unchanged, as vLLM
 expects: the raw dict is kept and rewritten per leg by :mod:`router.pd.kv_params`.
+It is as lenient as vLLM's own (pydantic, lax mode): ``"max_tokens": "5"`` and
+``"stream": 1`` are accepted, ``model`` may be left out. Integers beyond 64 bits
+(a ``seed``) stay integers on the way to the engines.
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from router.errors import InvalidRequest
 
-__all__ = ["ClientRequest", "Endpoint", "parse_client_request", "request_json_schema"]
+__all__ = [
+    "ClientRequest",
+    "Endpoint",
+    "parse_client_request",
+    "parse_json_object",
+    "request_json_schema",
+]
 
 
 class Endpoint(enum.StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    RESPONSES = "/v1/responses"
+
+
+_PROMPT_SCHEMA: list[JsonValue] = [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+]
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
 class _Common(BaseModel):
+    # Lax types, as vLLM's request models: "5" is a valid max_tokens there too.
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
-    stream: StrictBool | None = False
-    n: StrictInt | None = Field(default=1, ge=1)
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    min_tokens: StrictInt | None = Field(default=None, ge=0)
+    model: str | None = Field(default=None, min_length=1)  # None: the router's only model
+    stream: bool | None = False
+    n: int | None = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int | None = Field(default=None, ge=0)
     stream_options: dict[str, Any] | None = None
 
 
 class _Completion(_Common):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Any = Field(json_schema_extra={"anyOf": _PROMPT_SCHEMA})  # shape: _prompt_shape
 
 
 class _Chat(_Common):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class _Responses(_Common):
+    input: str | list[Any]
+    max_output_tokens: int | None = Field(default=None, ge=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +77,7 @@ class ClientRequest:
 
     endpoint: Endpoint
     body: dict[str, Any]
-    model: str
+    model: str | None  # None: not given (the router's only model serves it)
     stream: bool
     n: int
     num_prompts: int
@@ -65,14 +92,27 @@ class ClientRequest:
 
 def request_json_schema(endpoint: Endpoint) -> dict[str, Any]:
     """JSON schema of the fields the router checks (others pass through), for OpenAPI."""
-    model = _Chat if endpoint is Endpoint.CHAT else _Completion
-    return model.model_json_schema()
+    return _MODELS[endpoint].model_json_schema()
 
 
-def _decode_json(raw: bytes) -> dict[str, Any]:
+# A run of 19+ digits may be an integer orjson cannot hold (it would become a float).
+_LONG_INT = re.compile(rb"\d{19}")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a dict. Bodies with long digit runs are parsed by the standard
+    library, which keeps integers of any size (orjson turns those past 64 bits into
+    floats); the upstream client serializes them the same way."""
     try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+        if _LONG_INT.search(raw):
+            doc = json.loads(raw, parse_constant=_reject_constant)
+        else:
+            doc = orjson.loads(raw)
+    except (orjson.JSONDecodeError, ValueError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise InvalidRequest("request body must be a JSON object")
@@ -85,18 +125,25 @@ def _first_error(exc: ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{path}: {err['msg']}", param=path or None)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _prompt_shape(prompt: Any) -> tuple[int, int, bool]:
-    """(number of prompts, size of the first, whether it is token ids)."""
+    """(number of prompts, their total size, whether they are token ids)."""
     if isinstance(prompt, str):
         return 1, len(prompt), False
+    if not isinstance(prompt, list):
+        raise InvalidRequest(f"prompt: must be {_PROMPT_SHAPES}", param="prompt")
     if not prompt:
         raise InvalidRequest("prompt: must not be empty", param="prompt")
-    first = prompt[0]
-    if isinstance(first, int):
+    if all(_is_int(t) for t in prompt):
         return 1, len(prompt), True
-    if isinstance(first, str):
+    if all(isinstance(p, str) for p in prompt):
         return len(prompt), sum(len(p) for p in prompt), False
-    return len(prompt), sum(len(p) for p in prompt), True
+    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+        return len(prompt), sum(len(p) for p in prompt), True
+    raise InvalidRequest(f"prompt: must be {_PROMPT_SHAPES}", param="prompt")
 
 
 def _chat_chars(messages: list[dict[str, Any]]) -> int:
@@ -110,14 +157,32 @@ def _chat_chars(messages: list[dict[str, Any]]) -> int:
     return total
 
 
+def _input_chars(items: str | list[Any]) -> int:
+    """Characters of text in a Responses-API ``input`` (a string or a list of items)."""
+    if isinstance(items, str):
+        return len(items)
+    return _chat_chars([i for i in items if isinstance(i, dict)])
+
+
+_MODELS: dict[Endpoint, type[_Common]] = {
+    Endpoint.COMPLETIONS: _Completion,
+    Endpoint.CHAT: _Chat,
+    Endpoint.RESPONSES: _Responses,
+}
+
+
 def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
     """Validate ``raw``; raises :class:`InvalidRequest` (HTTP 400) with the field's path."""
-    body = _decode_json(raw)
+    body = parse_json_object(raw)
     try:
         if endpoint is Endpoint.CHAT:
             chat = _Chat.model_validate(body)
             common: _Common = chat
             num, chars, is_tokens = 1, _chat_chars(chat.messages), False
+        elif endpoint is Endpoint.RESPONSES:
+            resp = _Responses.model_validate(body)
+            common = resp
+            num, chars, is_tokens = 1, _input_chars(resp.input), False
         else:
             comp = _Completion.model_validate(body)
             common = comp

@@ -5,12 +5,20 @@ Every field is checked by pydantic; a mistake is reported with its exact path
 :func:`load_config`, which raises :class:`ConfigError` carrying all problems.
 Secrets (API keys) are resolved here, once, and kept as ``SecretStr`` so they
 never end up in logs or reprs.
+
+Any string value may name environment variables, read once when the file is
+loaded: ``${NAME}`` (required: unset or empty is an error) and ``${NAME:-default}``
+(``default`` when unset or empty, as in the shell); ``$${`` is a literal ``${``.
+Every variable that is missing is reported, each with its path in the file
+(``auth.api_keys.0: environment variable PDR_API_KEY is not set``), together with
+the file's other mistakes. A value is substituted as text, never parsed as YAML.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -254,14 +262,23 @@ class HealthConfig(_Strict):
 class AuthConfig(_Strict):
     """Client keys (``Authorization: Bearer``) and the key sent to the engines.
 
-    Keys may be given inline or as the name of an environment variable; either
-    way they are read once here.
+    Keys may be given inline (``${VAR}`` references included) or as the name of an
+    environment variable (``*_env``); either way they are read once here.
     """
 
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_env: str | None = None
     upstream_api_key: SecretStr | None = None
     upstream_api_key_env: str | None = None
+
+    @field_validator("api_keys_env", "upstream_api_key_env")
+    @classmethod
+    def _env_is_set(cls, name: str | None) -> str | None:
+        # A field validator, so that each missing variable is reported at its own path.
+        problem = _env_problem(name) if name else None
+        if problem:
+            raise ValueError(problem)
+        return name
 
     @model_validator(mode="after")
     def _resolve_env(self) -> AuthConfig:
@@ -277,11 +294,95 @@ class AuthConfig(_Strict):
         return self
 
 
-def _require_env(name: str) -> str:
+def _env_problem(name: str) -> str | None:
+    """Why the environment variable ``name`` cannot be used, or None if it can."""
     value = os.environ.get(name)
+    if value is None:
+        return f"environment variable {name} is not set"
     if not value:
-        raise ValueError(f"environment variable {name} is not set or empty")
-    return value
+        return f"environment variable {name} is empty"
+    return None
+
+
+def _require_env(name: str) -> str:
+    problem = _env_problem(name)
+    if problem:
+        raise ValueError(problem)
+    return os.environ[name]
+
+
+# ``$${`` (a literal ``${``), ``${NAME}``, ``${NAME:-default}``, or any other ``${``
+# (a mistake: reported rather than kept as text). The default is literal text up to
+# the first ``}``.
+_ENV_REF = re.compile(
+    r"(?P<escape>\$\$\{)"
+    r"|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<has_default>:-(?P<default>[^}]*))?\}"
+    r"|(?P<bad>\$\{[^}]*\}?)"
+)
+
+_Path = tuple[object, ...]
+
+
+def _expand_env(data: Any, path: _Path, missing: list[tuple[_Path, str]]) -> Any:
+    """``data`` with ``${...}`` in its strings substituted; adds problems to ``missing``.
+
+    An unusable variable is replaced by an empty string, so that the rest of the
+    document can still be validated.
+    """
+    if isinstance(data, dict):
+        return {k: _expand_env(v, (*path, k), missing) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_expand_env(v, (*path, i), missing) for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+
+    def substitute(m: re.Match[str]) -> str:
+        if m["escape"]:
+            return "${"
+        if m["bad"]:
+            # Not echoed under auth: the text may be part of an inline key.
+            shown = "" if path[:1] == ("auth",) else f" {m['bad']!r}"
+            missing.append(
+                (
+                    path,
+                    f"malformed environment reference{shown} "
+                    "(write ${NAME} or ${NAME:-default}; $${ for a literal ${)",
+                )
+            )
+            return ""
+        name: str = m["name"]
+        value = os.environ.get(name)
+        if value:
+            return value
+        if m["has_default"]:
+            default: str = m["default"]
+            return default
+        missing.append((path, _env_problem(name) or f"environment variable {name} is not set"))
+        return ""
+
+    return _ENV_REF.sub(substitute, data)
+
+
+def _format_path(loc: _Path) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """One path is the other or lies under it."""
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+class CorsConfig(_Strict):
+    """Cross-origin requests from browsers, with the defaults of ``vllm serve``
+    (``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers``,
+    ``--allow-credentials``): any origin, no credentials. ``allowed_origins: []``
+    turns CORS off (a browser then refuses cross-origin answers)."""
+
+    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 class RouterConfig(_Strict):
@@ -293,6 +394,7 @@ class RouterConfig(_Strict):
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
+    cors: CorsConfig = CorsConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("models")
@@ -314,23 +416,35 @@ class ConfigError(Exception):
         super().__init__(f"{source}: invalid configuration\n" + "\n".join(problems))
 
 
-def _format_errors(exc: ValidationError) -> list[str]:
+def _format_errors(exc: ValidationError, skip: list[tuple[str, ...]] | None = None) -> list[str]:
+    """One line per error; those at, above or under a path in ``skip`` are left out."""
     out = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = tuple(str(p) for p in err["loc"])
+        if skip and any(_related(loc, s) for s in skip):
+            continue
         msg = err["msg"].removeprefix("Value error, ")
-        out.append(f"  {path}: {msg}")
+        out.append(f"  {_format_path(err['loc'])}: {msg}")
     return out
 
 
 def parse_config(data: Any, source: str = "<config>") -> RouterConfig:
-    """Validate an already-parsed YAML/JSON document."""
+    """Validate an already-parsed YAML/JSON document, ``${VAR}`` references included."""
     if not isinstance(data, dict):
         raise ConfigError(source, ["  (top level): expected a mapping"])
+    missing: list[tuple[_Path, str]] = []
+    data = _expand_env(data, (), missing)
+    env_problems = [f"  {_format_path(path)}: {msg}" for path, msg in missing]
     try:
-        return RouterConfig.model_validate(data)
+        cfg = RouterConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(source, _format_errors(exc)) from None
+        # A value left empty by a missing variable is already reported: what the
+        # schema says about it (or about what holds it) would only be noise.
+        skip = [tuple(str(p) for p in path) for path, _ in missing]
+        raise ConfigError(source, env_problems + _format_errors(exc, skip)) from None
+    if env_problems:
+        raise ConfigError(source, env_problems)
+    return cfg
 
 
 def load_config(path: str | Path) -> RouterConfig:

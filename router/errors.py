@@ -90,8 +90,9 @@ def error_body(message: str, type_: str, code: str | int | None, param: str | No
 
 
 def sse_error_event(message: str, type_: str, code: str | int | None) -> bytes:
-    """An error delivered inside an already-started SSE stream (as vLLM does)."""
-    return b"data: " + error_body(message, type_, code) + b"\n\n"
+    """The end of an already-started SSE stream that failed, as vLLM ends one: the
+    error as one event, then ``data: [DONE]``."""
+    return b"data: " + error_body(message, type_, code) + b"\n\ndata: [DONE]\n\n"
 
 
 class RouterError(Exception):

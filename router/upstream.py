@@ -12,6 +12,7 @@ router's error tree by :func:`map_errors`, naming the role and instance.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -28,6 +29,15 @@ __all__ = ["UpstreamClient", "UpstreamStream", "map_errors"]
 # Below vLLM's (uvicorn's) 5 s keep-alive timeout: the router drops an idle
 # connection before the engine would close it under a request being written.
 KEEPALIVE_EXPIRY_S = 4.0
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """JSON bytes of a leg's body; integers past 64 bits (which orjson refuses) go
+    through the standard library, so they reach the engine as the client sent them."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 @contextmanager
@@ -124,12 +134,15 @@ class UpstreamClient:
         # Per engine URL: its origin and the request head up to the per-request
         # headers, built once (URL parsing was a visible per-request cost).
         self._posts: dict[str, tuple[Origin, bytes]] = {}
+        # An injected transport (tests, benchmarks) goes through httpx instead.
+        self._transport = transport
+        self._timeout = httpx.Timeout(timeouts.idle, connect=timeouts.connect)
         self._httpx: httpx.AsyncClient | None = None
         if transport is not None:
-            self._httpx = httpx.AsyncClient(
-                transport=transport,
-                timeout=httpx.Timeout(timeouts.idle, connect=timeouts.connect),
-            )
+            self._httpx = self._new_httpx()
+
+    def _new_httpx(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=self._transport, timeout=self._timeout)
 
     def _post_head(self, url: str) -> tuple[Origin, bytes]:
         known = self._posts.get(url)
@@ -154,7 +167,7 @@ class UpstreamClient:
         ``read_timeout`` overrides the idle timeout between body bytes (a
         non-streaming vLLM response sends nothing until it is complete).
         """
-        content = orjson.dumps(body)
+        content = _dumps(body)
         timeout = self._idle if read_timeout is None else read_timeout
         if self._httpx is not None:
             return await self._open_httpx(url, content, request_id, timeout)
@@ -198,3 +211,6 @@ class UpstreamClient:
         self._pool.close()
         if self._httpx is not None:
             await self._httpx.aclose()
+            # Ready for another lifespan of the same app (ASGI test clients run one per
+            # session); the injected transport itself stays open.
+            self._httpx = self._new_httpx()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,15 @@ async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
+
+
+def stream_error(text: str) -> dict[str, Any]:
+    """The error of a failed SSE stream, which must end as vLLM ends one: the error
+    event, then ``data: [DONE]`` (once)."""
+    *_, error, done = [e for e in text.split("\n\n") if e]
+    assert done == "data: [DONE]" and text.count("data: [DONE]") == 1, text[-300:]
+    doc: dict[str, Any] = json.loads(error.removeprefix("data: "))["error"]
+    return doc
 
 
 async def assert_nothing_leaked(cluster: Cluster) -> None:

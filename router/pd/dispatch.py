@@ -62,10 +62,12 @@ class Dispatch:
 
 
 def _routing_key(creq: ClientRequest) -> str:
+    """The start of the prompt (messages, Responses-API input, or prompt)."""
     body = creq.body
-    if "messages" in body:
-        return str(body["messages"])[:_PREFIX_KEY_CHARS]
-    return str(body.get("prompt"))[:_PREFIX_KEY_CHARS]
+    for field in ("messages", "input", "prompt"):
+        if field in body:
+            return str(body[field])[:_PREFIX_KEY_CHARS]
+    return ""
 
 
 class Dispatcher:
@@ -256,7 +258,7 @@ class Dispatcher:
                 pool.name,
                 p,
                 pair.creq.endpoint.value,
-                kp.prefill_body(pair.creq.body, params),
+                kp.prefill_body(pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id),
                 pair.ids.request_id,
                 require_params=plan.requires_params,
             )

@@ -76,13 +76,25 @@ def prefill_params(transfer_id: str) -> dict[str, Any]:
     }
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg: one token, non-streaming, carrying ``kv_params``."""
+def prefill_body(
+    body: dict[str, Any],
+    kv_params: dict[str, Any],
+    endpoint: Endpoint = Endpoint.COMPLETIONS,
+    request_id: str = "",
+) -> dict[str, Any]:
+    """The P leg: one token, non-streaming, carrying ``kv_params``. A Responses-API
+    leg caps ``max_output_tokens`` instead, is not stored on P, and carries
+    ``resp_<request_id>`` as its id (the API takes it from the body, not the header)."""
     out = {k: v for k, v in _client_fields(body).items() if k not in _PREFILL_DROPPED}
     out["stream"] = False
-    out["max_tokens"] = 1
-    if "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
+    if endpoint is Endpoint.RESPONSES:
+        out["max_output_tokens"] = 1
+        out["store"] = False
+        out["request_id"] = f"resp_{request_id}"
+    else:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in out:
+            out["max_completion_tokens"] = 1
     out["kv_transfer_params"] = kv_params
     return out
 
@@ -122,6 +134,8 @@ def predicted_prefill_request_id(endpoint: Endpoint, request_id: str) -> str:
     """
     if endpoint is Endpoint.CHAT:
         return f"chatcmpl-{request_id}"
+    if endpoint is Endpoint.RESPONSES:
+        return f"resp_{request_id}_0"
     return f"cmpl-{request_id}-0"
 
 

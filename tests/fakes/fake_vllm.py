@@ -151,6 +151,8 @@ class FakeEngine:
             await _respond(send, 200 if ready is not None and ready.is_set() else 404, b"")
         elif path == "/v1/models":
             await _respond(send, 200, json.dumps({"data": [{"id": "tiny"}]}).encode())
+        elif path == "/version":
+            await _respond(send, 200, b'{"version":"0.32.0"}')
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
 
@@ -188,6 +190,9 @@ class FakeEngine:
                 ).encode()
             )
             await _respond(send, status, body)
+            return
+        if rec.path in ("/tokenize", "/detokenize"):
+            await _respond(send, 200, json.dumps(_tokenizer(rec.path, rec.body)).encode())
             return
         kv = rec.kv
         if kv.get("do_remote_decode"):
@@ -358,3 +363,11 @@ def _delta(rec: Received, i: int) -> dict[str, Any]:
         "model": rec.body.get("model"),
         "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None, "logprobs": None}],
     }
+
+
+def _tokenizer(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A byte-level stand-in for vLLM's /tokenize and /detokenize answers."""
+    if path == "/detokenize":
+        return {"prompt": bytes(body.get("tokens", [])).decode("utf-8", "replace")}
+    tokens = list(str(body.get("prompt", "")).encode())
+    return {"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -41,7 +42,11 @@ class _Body(httpx.AsyncByteStream):
 
 
 def engines(request: httpx.Request) -> httpx.Response:
+    if request.method == "GET":  # /version
+        return httpx.Response(200, json={"version": "0.32.0"})
     body = json.loads(request.content)
+    if request.url.path in ("/tokenize", "/detokenize"):
+        return httpx.Response(200, json={"tokens": [1], "count": 1, "prompt": "x"})
     if request.url.host == "prefill":
         params = {
             "remote_block_ids": [[1]],
@@ -137,10 +142,21 @@ def test_oversized_and_huge_max_tokens(app: Any) -> None:
 schema = schemathesis.openapi.from_asgi("/openapi.json", make_app())
 
 
+@pytest.fixture(scope="module")
+def asgi_session() -> Iterator[Any]:
+    """One client, so the app's lifespan runs once (as under uvicorn), not per case."""
+    from schemathesis.python import asgi
+
+    with asgi.get_client(make_app()) as client:
+        yield client
+
+
 @schema.parametrize()
-@settings(max_examples=60, deadline=None)
-def test_openapi_conformance(case: schemathesis.Case) -> None:
-    response = case.call()
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_openapi_conformance(case: schemathesis.Case, asgi_session: Any) -> None:
+    response = case.call(session=asgi_session)
     # /ready answers 503 by design here: no health check has run.
     not_ready = case.path == "/ready" and response.status_code == 503
     assert response.status_code < 500 or not_ready, response.text

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Cluster, eventually
+from tests.conftest import Cluster, eventually, stream_error
 from tests.fakes.router_proc import free_port
 
 MODES = ["pull", "push", "pipelined"]
@@ -83,8 +83,7 @@ async def test_fault(cluster: Cluster, client: httpx.AsyncClient, mode: str, fau
     want = expected_for(mode, fault, expected)
     if want == "sse_error":
         assert r.status_code == 200
-        last = [e for e in r.text.split("\n\n") if e][-1]
-        assert "error" in json.loads(last.removeprefix("data: "))
+        assert stream_error(r.text)["message"]
     else:
         assert r.status_code == want, r.text
         if r.status_code >= 400:
@@ -165,7 +164,7 @@ async def test_engine_killed(
         await killer
         assert time.monotonic() - t0 < 3
         if role == "decode" and when == "during_answer":
-            assert r.status_code == 200 and '"error"' in r.text.split("\n\n")[-2]
+            assert r.status_code == 200 and stream_error(r.text)["message"]
         else:
             assert r.status_code == 502, r.text
         await eventually(lambda: ctx.registry.slots_in_use() == 0)

@@ -1,0 +1,87 @@
+"""Endpoints of ``vllm serve`` that need no P/D: forwarded as they are to one engine.
+
+``/tokenize`` and ``/detokenize`` name a model: any engine serving it answers as the
+model's one server would (P and D run the same model and tokenizer). ``/version`` names
+none: the first model's engine answers. The engine's status and body reach the client
+unchanged, its 4xx included; an engine that cannot be reached is a 502, no engine in
+rotation a 503 ``no_healthy_<role>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import Response
+
+from router.engines.instance import Instance, Role, candidates, refusal
+from router.errors import UpstreamError, UpstreamTimeout
+from router.registry import ModelPool
+from router.upstream import UpstreamClient, map_errors
+
+__all__ = ["POST_PATHS", "PassThrough"]
+
+POST_PATHS = ("/tokenize", "/detokenize")
+
+
+class PassThrough:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        timeout: float,
+        probe_interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``timeout``: for the whole exchange with the engine."""
+        self._upstream = upstream
+        self._timeout = timeout
+        self._probe_interval = probe_interval
+        self._clock = clock
+
+    def engine(self, pool: ModelPool) -> Instance:
+        """The least busy engine of ``pool`` in rotation (decode engines first)."""
+        for role in (Role.DECODE, Role.PREFILL):
+            usable = candidates(pool.of_role(role))
+            if usable:
+                return min(usable, key=lambda i: i.in_flight)
+        raise refusal(Role.DECODE, pool.name, pool.decode, self._clock(), self._probe_interval)
+
+    async def forward(
+        self, pool: ModelPool, path: str, body: dict[str, Any] | None, request_id: str
+    ) -> Response:
+        """POST ``body`` to ``path`` on an engine of ``pool`` (GET when ``body`` is None)."""
+        inst = self.engine(pool)
+        role = inst.role.value
+        try:
+            async with asyncio.timeout(self._timeout):
+                with map_errors(role, inst.url):
+                    if body is None:
+                        status, content = await self._upstream.get(inst.url + path, self._timeout)
+                        media_type = "application/json"
+                    else:
+                        status, content, media_type = await self._post(inst, path, body, request_id)
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"{role} engine did not answer in time",
+                role=role,
+                instance=inst.url,
+                code=f"{role}_timeout",
+            ) from None
+        if status >= 500:
+            raise UpstreamError(
+                f"{role} engine returned HTTP {status}", role=role, instance=inst.url
+            )
+        return Response(content, status_code=status, media_type=media_type)
+
+    async def _post(
+        self, inst: Instance, path: str, body: dict[str, Any], request_id: str
+    ) -> tuple[int, bytes, str]:
+        stream = await self._upstream.open(
+            inst.url + path, body, request_id, read_timeout=self._timeout
+        )
+        try:
+            return stream.status, await stream.read_all(), stream.content_type
+        finally:
+            await stream.aclose()

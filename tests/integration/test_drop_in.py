@@ -1,0 +1,187 @@
+"""What a client of ``vllm serve`` finds through the router (fake engines on real sockets):
+numbers unchanged, vLLM's leniency, the endpoints that need no P/D, a 404 that says what
+exists, and every refused request counted."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import parse_config
+from tests.conftest import Cluster, metric, serve
+
+PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 3}
+BIG = 123456789012345678901234567890
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "aggregated"])
+async def test_integers_past_64_bits_reach_the_engines_unchanged(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    url, _ = await cluster.router(mode)
+    raw = json.dumps({**PROMPT, "seed": BIG, "logit_bias": {"5": 2**64}})
+    r = await client.post(
+        url + "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 200, r.text
+    legs = [rec.body for e in cluster.engines for rec in e.received]
+    assert legs and all(b["seed"] == BIG and b["logit_bias"] == {"5": 2**64} for b in legs)
+    assert all(isinstance(b["seed"], int) for b in legs)
+
+
+async def test_lenient_like_vllm(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "max_tokens": "3"})
+    assert r.status_code == 200, r.text
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": 1})
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    # The D leg carries the client's fields as sent: vLLM parses them the same way.
+    assert cluster.decode[0].received[-1].body["stream"] == 1
+
+
+async def test_a_request_without_model_goes_to_the_only_model(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull")
+    body = {k: v for k, v in PROMPT.items() if k != "model"}
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert metric(ctx, "pdrouter_requests_total", model="tiny", outcome="success") == 1
+
+
+async def test_without_model_several_models_is_a_400(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cfg = cluster.config("aggregated")
+    cfg["models"].append({**cfg["models"][0], "name": "other"})
+    url = await cluster.stack.enter_async_context(
+        serve(create_app(parse_config(cfg), health_checks=False))
+    )
+    r = await client.post(url + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "model" and "other, tiny" in err["message"]
+
+
+async def test_a_bad_prompt_names_the_field_only(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "prompt": 5})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["message"].startswith("prompt: must be a string")
+
+
+async def test_every_refused_request_is_counted(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull")
+    assert (await client.post(url + "/v1/completions", content=b"{")).status_code == 400
+    bad_model = {**PROMPT, "model": "nope"}
+    assert (await client.post(url + "/v1/completions", json=bad_model)).status_code == 404
+    bad_n = {**PROMPT, "prompt": ["a", "b"]}
+    assert (await client.post(url + "/v1/completions", json=bad_n)).status_code == 400
+    assert metric(ctx, "pdrouter_requests_total", model="", outcome="client_error") == 2
+    assert metric(ctx, "pdrouter_requests_total", model="tiny", outcome="client_error") == 1
+    assert all(e.received == [] for e in cluster.engines)
+
+
+@pytest.mark.parametrize("mode", ["pull", "aggregated"])
+async def test_tokenize_and_detokenize_go_to_an_engine_of_the_model(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    url, _ = await cluster.router(mode)
+    r = await client.post(url + "/tokenize", json={"model": "tiny", "prompt": "hi", "x": 1})
+    assert r.status_code == 200 and r.json()["tokens"] == list(b"hi")
+    r = await client.post(url + "/detokenize", json={"model": "tiny", "tokens": list(b"ok")})
+    assert r.status_code == 200 and r.json() == {"prompt": "ok"}
+    received = [rec for e in cluster.engines for rec in e.received]
+    assert [rec.path for rec in received] == ["/tokenize", "/detokenize"]
+    assert received[0].body == {"model": "tiny", "prompt": "hi", "x": 1}  # as sent
+
+
+async def test_passthrough_errors(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/tokenize", json={"model": "nope", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    cluster.decode[0].behaviour.status = 400  # the engine's own 4xx passes through as is
+    cluster.decode[0].behaviour.error_body = b'{"error": {"message": "bad tokens"}}'
+    r = await client.post(url + "/detokenize", json={"model": "tiny", "tokens": [-1]})
+    assert r.status_code == 400 and r.json() == {"error": {"message": "bad tokens"}}
+    cluster.decode[0].behaviour.status = 500  # an engine failure is the router's 502
+    r = await client.post(url + "/tokenize", json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 502 and "decode engine" in r.json()["error"]["message"]
+
+
+async def test_version_is_the_engines(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.get(url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": "0.32.0"}
+
+
+async def test_an_unknown_path_lists_what_the_router_serves(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("pull")
+    r = await client.post(url + "/v1/embeddings", json=PROMPT)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert message.startswith("POST /v1/embeddings")
+    for served in ("POST /v1/completions", "POST /tokenize", "GET /version", "GET /v1/models"):
+        assert served in message
+
+
+async def test_cors_as_vllm_serve_by_default(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull")
+    origin = {"origin": "https://app.example"}
+    preflight = {**origin, "access-control-request-method": "POST"}
+    r = await client.options(url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    # The generate routes bypass FastAPI: the header must still be on their streams.
+    body = {**PROMPT, "stream": True}
+    r = await client.post(url + "/v1/completions", json=body, headers=origin)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert r.text.rstrip().endswith("data: [DONE]")
+    r = await client.get(url + "/v1/models", headers=origin)
+    assert r.headers["access-control-allow-origin"] == "*"
+
+
+async def test_cors_configured(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await cluster.router("pull", cors={"allowed_origins": ["https://ok.example"]})
+    ok = await client.post(
+        url + "/v1/completions", json=PROMPT, headers={"origin": "https://ok.example"}
+    )
+    assert ok.headers["access-control-allow-origin"] == "https://ok.example"
+    other = await client.post(
+        url + "/v1/completions", json=PROMPT, headers={"origin": "https://evil.example"}
+    )
+    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
+    off, _ = await cluster.router("pull", cors={"allowed_origins": []})
+    preflight = {"origin": "https://ok.example", "access-control-request-method": "POST"}
+    r = await client.options(off + "/v1/completions", headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "pipelined"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_api_is_disaggregated_like_the_others(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str, stream: bool
+) -> None:
+    ids = {"engine_id": "e", "kv_host": "h", "kv_port": 1}
+    url, ctx = await cluster.router(mode, prefill_extra=ids, decode_extra=ids)
+    body = {"model": "tiny", "input": "hello there", "max_output_tokens": 5, "stream": stream}
+    r = await client.post(url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    (p_leg,), (d_leg,) = cluster.prefill[0].received, cluster.decode[0].received
+    assert p_leg.path == d_leg.path == "/v1/responses"
+    assert p_leg.body["max_output_tokens"] == 1 and "max_tokens" not in p_leg.body
+    assert p_leg.body["stream"] is False and p_leg.body["store"] is False
+    assert p_leg.body["request_id"] == f"resp_{p_leg.request_id}"  # the id vLLM uses there
+    assert {k: v for k, v in d_leg.body.items() if k != "kv_transfer_params"} == body
+    if mode == "push":
+        assert d_leg.kv["remote_request_id"] == f"resp_{p_leg.request_id}_0"
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 1
