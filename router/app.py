@@ -46,6 +46,7 @@ from router.errors import (
     render,
 )
 from router.metrics import Metrics
+from router.multi_prompt import MultiPromptResponse
 from router.passthrough import POST_PATHS, PassThrough
 from router.pd import kv_params as kp
 from router.pd.dispatch import Dispatcher
@@ -165,17 +166,13 @@ async def _handle(
         raw = await _read_body(request, ctx.config.admission.max_body_bytes)
         creq = parse_client_request(raw, endpoint)
         pool = _pool_for(ctx, creq.model)
-        if creq.num_prompts > 1 and pool.mode.uses_prefill:
-            raise InvalidRequest(
-                "prompt: disaggregated serving takes one prompt per request; "
-                "send the prompts as separate requests",
-                param="prompt",
-            )
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
         ctx.metrics.observe_request(model, mode, exc.outcome)
         raise
-    return RelayResponse(
+    # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
+    several = creq.num_prompts > 1 and pool.mode.uses_prefill
+    return (MultiPromptResponse if several else RelayResponse)(
         ctx.dispatcher,
         ctx.metrics,
         pool,

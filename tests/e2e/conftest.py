@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from router.stack import Stack, ensure_model
+from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
 
 MODEL = "tiny"
@@ -41,6 +42,7 @@ class Reference:
     prompts: list[str]
     completions: list[h.Output]
     chats: list[h.Output]
+    answers: dict[str, cf.Answer]  # the conformance cases (tests/e2e/conformance.py)
 
 
 @pytest.fixture(scope="session")
@@ -63,11 +65,12 @@ def reference(prompts: list[str]) -> Reference:
         client = h.client_for(stack.decode.url)
         completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
+        answers = {case.name: cf.ask(stack.decode.url, case) for case in cf.CASES}
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
     assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
-    return Reference(prompts, completions, chats)
+    return Reference(prompts, completions, chats, answers)
 
 
 @pytest.fixture(scope="module", params=PD_MODES)

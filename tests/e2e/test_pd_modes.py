@@ -13,6 +13,7 @@ import pytest
 
 from router.stack import Stack
 from router.stack.metrics import Metrics
+from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
 from tests.e2e.conftest import CONVERSATIONS, MODEL, Reference
 
@@ -204,3 +205,26 @@ def test_concurrent_requests_all_complete(stack: Stack, reference: Reference) ->
 def test_models_endpoint_lists_the_model(stack: Stack) -> None:
     client = h.client_for(stack.router_url)
     assert MODEL in [m.id for m in client.models.list().data]
+
+
+def test_conformance_with_single_engine(
+    stack: Stack, reference: Reference, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same raw requests as to one aggregated engine: the same answers, field by field
+    (tests/e2e/conformance.py says what is left out and why); prints the table."""
+    rows, failures = [], []
+    for case in cf.CASES:
+        want = reference.answers[case.name]
+        got = cf.ask(stack.router_url, case)
+        diffs = [f"status {got.status} != {want.status}"] if got.status != want.status else []
+        diffs += cf.differences(got.body, want.body)
+        rows.append(
+            f"| {stack.mode.value} | {case.name} | {case.path} | {want.status} | "
+            f"{cf.compared_fields(want)} | {'same' if not diffs else 'DIFFERENT'} |"
+        )
+        failures += [f"{case.name}: {d}" for d in diffs]
+    with capsys.disabled():
+        print("\n| mode | case | endpoint | status | fields compared | result |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(rows))
+    assert not failures, "\n".join(failures[:40])

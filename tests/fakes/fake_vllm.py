@@ -41,6 +41,7 @@ class Behaviour:
     omit_kv_params: bool = False
     malformed_json: bool = False  # P: invalid JSON body
     malformed_sse: bool = False  # D: a broken SSE line mid-stream
+    prompt_tag: bool = False  # completions: each token's text starts with "<prompt>:"
     error_event_after: int | None = None  # D: after N tokens, vLLM's SSE error event, then [DONE]
     fail_after_kv: float | None = None  # P: hand D its KV, then fail after this many seconds
     chaos: float = 0.0  # probability that a request gets one random fault (soak runs)
@@ -207,7 +208,7 @@ class FakeEngine:
         if rec.body.get("stream"):
             await self._stream(rec, send, b)
         else:
-            await _respond(send, 200, json.dumps(_full(rec, b.tokens)).encode())
+            await _respond(send, 200, json.dumps(_full(rec, b.tokens, b.prompt_tag)).encode())
 
     async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
         if b.malformed_json:
@@ -254,9 +255,13 @@ class FakeEngine:
             if b.malformed_sse and i == 1:
                 await _chunk(send, b"data: {not json\n\n")
                 continue
-            await _chunk(send, b"data: " + json.dumps(_delta(rec, i)).encode() + b"\n\n")
+            delta = _delta(rec, i, b.prompt_tag)
+            await _chunk(send, b"data: " + json.dumps(delta).encode() + b"\n\n")
             if b.token_delay:
                 await asyncio.sleep(b.token_delay)
+        if (rec.body.get("stream_options") or {}).get("include_usage"):
+            usage = {**_delta(rec, 0, False), "choices": [], "usage": _usage(rec, b.tokens)}
+            await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
         await _chunk(send, b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -319,9 +324,13 @@ def _is_chat(rec: Received) -> bool:
     return rec.path.endswith("/chat/completions")
 
 
-def _full(rec: Received, tokens: int) -> dict[str, Any]:
-    text = "".join(f"t{i} " for i in range(tokens))
-    usage = {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+def _usage(rec: Received, tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+
+
+def _full(rec: Received, tokens: int, tag: bool = False) -> dict[str, Any]:
+    text = "".join(_text(rec, i, tag) for i in range(tokens))
+    usage = _usage(rec, tokens)
     if _is_chat(rec):
         return {
             "id": f"chatcmpl-{rec.request_id}",
@@ -347,7 +356,11 @@ def _full(rec: Received, tokens: int) -> dict[str, Any]:
     }
 
 
-def _delta(rec: Received, i: int) -> dict[str, Any]:
+def _text(rec: Received, i: int, tag: bool) -> str:
+    return f"{rec.body.get('prompt')}:t{i} " if tag else f"t{i} "
+
+
+def _delta(rec: Received, i: int, tag: bool = False) -> dict[str, Any]:
     if _is_chat(rec):
         return {
             "id": f"chatcmpl-{rec.request_id}",
@@ -361,7 +374,9 @@ def _delta(rec: Received, i: int) -> dict[str, Any]:
         "object": "text_completion",
         "created": 0,
         "model": rec.body.get("model"),
-        "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None, "logprobs": None}],
+        "choices": [
+            {"index": 0, "text": _text(rec, i, tag), "finish_reason": None, "logprobs": None}
+        ],
     }
 
 

@@ -83,10 +83,9 @@ async def test_every_refused_request_is_counted(
     assert (await client.post(url + "/v1/completions", content=b"{")).status_code == 400
     bad_model = {**PROMPT, "model": "nope"}
     assert (await client.post(url + "/v1/completions", json=bad_model)).status_code == 404
-    bad_n = {**PROMPT, "prompt": ["a", "b"]}
+    bad_n = {**PROMPT, "n": 0}
     assert (await client.post(url + "/v1/completions", json=bad_n)).status_code == 400
-    assert metric(ctx, "pdrouter_requests_total", model="", outcome="client_error") == 2
-    assert metric(ctx, "pdrouter_requests_total", model="tiny", outcome="client_error") == 1
+    assert metric(ctx, "pdrouter_requests_total", model="", outcome="client_error") == 3
     assert all(e.received == [] for e in cluster.engines)
 
 
@@ -185,3 +184,63 @@ async def test_responses_api_is_disaggregated_like_the_others(
     if mode == "push":
         assert d_leg.kv["remote_request_id"] == f"resp_{p_leg.request_id}_0"
     assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 1
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_several_prompts_one_dispatch_each_merged_as_vllm_answers(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    for e in cluster.engines:
+        e.behaviour.prompt_tag, e.behaviour.tokens = True, 2
+    url, ctx = await cluster.router(mode)
+    body = {**PROMPT, "prompt": ["aa", "bb", "cc"], "max_tokens": 2}
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert [(c["index"], c["text"]) for c in doc["choices"]] == [
+        (0, "aa:t0 aa:t1 "),
+        (1, "bb:t0 bb:t1 "),
+        (2, "cc:t0 cc:t1 "),
+    ]
+    assert doc["usage"] == {"prompt_tokens": 15, "completion_tokens": 6, "total_tokens": 21}
+    assert sorted(rec.body["prompt"] for rec in cluster.decode[0].received) == ["aa", "bb", "cc"]
+    assert len(cluster.prefill[0].received) == 3  # one dispatch per prompt, each with its P leg
+    assert metric(ctx, "pdrouter_requests_total", outcome="success") == 1  # one client request
+
+
+async def test_several_prompts_streamed(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    for e in cluster.engines:
+        e.behaviour.prompt_tag, e.behaviour.tokens = True, 3
+    url, ctx = await cluster.router("pull")
+    body = {
+        **PROMPT,
+        "prompt": ["aa", "bb"],
+        "n": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in chunks}) == 1  # one id for the whole stream, as vLLM's
+    texts: dict[int, str] = {}
+    for c in chunks[:-1]:
+        for choice in c["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "aa:t0 aa:t1 aa:t2 ", 1: "bb:t0 bb:t1 bb:t2 "}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert metric(ctx, "pdrouter_requests_total", outcome="success") == 1
+
+
+async def test_several_prompts_one_fails(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    cluster.decode[0].behaviour.poison = "bb"  # D answers 500 to the prompt "bb" only
+    url, ctx = await cluster.router("pull")
+    r = await client.post(url + "/v1/completions", json={**PROMPT, "prompt": ["aa", "bb"]})
+    assert r.status_code == 502
+    r = await client.post(
+        url + "/v1/completions", json={**PROMPT, "prompt": ["aa", "bb"], "stream": True}
+    )
+    assert r.status_code == 502  # the stream had not started: a whole error response
+    assert ctx.registry.slots_in_use() == 0

@@ -35,7 +35,7 @@ def error_of(r: httpx.Response) -> dict[str, object]:
         (json.dumps({"model": "tiny"}).encode(), 400, "invalid_request"),
         (json.dumps({**PROMPT, "max_tokens": "many"}).encode(), 400, "invalid_request"),
         (json.dumps({**PROMPT, "stream": "maybe"}).encode(), 400, "invalid_request"),
-        (json.dumps({**PROMPT, "prompt": ["a", "b"]}).encode(), 400, "invalid_request"),
+        (json.dumps({**PROMPT, "prompt": [["a"]]}).encode(), 400, "invalid_request"),
         (json.dumps({**PROMPT, "model": "nope"}).encode(), 404, "model_not_found"),
         (b"\xff\xfe\xfa", 400, "invalid_request"),
     ],

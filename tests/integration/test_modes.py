@@ -27,12 +27,13 @@ async def test_pull_streaming_rewrites_legs_and_relays_sse(
     assert r.headers["content-type"].startswith("text/event-stream")
     events = sse_payloads(r.text)
     assert events[-1] == "[DONE]"
-    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == [
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == [
         "t0 ",
         "t1 ",
         "t2 ",
         "t3 ",
     ]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 4  # include_usage, relayed
 
     (p_req,) = cluster.prefill[0].received
     (d_req,) = cluster.decode[0].received

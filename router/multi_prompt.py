@@ -1,0 +1,231 @@
+"""Completions with a list of prompts: one dispatch per prompt, answers merged as vLLM merges them.
+
+vLLM answers ``{"prompt": [p0, p1, ...], "n": n}`` with one response whose choice for prompt
+``i`` and sequence ``j`` has ``index = i * n + j``, whose ``usage`` sums the prompts' tokens
+(``prompt_tokens_details`` is the last prompt's, as vLLM reports it), and whose stream carries
+one ``id`` and one ``created``, one usage chunk at the end (with ``include_usage``) and one
+``data: [DONE]``. P/D connectors pair one prompt per transfer, so the router dispatches each
+prompt on its own (each with its own decode slot, all at once) and merges their answers here.
+An error answer of any prompt is the answer of the request; a stream that fails ends with its
+error event and ``data: [DONE]`` while the other prompts' legs are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from typing import Any
+
+import orjson
+
+from router.client_request import ClientRequest
+from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
+from router.pd.dispatch import Dispatch
+from router.pd.legs import DecodeLeg
+from router.relay import RelayResponse, Send, send_error
+
+__all__ = ["MultiPromptResponse", "StreamMerge", "merge_bodies", "split"]
+
+_DONE = b"data: [DONE]"
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
+
+
+def split(creq: ClientRequest) -> list[ClientRequest]:
+    """One single-prompt request per prompt of ``creq``, in order."""
+    prompts = creq.body["prompt"]
+    return [
+        dataclasses.replace(
+            creq,
+            body={**creq.body, "prompt": p},
+            num_prompts=1,
+            prompt_chars=len(p),
+            prompt_is_tokens=isinstance(p, list),
+        )
+        for p in prompts
+    ]
+
+
+def _merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    present = [u for u in usages if isinstance(u, dict)]
+    if not present:
+        return None
+    out: dict[str, Any] = {k: sum(int(u.get(k) or 0) for u in present) for k in _USAGE_FIELDS}
+    last = present[-1]
+    if last.get("prompt_tokens_details") is not None:
+        out["prompt_tokens_details"] = last["prompt_tokens_details"]
+    return out
+
+
+def merge_bodies(bodies: list[bytes], n: int) -> bytes:
+    """The non-streaming answer to the whole request from each prompt's (all 200s)."""
+    docs = [orjson.loads(b) for b in bodies]
+    merged = dict(docs[0])
+    choices = []
+    for i, doc in enumerate(docs):
+        for choice in doc.get("choices") or []:
+            choices.append({**choice, "index": i * n + int(choice.get("index", 0))})
+    merged["choices"] = choices
+    merged["usage"] = _merge_usage([d.get("usage") for d in docs])
+    return orjson.dumps(merged)
+
+
+class StreamMerge:
+    """Rewrites the SSE events of each prompt's stream into one stream (see module doc)."""
+
+    def __init__(self, prompts: int, n: int) -> None:
+        self._n = n
+        self._buffers = [b""] * prompts
+        self._usage: list[dict[str, Any] | None] = [None] * prompts
+        self._head: tuple[Any, Any, Any] | None = None  # id, created, model of the first event
+
+    def feed(self, prompt: int, data: bytes) -> tuple[bytes, bytes | None]:
+        """(the events to send now, an error event if ``data`` holds one)."""
+        buf = self._buffers[prompt] + data
+        *events, self._buffers[prompt] = buf.split(b"\n\n")
+        out: list[bytes] = []
+        for event in events:
+            if not event.strip() or event.strip() == _DONE:
+                continue
+            if event.startswith(b'data: {"error"'):
+                return b"".join(out), event + b"\n\n"
+            out.append(self._rewrite(prompt, event))
+        return b"".join(out), None
+
+    def end(self) -> bytes:
+        """The merged usage chunk (if the prompts sent usage) and ``data: [DONE]``."""
+        usage = _merge_usage(self._usage)
+        tail = b""
+        if usage is not None and self._head is not None:
+            chunk_id, created, model = self._head
+            chunk = {
+                "id": chunk_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+            tail = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return tail + _DONE + b"\n\n"
+
+    def _rewrite(self, prompt: int, event: bytes) -> bytes:
+        if not event.startswith(b"data: "):
+            return event + b"\n\n"  # not a JSON event: relayed as is
+        doc = orjson.loads(event[6:])
+        if self._head is None:
+            self._head = (doc.get("id"), doc.get("created"), doc.get("model"))
+        doc["id"], doc["created"] = self._head[0], self._head[1]
+        choices = doc.get("choices") or []
+        if not choices and doc.get("usage") is not None:
+            self._usage[prompt] = doc["usage"]  # summed into one chunk at the end
+            return b""
+        for choice in choices:
+            choice["index"] = prompt * self._n + int(choice.get("index", 0))
+        return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+class MultiPromptResponse(RelayResponse):
+    """A :class:`RelayResponse` for a request with several prompts (one dispatch each)."""
+
+    async def _run(self, send: Send) -> Outcome:
+        parts = split(self._creq)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                dispatches = await self._open_all(stack, parts)
+                return await self._answer(dispatches, send)
+        except RouterError as exc:
+            if self._started:
+                raise  # not from opening the dispatches: a bug, not a refusal
+            self._log_refusal(exc)
+            await send_error(send, exc, self._echo)
+            return exc.outcome
+
+    async def _open_all(
+        self, stack: contextlib.AsyncExitStack, parts: list[ClientRequest]
+    ) -> list[Dispatch]:
+        """Every prompt's dispatch, entered into ``stack``; the first error of any
+        (the others then cancelled or released) is raised as is."""
+
+        async def enter(part: ClientRequest) -> Dispatch:
+            return await stack.enter_async_context(
+                self._dispatcher.dispatch(self._pool, part, self._client_id)
+            )
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(enter(p)) for p in parts]
+        except* RouterError as errors:
+            raise errors.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    async def _answer(self, dispatches: list[Dispatch], send: Send) -> Outcome:
+        legs = [d.leg for d in dispatches]  # all 200: an error answer fails its dispatch
+        request_id = self._echo or dispatches[0].request_id.encode("latin-1")
+        headers = [
+            (b"content-type", legs[0].content_type.encode("latin-1")),
+            (b"x-request-id", request_id),
+        ]
+        streaming = legs[0].rest is not None
+        if streaming:
+            headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._started = True
+        if not streaming:
+            await self._end(send, merge_bodies([leg.first for leg in legs], self._creq.n))
+            self._ttft = self._clock() - self._t0
+            return Outcome.SUCCESS
+        return await self._merge_streams(legs, send, StreamMerge(len(legs), self._creq.n))
+
+    async def _merge_streams(
+        self, legs: list[DecodeLeg], send: Send, merge: StreamMerge
+    ) -> Outcome:
+        """Relay every prompt's stream as one; on an error, the other prompts' legs are
+        left unread (their dispatches close them)."""
+        queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]] = asyncio.Queue()
+
+        async def pump(i: int, leg: DecodeLeg) -> None:
+            async def collect(message: Any) -> None:
+                await queue.put((i, message["body"]))
+
+            try:
+                await leg.forward(collect, lambda: None)
+            except UpstreamError as exc:
+                await queue.put((i, exc))
+            await queue.put((i, None))
+
+        for i, leg in enumerate(legs):
+            queue.put_nowait((i, leg.first))
+        async with asyncio.TaskGroup() as group:
+            pumps = [group.create_task(pump(i, leg)) for i, leg in enumerate(legs)]
+            try:
+                return await self._relay_merged(queue, len(legs), send, merge)
+            finally:
+                for task in pumps:
+                    task.cancel()
+
+    async def _relay_merged(
+        self,
+        queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]],
+        open_streams: int,
+        send: Send,
+        merge: StreamMerge,
+    ) -> Outcome:
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, UpstreamError):
+                await self._end(send, sse_error_event(item.message, item.type, item.code))
+                return Outcome.UPSTREAM_ERROR
+            events, error = merge.feed(i, item)
+            if events:
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+                if self._ttft is None:
+                    self._ttft = self._clock() - self._t0
+            if error is not None:
+                await self._end(send, error + _DONE + b"\n\n")
+                return Outcome.UPSTREAM_ERROR
+        await self._end(send, merge.end())
+        return Outcome.SUCCESS

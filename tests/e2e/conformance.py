@@ -1,0 +1,165 @@
+"""The differential conformance cases: the same raw requests to one aggregated vLLM engine and
+to the router in front of P/D engines, answers compared field by field.
+
+Each case is sent with ``httpx`` (exact bytes, no SDK defaults). An answer is reduced to what a
+client relies on: the status, and for 200s the body without per-request values (ids,
+timestamps), streams reduced to per-choice text, token ids, finish reasons, the usage chunk and
+the number of ``[DONE]``. Floats (logprobs) compare within ``FLOAT_TOLERANCE``: P/D and one
+engine batch differently, and bf16 on CPU rounds differently per batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+MODEL = "tiny"
+FLOAT_TOLERANCE = 0.05
+# Per-request values, and what is not the router's: the engines' max_model_len differs between
+# the aggregated engine and the stack's P/D engines.
+_VOLATILE = {"id", "created", "created_at", "system_fingerprint", "kv_transfer_params"}
+_VOLATILE |= {"max_model_len", "request_id", "response_id", "item_id", "sequence_number"}
+_GREEDY = {"temperature": 0, "ignore_eos": True}
+_TEXT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: dict[str, Any] | None  # None: GET
+    compare_body: bool = True  # False: the status only (the router's own error text)
+
+
+def _comp(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": _TEXT, "max_tokens": 6, **_GREEDY, **kw}
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": _TEXT}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 6, **_GREEDY, **kw}
+
+
+_USAGE = {"stream_options": {"include_usage": True}}
+
+CASES = [
+    Case("completion", "/v1/completions", _comp()),
+    Case("completion logprobs", "/v1/completions", _comp(logprobs=2)),
+    Case("completion echo", "/v1/completions", _comp(echo=True)),
+    Case("completion token ids", "/v1/completions", _comp(prompt=list(range(5, 60)))),
+    Case("completion n=2", "/v1/completions", _comp(n=2)),
+    Case("completion two prompts", "/v1/completions", _comp(prompt=[_TEXT, _TEXT[::-1]])),
+    Case("completion stream usage", "/v1/completions", _comp(stream=True, **_USAGE)),
+    Case(
+        "completion two prompts stream",
+        "/v1/completions",
+        _comp(prompt=[_TEXT, _TEXT[::-1]], stream=True, **_USAGE),
+    ),
+    Case("completion lenient", "/v1/completions", _comp(max_tokens="6", stream=1)),
+    Case("completion without model", "/v1/completions", {"prompt": _TEXT, "max_tokens": 3}),
+    Case("chat", "/v1/chat/completions", _chat()),
+    Case(
+        "chat logprobs",
+        "/v1/chat/completions",
+        _chat(logprobs=True, top_logprobs=2, max_tokens=None, max_completion_tokens=5),
+    ),
+    Case("chat stream usage", "/v1/chat/completions", _chat(stream=True, **_USAGE)),
+    Case(
+        "responses",
+        "/v1/responses",
+        {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0},
+    ),
+    Case("tokenize", "/tokenize", {"model": MODEL, "prompt": _TEXT}),
+    Case("detokenize", "/detokenize", {"model": MODEL, "tokens": list(range(5, 30))}),
+    Case("bad prompt", "/v1/completions", _comp(prompt=5), compare_body=False),
+    Case("bad max_tokens", "/v1/completions", _comp(max_tokens=-1), compare_body=False),
+    Case("seed past 64 bits", "/v1/completions", _comp(seed=2**70), compare_body=False),
+]
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: Any  # normalized (see module doc); None when only the status is compared
+
+
+def ask(base_url: str, case: Case) -> Answer:
+    """Send ``case`` to ``base_url`` and reduce the answer."""
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        if case.body is None:
+            r = client.get(case.path)
+        else:
+            raw = json.dumps(case.body).encode()
+            r = client.post(case.path, content=raw, headers={"content-type": "application/json"})
+    if r.status_code != 200 or not case.compare_body:
+        return Answer(r.status_code, None)
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        return Answer(200, _stream_summary(r.text))
+    return Answer(200, normalize(r.json()))
+
+
+def normalize(doc: Any) -> Any:
+    """``doc`` without volatile keys, recursively."""
+    if isinstance(doc, dict):
+        return {k: normalize(v) for k, v in sorted(doc.items()) if k not in _VOLATILE}
+    if isinstance(doc, list):
+        return [normalize(v) for v in doc]
+    return doc
+
+
+def _stream_summary(text: str) -> dict[str, Any]:
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.startswith("data: ")]
+    texts: dict[int, str] = {}
+    finish: dict[int, Any] = {}
+    usage = None
+    for event in events:
+        if event == "[DONE]":
+            continue
+        doc = json.loads(event)
+        for choice in doc.get("choices") or []:
+            i = choice["index"]
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("delta") or {}).get("content") or ""
+            texts[i] = texts.get(i, "") + piece
+            finish[i] = choice.get("finish_reason") or finish.get(i)
+        if doc.get("usage") is not None and not doc.get("choices"):
+            usage = normalize(doc["usage"])
+    return {"texts": texts, "finish": finish, "usage": usage, "done": events.count("[DONE]")}
+
+
+def differences(got: Any, want: Any, path: str = "") -> list[str]:
+    """Where ``got`` differs from ``want`` (floats within ``FLOAT_TOLERANCE``)."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = [f"{path}.{k}: missing" for k in want if k not in got]
+        out += [f"{path}.{k}: unexpected" for k in got if k not in want]
+        for k in want.keys() & got.keys():
+            out += differences(got[k], want[k], f"{path}.{k}")
+        return out
+    if isinstance(want, list) and isinstance(got, list):
+        if len(want) != len(got):
+            return [f"{path}: {len(got)} items, want {len(want)}"]
+        return [
+            d
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+            for d in differences(g, w, f"{path}[{i}]")
+        ]
+    if isinstance(want, float) and isinstance(got, (int, float)):
+        return [] if abs(got - want) <= FLOAT_TOLERANCE else [f"{path}: {got} != {want}"]
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]
+
+
+def compared_fields(answer: Answer) -> int:
+    """How many leaf values an answer compares (for the printed table)."""
+
+    def leaves(doc: Any) -> int:
+        if isinstance(doc, dict):
+            return sum(leaves(v) for v in doc.values())
+        if isinstance(doc, list):
+            return sum(leaves(v) for v in doc)
+        return 1
+
+    return 1 + (leaves(answer.body) if answer.body is not None else 0)
