@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import http.server
 import os
 import shutil
 import signal
@@ -181,8 +182,11 @@ class RssSampler(threading.Thread):
 # -- targets -----------------------------------------------------------------
 
 
-def _router_config(mode: str, port: int, p_url: str, d_url: str, log_level: str) -> str:
+def _router_config(
+    mode: str, port: int, p_url: str, d_url: str, log_level: str, otlp: str | None = None
+) -> str:
     prefill = f'[{{url: "{p_url}", engine_id: "fake-p", kv_host: 127.0.0.1, kv_port: 12000}}]'
+    tracing = f'tracing: {{endpoint: "{otlp}"}}\n' if otlp else ""
     return (
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"log_level: {log_level}\n"
@@ -190,12 +194,33 @@ def _router_config(mode: str, port: int, p_url: str, d_url: str, log_level: str)
         f"  - name: fake\n    mode: {mode}\n"
         f"    prefill: {prefill}\n"
         f'    decode: [{{url: "{d_url}", slots: 16384}}]\n'
-        "admission: {queue_size: 16384}\n"
+        "admission: {queue_size: 16384}\n" + tracing
     )
 
 
+class _OtlpSink(http.server.BaseHTTPRequestHandler):
+    """Takes the traced targets' OTLP exports and drops them (an OTLP/HTTP 200)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _otlp_sink(port: int) -> str:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _OtlpSink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{port}/v1/traces"
+
+
 def _split_workers(spec: str) -> tuple[str, int]:
-    """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``."""
+    """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
+    suffix (tracing on, exported to a sink in this process) is not part of the mode."""
+    spec = spec.removesuffix("+traced")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
 
@@ -203,6 +228,7 @@ def _split_workers(spec: str) -> tuple[str, int]:
 def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> list[Target]:
     port = args.port_base + 10
     out: list[Target] = []
+    sink: str | None = None  # one OTLP sink for every traced target
     for name in args.targets:
         if name == "direct":
             out.append(Target("direct", None, args.port_base + 2))
@@ -213,7 +239,11 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             mode, workers = _split_workers(spec)
             cwd = Path(args.baseline_root).resolve() if base else ROOT
             cfg = tmp / f"{name}.yaml"
-            cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level))
+            otlp = None
+            if name.endswith("+traced"):
+                sink = sink or _otlp_sink(args.port_base + 9)
+                otlp = sink
+            cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp))
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if workers > 1:
                 argv += ["--workers", str(workers)]

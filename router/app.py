@@ -55,6 +55,7 @@ from router.registry import ModelPool, Registry
 from router.relay import Receive, RelayResponse, Scope, Send, send_error
 from router.reload import ConfigReloader
 from router.shared_slots import WorkerSlots
+from router.tracing import Tracing
 from router.upstream import UpstreamClient
 
 __all__ = ["AppContext", "RouterApp", "create_app"]
@@ -75,6 +76,7 @@ class AppContext:
     clock: Callable[[], float]
     load: LoadWatcher | None  # several router replicas: engine-reported decode load
     passthrough: PassThrough
+    tracing: Tracing
 
 
 def _build_context(
@@ -91,7 +93,10 @@ def _build_context(
         config.timeouts, key.get_secret_value() if key else None, transport=transport
     )
     legs = LegRunner(upstream, config.timeouts, metrics, clock)
-    dispatcher = Dispatcher(legs, metrics, config.retries, clock, config.health.interval)
+    tracing = Tracing(config.tracing)
+    dispatcher = Dispatcher(
+        legs, metrics, config.retries, clock, config.health.interval, tracing=tracing
+    )
 
     health = HealthMonitor(registry.instances, upstream, config.health)
     load = None
@@ -105,7 +110,7 @@ def _build_context(
         )
     passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
     return AppContext(
-        config, registry, metrics, upstream, dispatcher, health, clock, load, passthrough
+        config, registry, metrics, upstream, dispatcher, health, clock, load, passthrough, tracing
     )
 
 
@@ -181,6 +186,7 @@ async def _handle(
         ctx.clock,
         ctx.config.timeouts.total,
         client_id,
+        ctx.tracing,
     )
 
 
@@ -376,6 +382,7 @@ def create_app(
             await asyncio.gather(*tasks, return_exceptions=True)
             await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
+            await asyncio.to_thread(ctx.tracing.shutdown)
 
     app = FastAPI(title="pd-router", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx

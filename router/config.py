@@ -385,6 +385,15 @@ class CorsConfig(_Strict):
     allow_credentials: bool = False
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces over OTLP/HTTP; off unless ``endpoint`` is set. Engines started
+    with ``--otlp-traces-endpoint`` join the same traces (``traceparent`` on both legs)."""
+
+    endpoint: str | None = None  # e.g. http://otel-collector:4318/v1/traces
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)  # of traces started here
+    service_name: str = "pd-router"
+
+
 class RouterConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     models: list[ModelConfig] = Field(min_length=1)
@@ -395,6 +404,7 @@ class RouterConfig(_Strict):
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
     cors: CorsConfig = CorsConfig()
+    tracing: TracingConfig = TracingConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("models")

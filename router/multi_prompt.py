@@ -50,10 +50,10 @@ def _merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     present = [u for u in usages if isinstance(u, dict)]
     if not present:
         return None
-    out: dict[str, Any] = {k: sum(int(u.get(k) or 0) for u in present) for k in _USAGE_FIELDS}
-    last = present[-1]
-    if last.get("prompt_tokens_details") is not None:
-        out["prompt_tokens_details"] = last["prompt_tokens_details"]
+    # The last prompt's usage with the token counts summed: its other fields (the
+    # *_tokens_details) are the last prompt's, as vLLM reports them.
+    out = dict(present[-1])
+    out.update({k: sum(int(u.get(k) or 0) for u in present) for k in _USAGE_FIELDS})
     return out
 
 

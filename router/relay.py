@@ -18,6 +18,7 @@ from typing import Any
 from starlette.responses import Response
 
 from router.client_request import ClientRequest
+from router.config import TracingConfig
 from router.errors import (
     Outcome,
     RouterError,
@@ -30,6 +31,7 @@ from router.errors import (
 from router.metrics import Metrics
 from router.pd.dispatch import Dispatch, Dispatcher
 from router.registry import ModelPool
+from router.tracing import Tracing
 
 __all__ = ["Receive", "RelayResponse", "Scope", "Send", "send_error"]
 
@@ -66,9 +68,11 @@ class RelayResponse(Response):
         clock: Callable[[], float],
         total_timeout: float,
         client_id: bytes | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """``client_id``: the client's X-Request-Id, echoed back and logged."""
         self.background = None
+        self._tracing = tracing or Tracing(TracingConfig())
         self._echo = client_id
         self._client_id = client_id.decode("latin-1") if client_id else "-"
         self._dispatcher = dispatcher
@@ -84,6 +88,17 @@ class RelayResponse(Response):
         self._disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        attributes = {
+            "gen_ai.request.model": self._pool.name,
+            "pdrouter.mode": self._pool.mode.value,
+        }
+        if self._echo:
+            attributes["pdrouter.client_request_id"] = self._client_id
+        name = f"POST {self._creq.endpoint.value}"
+        with self._tracing.request(name, scope["headers"], attributes):
+            await self._exchange(receive, send)
+
+    async def _exchange(self, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         watcher = asyncio.create_task(_wait_disconnect(receive))
@@ -120,6 +135,11 @@ class RelayResponse(Response):
 
     def _observe(self, outcome: Outcome) -> None:
         self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+        self._tracing.set(pdrouter__outcome=outcome.value)
+        if self._ttft is not None:
+            self._tracing.set(pdrouter__ttft_s=self._ttft)
+        if outcome is not Outcome.SUCCESS:
+            self._tracing.failed(outcome.value)
 
     async def _run(self, send: Send) -> Outcome:
         try:
@@ -170,7 +190,9 @@ class RelayResponse(Response):
             self._complete = True
 
         try:
-            await leg.forward(send, before_last)
+            with self._tracing.span("stream"):
+                await leg.forward(send, before_last)
+                self._tracing.set(pdrouter__chunks=leg.chunks)
         except UpstreamError as exc:
             self._stream_stats(dispatch)
             err = dispatch.prefill_error or exc

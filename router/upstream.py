@@ -161,17 +161,21 @@ class UpstreamClient:
         body: dict[str, Any],
         request_id: str,
         read_timeout: float | None = None,
+        traceparent: str | None = None,
     ) -> UpstreamStream:
         """POST ``body`` and return once the response headers are in.
 
         ``read_timeout`` overrides the idle timeout between body bytes (a
         non-streaming vLLM response sends nothing until it is complete).
+        ``traceparent`` (W3C trace context) is sent when given.
         """
         content = _dumps(body)
         timeout = self._idle if read_timeout is None else read_timeout
         if self._httpx is not None:
-            return await self._open_httpx(url, content, request_id, timeout)
+            return await self._open_httpx(url, content, request_id, timeout, traceparent)
         origin, head = self._post_head(url)
+        if traceparent is not None:
+            head += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
         head += b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
             request_id.encode("latin-1"),
             len(content),
@@ -179,10 +183,12 @@ class UpstreamClient:
         return await self._pool.request(origin, head, content, timeout)
 
     async def _open_httpx(
-        self, url: str, content: bytes, request_id: str, timeout: float
+        self, url: str, content: bytes, request_id: str, timeout: float, traceparent: str | None
     ) -> UpstreamStream:
         assert self._httpx is not None
         headers = {"content-type": "application/json", "x-request-id": request_id}
+        if traceparent is not None:
+            headers["traceparent"] = traceparent
         if self._key:
             headers["authorization"] = f"Bearer {self._key}"
         request = self._httpx.build_request(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.client_request import ClientRequest
-from router.config import RetryConfig
+from router.config import RetryConfig, TracingConfig
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Reservation
@@ -33,6 +33,7 @@ from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.plans import Decision, Pair, Plan, decide, plans
 from router.pd.settle import Settler, cancel_task, discard_decode
 from router.registry import ModelPool
+from router.tracing import Tracing
 
 __all__ = ["Dispatch", "Dispatcher"]
 
@@ -78,8 +79,10 @@ class Dispatcher:
         retries: RetryConfig,
         clock: Callable[[], float] = time.monotonic,
         probe_interval: float = 5.0,
+        tracing: Tracing | None = None,
     ) -> None:
         """``probe_interval``: the health-check interval (Retry-After of a refusal)."""
+        self._tracing = tracing or Tracing(TracingConfig())
         self._probe_interval = probe_interval
         self._legs = legs
         self._metrics = metrics
@@ -112,12 +115,14 @@ class Dispatcher:
     async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
         decision = decide(pool.mode, creq, pool.config.disagg_min_prompt_tokens)
         self._metrics.decisions.labels(pool.name, decision).inc()
+        self._tracing.set(pdrouter__decision=decision.value)
         key = _routing_key(creq) if pool.key_needed else None
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return await self._attempt(pool, creq, decision, key, avoid)
+                with self._tracing.span("attempt", {"pdrouter.attempt": attempt}):
+                    return await self._attempt(pool, creq, decision, key, avoid)
             except UpstreamError as exc:
                 self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
                 avoid = avoid | {i for i in _all(pool) if i.url == exc.instance}
@@ -128,6 +133,7 @@ class Dispatcher:
                 if not retry:
                     raise
                 self._metrics.retries.labels(pool.name).inc()
+                self._tracing.set(pdrouter__retries=attempt)
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -151,8 +157,14 @@ class Dispatcher:
         if decision.uses_prefill and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
             raise self._no_prefill(pool)
-        reservation = await pool.ledger.reserve(key, avoid)
+        with self._tracing.span("slot_wait"):
+            reservation = await pool.ledger.reserve(key, avoid)
         ids = kp.new_dispatch_ids()
+        self._tracing.set(
+            pdrouter__decode=reservation.instance.url,
+            pdrouter__request_id=ids.request_id,
+            pdrouter__transfer_id=ids.transfer_id,
+        )
         try:
             if not decision.uses_prefill:
                 body = kp.aggregated_body(creq.body)
@@ -162,6 +174,7 @@ class Dispatcher:
             if p is None:  # left rotation while this request waited for its slot
                 raise self._no_prefill(pool)
             pair = Pair(creq, ids, p, reservation.instance)
+            self._tracing.set(pdrouter__prefill=p.url)
             plan = self._plans[decision]
             if plan.concurrent(pair):
                 return await self._concurrent(pool, plan, pair, decision, reservation)
@@ -254,14 +267,18 @@ class Dispatcher:
         started = self._clock()
         p = pair.prefill
         try:
-            result = await self._legs.prefill(
-                pool.name,
-                p,
-                pair.creq.endpoint.value,
-                kp.prefill_body(pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id),
-                pair.ids.request_id,
-                require_params=plan.requires_params,
-            )
+            with self._tracing.span("prefill", {"pdrouter.instance": p.url}):
+                result = await self._legs.prefill(
+                    pool.name,
+                    p,
+                    pair.creq.endpoint.value,
+                    kp.prefill_body(
+                        pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id
+                    ),
+                    pair.ids.request_id,
+                    require_params=plan.requires_params,
+                    traceparent=self._tracing.traceparent(),
+                )
         except UpstreamError as exc:
             pool.record(p, exc.fault)
             raise
@@ -285,9 +302,15 @@ class Dispatcher:
         half-open D's trial, which succeeds with its first bytes: the other
         requests need not wait for the whole stream to know that D is back."""
         try:
-            leg = await self._legs.open_decode(
-                d, creq.endpoint.value, body, ids.request_id, creq.stream
-            )
+            with self._tracing.span("decode_first_byte", {"pdrouter.instance": d.url}):
+                leg = await self._legs.open_decode(
+                    d,
+                    creq.endpoint.value,
+                    body,
+                    ids.request_id,
+                    creq.stream,
+                    self._tracing.traceparent(),
+                )
         except UpstreamError as exc:
             pool.record(d, exc.fault)
             raise
@@ -296,9 +319,9 @@ class Dispatcher:
         return leg
 
     def _observe_handoff(self, pool: ModelPool, prefill_done_at: float) -> None:
-        self._metrics.handoff.labels(pool.name, pool.mode.value).observe(
-            max(0.0, self._clock() - prefill_done_at)
-        )
+        handoff = max(0.0, self._clock() - prefill_done_at)
+        self._metrics.handoff.labels(pool.name, pool.mode.value).observe(handoff)
+        self._tracing.set(pdrouter__handoff_s=handoff)
 
     async def _finish(self, pool: ModelPool, opened: Dispatch) -> None:
         """Release everything the dispatch holds and judge D by its verdict. A P leg

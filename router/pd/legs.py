@@ -211,6 +211,7 @@ class LegRunner:
         request_id: str,
         *,
         require_params: bool,
+        traceparent: str | None = None,
     ) -> PrefillResult:
         """Run the P leg to completion; its one generated token is discarded.
 
@@ -220,7 +221,7 @@ class LegRunner:
         inst.in_flight += 1
         inst.breaker.on_dispatch()
         try:
-            content = await self._prefill_call(inst, path, body, request_id)
+            content = await self._prefill_call(inst, path, body, request_id, traceparent)
         finally:
             inst.in_flight -= 1
         params = _kv_params(content)
@@ -236,13 +237,18 @@ class LegRunner:
         return PrefillResult(params, self._clock())
 
     async def _prefill_call(
-        self, inst: Instance, path: str, body: dict[str, Any], request_id: str
+        self,
+        inst: Instance,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        traceparent: str | None,
     ) -> bytes:
         limit = self._timeouts.prefill
         async with _bounded(inst, limit, "prefill_timeout"):
             with map_errors("prefill", inst.url):
                 stream = await self._upstream.open(
-                    inst.url + path, body, request_id, read_timeout=limit
+                    inst.url + path, body, request_id, read_timeout=limit, traceparent=traceparent
                 )
                 try:
                     content = await stream.read_all()
@@ -253,7 +259,13 @@ class LegRunner:
         return content
 
     async def open_decode(
-        self, inst: Instance, path: str, body: dict[str, Any], request_id: str, stream: bool
+        self,
+        inst: Instance,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        stream: bool,
+        traceparent: str | None = None,
     ) -> DecodeLeg:
         """Send the D leg and wait for its first bytes (the whole body if not streaming).
 
@@ -267,7 +279,11 @@ class LegRunner:
             async with _bounded(inst, limit, code):
                 with map_errors("decode", inst.url):
                     opened = await self._upstream.open(
-                        inst.url + path, body, request_id, read_timeout=None if stream else limit
+                        inst.url + path,
+                        body,
+                        request_id,
+                        read_timeout=None if stream else limit,
+                        traceparent=traceparent,
                     )
                     if opened.status >= 400 or not stream:
                         content = await _read_bounded(opened)

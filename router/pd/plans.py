@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from connector.address import NixlAddress
-from router.client_request import ClientRequest
+from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError
@@ -42,6 +42,7 @@ class Decision(enum.StrEnum):
     AGGREGATED = "aggregated"  # the model's mode has no P
     DECODE_ONLY_N = "decode_only_n"  # n > 1: vLLM's P/D serves one sequence
     DECODE_ONLY_SHORT = "decode_only_short"  # under disagg_min_prompt_tokens
+    DECODE_ONLY_ENDPOINT = "decode_only_endpoint"  # an endpoint the mode cannot split (below)
     PULL = "pull"
     PUSH = "push"
     PUSH_SEQUENTIAL = "push-sequential"
@@ -52,13 +53,27 @@ class Decision(enum.StrEnum):
         return self not in _DECODE_ONLY
 
 
-_DECODE_ONLY = frozenset({Decision.AGGREGATED, Decision.DECODE_ONLY_N, Decision.DECODE_ONLY_SHORT})
+_DECODE_ONLY = frozenset(
+    {
+        Decision.AGGREGATED,
+        Decision.DECODE_ONLY_N,
+        Decision.DECODE_ONLY_SHORT,
+        Decision.DECODE_ONLY_ENDPOINT,
+    }
+)
+# The Responses API disaggregates in pull mode only: with vLLM 0.32's NixlPushConnector, a
+# Responses-API D leg waited for its KV forever (measured on the real-engine stack, push and
+# push-sequential), and this project's connector is not verified with it yet.
+_SPLIT_ENDPOINTS = {Mode.PULL: frozenset(Endpoint)}
+_DEFAULT_SPLIT = frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT})
 
 
 def decide(mode: Mode, creq: ClientRequest, min_prompt_tokens: int) -> Decision:
     """The decision for ``creq`` in a model served in ``mode``."""
     if not mode.uses_prefill:
         return Decision.AGGREGATED
+    if creq.endpoint not in _SPLIT_ENDPOINTS.get(mode, _DEFAULT_SPLIT):
+        return Decision.DECODE_ONLY_ENDPOINT
     if creq.n > 1:
         return Decision.DECODE_ONLY_N
     if min_prompt_tokens and creq.estimated_prompt_tokens() < min_prompt_tokens:

@@ -165,13 +165,11 @@ async def test_cors_configured(cluster: Cluster, client: httpx.AsyncClient) -> N
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
-@pytest.mark.parametrize("mode", ["pull", "push", "pipelined"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_responses_api_is_disaggregated_like_the_others(
-    cluster: Cluster, client: httpx.AsyncClient, mode: str, stream: bool
+async def test_responses_api_is_disaggregated_in_pull_mode(
+    cluster: Cluster, client: httpx.AsyncClient, stream: bool
 ) -> None:
-    ids = {"engine_id": "e", "kv_host": "h", "kv_port": 1}
-    url, ctx = await cluster.router(mode, prefill_extra=ids, decode_extra=ids)
+    url, ctx = await cluster.router("pull")
     body = {"model": "tiny", "input": "hello there", "max_output_tokens": 5, "stream": stream}
     r = await client.post(url + "/v1/responses", json=body)
     assert r.status_code == 200, r.text
@@ -181,9 +179,24 @@ async def test_responses_api_is_disaggregated_like_the_others(
     assert p_leg.body["stream"] is False and p_leg.body["store"] is False
     assert p_leg.body["request_id"] == f"resp_{p_leg.request_id}"  # the id vLLM uses there
     assert {k: v for k, v in d_leg.body.items() if k != "kv_transfer_params"} == body
-    if mode == "push":
-        assert d_leg.kv["remote_request_id"] == f"resp_{p_leg.request_id}_0"
-    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 1
+    assert d_leg.kv["remote_block_ids"]  # P's params, for D to read
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="pull") == 1
+
+
+@pytest.mark.parametrize("mode", ["push", "push-sequential", "pipelined"])
+async def test_responses_api_goes_to_d_alone_in_push_modes(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    ids = {"engine_id": "e", "kv_host": "h", "kv_port": 1}
+    url, ctx = await cluster.router(mode, prefill_extra=ids, decode_extra=ids)
+    body = {"model": "tiny", "input": "hello there", "max_output_tokens": 5}
+    r = await client.post(url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert cluster.prefill[0].received == []
+    (d_leg,) = cluster.decode[0].received
+    assert d_leg.body == body  # no kv_transfer_params: D computes the prompt itself
+    decision = "decode_only_endpoint"
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=decision) == 1
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
