@@ -396,11 +396,10 @@ _HOT_ROUTES = {e.value: e for e in Endpoint}
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _with_cors(app: _ASGI, cors: CorsConfig) -> _ASGI:
-    """``app`` behind Starlette's CORS middleware, on every route (the generate routes
-    included); requests without an ``Origin`` header pass straight through."""
+def _cors(app: _ASGI, cors: CorsConfig) -> _ASGI | None:
+    """``app`` behind Starlette's CORS middleware, or None when CORS is off."""
     if not cors.allowed_origins:
-        return app
+        return None
     return CORSMiddleware(
         app,
         allow_origins=cors.allowed_origins,
@@ -408,6 +407,10 @@ def _with_cors(app: _ASGI, cors: CorsConfig) -> _ASGI:
         allow_headers=cors.allowed_headers,
         allow_credentials=cors.allow_credentials,
     )
+
+
+def _has_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    return any(name == b"origin" for name, _ in headers)
 
 
 class RouterApp:
@@ -423,7 +426,9 @@ class RouterApp:
     def __init__(self, api: FastAPI, ctx: AppContext) -> None:
         self.api = api
         self._ctx = ctx
-        self._entry = _with_cors(self._route, ctx.config.cors)
+        # Only browsers send Origin: other requests skip the middleware (it cost ~5% of the
+        # router's throughput in the router benchmark when every request went through it).
+        self._cors = _cors(self._route, ctx.config.cors)
 
     @property
     def state(self) -> Any:
@@ -433,7 +438,10 @@ class RouterApp:
         return self.api.openapi()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._entry(scope, receive, send)
+        if self._cors is not None and scope["type"] == "http" and _has_origin(scope["headers"]):
+            await self._cors(scope, receive, send)
+            return
+        await self._route(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,23 +94,33 @@ def request_json_schema(endpoint: Endpoint) -> dict[str, Any]:
     return _MODELS[endpoint].model_json_schema()
 
 
-# A run of 19+ digits may be an integer orjson cannot hold (it would become a float).
-_LONG_INT = re.compile(rb"\d{19}")
+_INT64 = 2**63
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _maybe_huge_int(doc: Any) -> bool:
+    """Whether orjson may have turned an integer past 64 bits into a float here (a float
+    with an integral value that large); scans numbers only, not the prompt's text."""
+    if isinstance(doc, float):
+        return abs(doc) >= _INT64 and doc.is_integer()
+    if isinstance(doc, dict):
+        return any(_maybe_huge_int(v) for v in doc.values())
+    if isinstance(doc, list):
+        return any(_maybe_huge_int(v) for v in doc if not isinstance(v, (str, int)))
+    return False
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a dict. Bodies with long digit runs are parsed by the standard
-    library, which keeps integers of any size (orjson turns those past 64 bits into
-    floats); the upstream client serializes them the same way."""
+    """The body as a dict. A body where orjson may have turned an integer past 64 bits
+    into a float is parsed again by the standard library, which keeps integers of any
+    size; the upstream client serializes them the same way."""
     try:
-        if _LONG_INT.search(raw):
+        doc = orjson.loads(raw)
+        if _maybe_huge_int(doc):
             doc = json.loads(raw, parse_constant=_reject_constant)
-        else:
-            doc = orjson.loads(raw)
     except (orjson.JSONDecodeError, ValueError) as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(doc, dict):

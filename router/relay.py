@@ -88,6 +88,9 @@ class RelayResponse(Response):
         self._disconnected = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._tracing.enabled:
+            await self._exchange(receive, send)
+            return
         attributes = {
             "gen_ai.request.model": self._pool.name,
             "pdrouter.mode": self._pool.mode.value,
@@ -135,6 +138,8 @@ class RelayResponse(Response):
 
     def _observe(self, outcome: Outcome) -> None:
         self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+        if not self._tracing.enabled:
+            return
         self._tracing.set(pdrouter__outcome=outcome.value)
         if self._ttft is not None:
             self._tracing.set(pdrouter__ttft_s=self._ttft)

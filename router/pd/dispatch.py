@@ -115,7 +115,8 @@ class Dispatcher:
     async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
         decision = decide(pool.mode, creq, pool.config.disagg_min_prompt_tokens)
         self._metrics.decisions.labels(pool.name, decision).inc()
-        self._tracing.set(pdrouter__decision=decision.value)
+        if self._tracing.enabled:
+            self._tracing.set(pdrouter__decision=decision.value)
         key = _routing_key(creq) if pool.key_needed else None
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
@@ -160,11 +161,12 @@ class Dispatcher:
         with self._tracing.span("slot_wait"):
             reservation = await pool.ledger.reserve(key, avoid)
         ids = kp.new_dispatch_ids()
-        self._tracing.set(
-            pdrouter__decode=reservation.instance.url,
-            pdrouter__request_id=ids.request_id,
-            pdrouter__transfer_id=ids.transfer_id,
-        )
+        if self._tracing.enabled:
+            self._tracing.set(
+                pdrouter__decode=reservation.instance.url,
+                pdrouter__request_id=ids.request_id,
+                pdrouter__transfer_id=ids.transfer_id,
+            )
         try:
             if not decision.uses_prefill:
                 body = kp.aggregated_body(creq.body)
