@@ -262,7 +262,9 @@ async def test_sole_engine_killed_and_restarted(mode: str, role: str) -> None:
     recovered = r.traffic.recovered_at(back)
     print(f"{mode} {role} killed: recovered {recovered - back:.2f}s after the restart")
     assert recovered - back <= BOUND_S
-    assert all(x.ok for x in results if x.started < killed - 0.5), "failed before the kill"
+    # Judged by when they ended, not started: on a loaded machine a request started well
+    # before the kill may still be in flight on the engine when it dies.
+    assert all(x.ok for x in results if x.ended < killed), "failed before the kill"
     for x in _failures(results, killed):
         assert x.ended - x.started < FAST_S, x  # no request waits for a slot
         assert x.status in (200, 502, 503), x  # 200: a stream cut by the kill
