@@ -103,14 +103,21 @@ def _reject_constant(name: str) -> Any:
 
 def _maybe_huge_int(doc: Any) -> bool:
     """Whether orjson may have turned an integer past 64 bits into a float here (a float
-    with an integral value that large); scans numbers only, not the prompt's text."""
-    if isinstance(doc, float):
-        return abs(doc) >= _INT64 and doc.is_integer()
-    if isinstance(doc, dict):
-        return any(_maybe_huge_int(v) for v in doc.values())
-    if isinstance(doc, list):
-        return any(_maybe_huge_int(v) for v in doc if not isinstance(v, (str, int)))
+    with an integral value that large); looks at numbers and containers only."""
+    todo = [doc]
+    while todo:
+        value = todo.pop()
+        kind = type(value)
+        if kind is dict:
+            todo.extend(v for v in value.values() if type(v) in _NESTED)
+        elif kind is list:
+            todo.extend(v for v in value if type(v) in _NESTED)
+        elif kind is float and abs(value) >= _INT64 and value.is_integer():
+            return True
     return False
+
+
+_NESTED = (dict, list, float)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
