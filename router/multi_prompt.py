@@ -22,8 +22,8 @@ import orjson
 from router.client_request import ClientRequest
 from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
 from router.pd.dispatch import Dispatch
-from router.pd.legs import DecodeLeg
-from router.relay import RelayResponse, Send, send_error
+from router.pd.legs import ENGINE_ERROR_EVENT, DecodeLeg
+from router.relay import RelayResponse, Send
 
 __all__ = ["MultiPromptResponse", "StreamMerge", "merge_bodies", "split"]
 
@@ -87,7 +87,7 @@ class StreamMerge:
         for event in events:
             if not event.strip() or event.strip() == _DONE:
                 continue
-            if event.startswith(b'data: {"error"'):
+            if event.startswith(ENGINE_ERROR_EVENT):
                 return b"".join(out), event + b"\n\n"
             out.append(self._rewrite(prompt, event))
         return b"".join(out), None
@@ -135,11 +135,7 @@ class MultiPromptResponse(RelayResponse):
                 dispatches = await self._open_all(stack, parts)
                 return await self._answer(dispatches, send)
         except RouterError as exc:
-            if self._started:
-                raise  # not from opening the dispatches: a bug, not a refusal
-            self._log_refusal(exc)
-            await send_error(send, exc, self._echo)
-            return exc.outcome
+            return await self._refuse(send, exc)
 
     async def _open_all(
         self, stack: contextlib.AsyncExitStack, parts: list[ClientRequest]
@@ -161,17 +157,8 @@ class MultiPromptResponse(RelayResponse):
 
     async def _answer(self, dispatches: list[Dispatch], send: Send) -> Outcome:
         legs = [d.leg for d in dispatches]  # all 200: an error answer fails its dispatch
-        request_id = self._echo or dispatches[0].request_id.encode("latin-1")
-        headers = [
-            (b"content-type", legs[0].content_type.encode("latin-1")),
-            (b"x-request-id", request_id),
-        ]
-        streaming = legs[0].rest is not None
-        if streaming:
-            headers.append((b"cache-control", b"no-cache"))
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        self._started = True
-        if not streaming:
+        await self._start(send, legs[0], dispatches[0].request_id)
+        if legs[0].rest is None:
             await self._end(send, merge_bodies([leg.first for leg in legs], self._creq.n))
             self._ttft = self._clock() - self._t0
             return Outcome.SUCCESS

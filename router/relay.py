@@ -30,6 +30,7 @@ from router.errors import (
 )
 from router.metrics import Metrics
 from router.pd.dispatch import Dispatch, Dispatcher
+from router.pd.legs import DecodeLeg
 from router.registry import ModelPool
 from router.tracing import Tracing
 
@@ -153,12 +154,27 @@ class RelayResponse(Response):
             ) as dispatch:
                 await self._relay(dispatch, send)
         except RouterError as exc:
-            if self._started:
-                raise  # not from the dispatch's opening: a bug, not a refusal
-            self._log_refusal(exc)
-            await send_error(send, exc, self._echo)
-            return exc.outcome
+            return await self._refuse(send, exc)
         return Outcome.SUCCESS if dispatch.verdict is None else Outcome.UPSTREAM_ERROR
+
+    async def _refuse(self, send: Send, exc: RouterError) -> Outcome:
+        """Answer a dispatch that could not open with its error (logged and counted)."""
+        if self._started:
+            raise exc  # not from the dispatch's opening: a bug, not a refusal
+        self._log_refusal(exc)
+        await send_error(send, exc, self._echo)
+        return exc.outcome
+
+    async def _start(self, send: Send, leg: DecodeLeg, request_id: str) -> None:
+        """D's status and content type as the response head, with the request id."""
+        headers = [
+            (b"content-type", leg.content_type.encode("latin-1")),
+            (b"x-request-id", self._echo or request_id.encode("latin-1")),
+        ]
+        if leg.rest is not None:
+            headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": leg.status, "headers": headers})
+        self._started = True
 
     def _log_refusal(self, exc: RouterError) -> None:
         log.warning(
@@ -174,15 +190,7 @@ class RelayResponse(Response):
     async def _relay(self, dispatch: Dispatch, send: Send) -> None:
         """Send D's status and bytes; a broken stream ends with an SSE error event."""
         leg = dispatch.leg
-        request_id = self._echo or dispatch.request_id.encode("latin-1")
-        headers = [
-            (b"content-type", leg.content_type.encode("latin-1")),
-            (b"x-request-id", request_id),
-        ]
-        if leg.rest is not None:
-            headers.append((b"cache-control", b"no-cache"))
-        await send({"type": "http.response.start", "status": leg.status, "headers": headers})
-        self._started = True
+        await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
         self._complete = not more
         await send({"type": "http.response.body", "body": leg.first, "more_body": more})

@@ -23,13 +23,13 @@ from router.http1 import Http1Response
 from router.metrics import Metrics
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 
-__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
+__all__ = ["ENGINE_ERROR_EVENT", "DecodeLeg", "LegRunner", "PrefillResult", "Send"]
 
 _MAX_ERROR_BODY = 64 * 1024
 # How vLLM reports a failure after a streaming response has started (the JSON of
 # an error response as one SSE event). Generated text cannot contain it: inside
 # the JSON of a token event its quotes are escaped.
-_ENGINE_ERROR_EVENT = b'data: {"error"'
+ENGINE_ERROR_EVENT = b'data: {"error"'
 
 
 @contextlib.asynccontextmanager
@@ -121,7 +121,7 @@ class DecodeLeg:
         ``more_body`` is False). Raises :class:`UpstreamError` if D's stream breaks;
         ``verdict`` then holds its fault."""
         assert self.rest is not None, "a complete body has nothing left to forward"
-        error_event = _ENGINE_ERROR_EVENT in self.first
+        error_event = ENGINE_ERROR_EVENT in self.first
         last = b""
         clock, stream = self._clock, self.stream
         count, worst, now = 1, 0.0, clock()
@@ -130,7 +130,7 @@ class DecodeLeg:
             with map_errors("decode", self.instance.url):
                 async for chunk in self.rest:
                     count += 1
-                    error_event = error_event or _ENGINE_ERROR_EVENT in chunk
+                    error_event = error_event or ENGINE_ERROR_EVENT in chunk
                     t = clock()
                     worst = max(worst, t - now)
                     now = t
