@@ -135,6 +135,10 @@ class Stack:
         """
         self._engine_proc(name).signal_group(sig)
 
+    def engine_pids(self, name: str) -> list[int]:
+        """Pids of every live process of engine ``name`` (API server, EngineCore, Worker)."""
+        return live_group_members(self._engine_proc(name).pgid)
+
     def engine_core_pids(self, name: str) -> list[int]:
         """Pids of engine ``name``'s EngineCore process(es) (scheduler and model; vLLM titles
         them ``VLLM::EngineCore...``), without its API server.
@@ -291,7 +295,13 @@ class Stack:
                     del pending[name]
             elapsed = time.monotonic() - t0
             if pending and elapsed > self.startup_timeout_s:
-                raise StackError(f"not ready after {elapsed:.0f}s: {', '.join(pending)}")
+                for proc, _ in pending.values():
+                    proc.signal_group(signal.SIGUSR1)  # stacks into its log (sitecustomize)
+                time.sleep(1.0)
+                tails = "\n".join(
+                    f"{n} ({p.log_path}):\n{p.log_tail()}" for n, (p, _) in pending.items()
+                )
+                raise StackError(f"not ready after {elapsed:.0f}s: {', '.join(pending)}\n{tails}")
             if pending and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                 self._say(f"waiting for {', '.join(pending)} ... {elapsed:.0f}s")
                 last_report = time.monotonic()

@@ -146,6 +146,25 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
+def deprioritised(stack: Stack, name: str) -> Iterator[None]:
+    """Run engine ``name`` at the lowest CPU priority (nice 19) inside the block.
+
+    Whatever else wants a core (the client, the router) then runs first, so a busy engine
+    cannot get far ahead of a client that reads its stream: the CPU scheduler decides, not
+    luck. Restored on exit (the tests run as root; elsewhere the engine stays niced)."""
+    pids = stack.engine_pids(name)
+    before = {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in pids}
+    for pid in pids:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+    try:
+        yield
+    finally:
+        for pid, nice in before.items():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, nice)
+
+
+@contextlib.contextmanager
 def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[list[int]]:
     """Freeze engine ``name``'s EngineCore (SIGSTOP; returns once the kernel shows it stopped)
     and thaw it on exit (SIGCONT), unless it was killed meanwhile.

@@ -19,14 +19,18 @@ them all off (to reproduce the original failures).
 4. NIXL CPU affinity: on the CPU platform vLLM's NIXL worker moves the *forward* thread onto the
    last core of each NUMA node, overriding ``VLLM_CPU_OMP_THREADS_BIND``; co-located engines then
    share one core and push-mode prefill can starve for minutes.
+5. Stack dumps: ``SIGUSR1`` makes any engine process print every thread's Python stack to its
+   log (``faulthandler``), so the stack can show where an engine that never became ready hangs.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import os
+import signal
 import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -162,6 +166,11 @@ def _keep_forward_thread_affinity() -> None:
     os.sched_setaffinity = sched_setaffinity
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """Register the ``SIGUSR1`` stack dump (stderr is the engine's log)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def _apply_all() -> None:
     if os.environ.get("PD_ROUTER_ENGINE_FIXES", "1") == "0":
         return
@@ -169,6 +178,7 @@ def _apply_all() -> None:
     _request_amx_permission()
     _install_nixl_hook()
     _keep_forward_thread_affinity()
+    _dump_stacks_on_sigusr1()
 
 
 _apply_all()
