@@ -24,6 +24,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
 from router import __version__
+from router.access_log import AccessLog, AccessRecord
 from router.client_request import (
     Endpoint,
     parse_client_request,
@@ -77,6 +78,7 @@ class AppContext:
     load: LoadWatcher | None  # several router replicas: engine-reported decode load
     passthrough: PassThrough
     tracing: Tracing
+    access: AccessLog
 
 
 def _build_context(
@@ -109,8 +111,19 @@ def _build_context(
             config.health.timeout,
         )
     passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
+    access = AccessLog(config.logging)
     return AppContext(
-        config, registry, metrics, upstream, dispatcher, health, clock, load, passthrough, tracing
+        config,
+        registry,
+        metrics,
+        upstream,
+        dispatcher,
+        health,
+        clock,
+        load,
+        passthrough,
+        tracing,
+        access,
     )
 
 
@@ -174,6 +187,8 @@ async def _handle(
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
         ctx.metrics.observe_request(model, mode, exc.outcome)
+        if ctx.access.enabled:
+            ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
         raise
     # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
     several = creq.num_prompts > 1 and pool.mode.uses_prefill
@@ -187,6 +202,29 @@ async def _handle(
         ctx.config.timeouts.total,
         client_id,
         ctx.tracing,
+        ctx.access,
+    )
+
+
+def _refused_record(
+    ctx: AppContext,
+    request: Request,
+    endpoint: Endpoint,
+    exc: RouterError,
+    model: str,
+    mode: str,
+    started: float,
+) -> AccessRecord:
+    client_id = request.headers.get("x-request-id", "-")
+    return AccessRecord(
+        method=request.method,
+        path=endpoint.value,
+        status=exc.status,
+        model=model or "-",
+        mode=mode or "-",
+        outcome=exc.outcome.value,
+        duration_ms=(ctx.clock() - started) * 1000,
+        client_id=client_id if _client_request_id(request.headers.raw) else "-",
     )
 
 

@@ -93,15 +93,14 @@ def _quiet_client_logs() -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from router.access_log import configure_logging
     from router.app import create_app
     from router.server_options import uvicorn_options
 
     cfg = _load_or_exit(args.config)
     host = args.host or cfg.listen.host
     port = args.port if args.port is not None else cfg.listen.port
-    logging.basicConfig(
-        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(cfg.log_level, cfg.logging)
     print(_summary(cfg), file=sys.stderr)
     _quiet_client_logs()
     _raise_file_limit()
@@ -113,7 +112,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # installed before it; a no-op one makes a graceful shutdown exit with 0.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     options = uvicorn_options(
-        log_level=cfg.log_level, access_log=args.access_log, grace=args.grace, backlog=_BACKLOG
+        log_level=cfg.log_level,
+        access_log=args.access_log,
+        grace=args.grace,
+        backlog=_BACKLOG,
+        own_logging=cfg.logging.format == "json",
     )
     uvicorn.run(app, host=host, port=port, **options)
     return 0

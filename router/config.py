@@ -394,6 +394,15 @@ class TracingConfig(_Strict):
     service_name: str = "pd-router"
 
 
+class LoggingConfig(_Strict):
+    """``access``: one line per inference request on the ``pd_router.access`` logger (method,
+    path, status, model, mode, decision, engines, TTFT, duration, ids). ``format: json``
+    writes every router log record as one JSON object per line."""
+
+    access: bool = False
+    format: Literal["text", "json"] = "text"
+
+
 class RouterConfig(_Strict):
     listen: ListenConfig = ListenConfig()
     models: list[ModelConfig] = Field(min_length=1)
@@ -405,6 +414,7 @@ class RouterConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     cors: CorsConfig = CorsConfig()
     tracing: TracingConfig = TracingConfig()
+    logging: LoggingConfig = LoggingConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("models")

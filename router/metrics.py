@@ -73,31 +73,31 @@ class StateCollector(Collector):
             yield from self._slots()
             return
         slots = GaugeMetricFamily(
-            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "instance"]
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine"]
         )
         in_use = GaugeMetricFamily(
-            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "instance"]
+            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "engine"]
         )
         queue = GaugeMetricFamily(
             "pdrouter_queue_depth", "Requests waiting for a decode slot", labels=["model"]
         )
         inflight = GaugeMetricFamily(
-            "pdrouter_prefill_in_flight", "Prefill legs in flight", labels=["model", "instance"]
+            "pdrouter_prefill_in_flight", "Prefill legs in flight", labels=["model", "engine"]
         )
         breaker = GaugeMetricFamily(
             "pdrouter_breaker_state",
             "Circuit breaker state (0 closed, 1 open, 2 half-open)",
-            labels=["model", "role", "instance"],
+            labels=["model", "role", "engine"],
         )
         healthy = GaugeMetricFamily(
             "pdrouter_instance_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown)",
-            labels=["model", "role", "instance"],
+            labels=["model", "role", "engine"],
         )
         degraded = GaugeMetricFamily(
             "pdrouter_instance_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
-            labels=["model", "instance"],
+            labels=["model", "engine"],
         )
         for pool in self._pools():
             queue.add_metric([pool.name], pool.ledger.queue_depth)
@@ -116,10 +116,10 @@ class StateCollector(Collector):
 
     def _slots(self) -> Iterator[Metric]:
         slots = GaugeMetricFamily(
-            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "instance"]
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine"]
         )
         in_use = GaugeMetricFamily(
-            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "instance"]
+            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "engine"]
         )
         for pool in self._pools():
             for d in pool.decode:
@@ -132,7 +132,7 @@ class WorkerStateGauges:
     """One worker's own state as multiprocess gauges, merged over live workers."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        mi, mri = ["model", "instance"], ["model", "role", "instance"]
+        mi, mri = ["model", "engine"], ["model", "role", "engine"]
         self.queue = Gauge(
             "pdrouter_queue_depth",
             "Requests waiting for a decode slot",
@@ -190,6 +190,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._pools: Callable[[], Iterable[ModelPool]] | None = None
+        self._zeroed: set[tuple[str, str, tuple[str, ...]]] = set()
         self._worker_state = WorkerStateGauges(r) if multiprocess else None
         self._scrape = r
         if multiprocess:
@@ -238,7 +239,7 @@ class Metrics:
         self.kv_params_missing = Counter(
             "pdrouter_kv_params_missing",
             "Prefill responses without kv_transfer_params",
-            ["model", "instance"],
+            ["model", "engine"],
             registry=r,
         )
         self.disconnects = Counter(
@@ -283,6 +284,26 @@ class Metrics:
         if self._worker_state is not None and self._pools is not None:
             self._worker_state.refresh(self._pools())
 
+    def _zero_series(self) -> None:
+        """Create every model's request, retry and fallback series at 0 (and each prefill
+        instance's missing-params series): a counter that never moved otherwise has no
+        series, so ``rate()`` in a dashboard or an alert ratio gets no data instead of 0.
+        At scrape time, so models added by a reload or discovery get theirs too."""
+        for pool in self._pools() if self._pools is not None else ():
+            key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill))
+            if key in self._zeroed:
+                continue
+            self._zeroed.add(key)
+            for outcome in Outcome:
+                self.requests.labels(pool.name, pool.mode.value, outcome)
+            self.retries.labels(pool.name)
+            self.push_fallbacks.labels(pool.name)
+            for phase in ("before_first_byte", "streaming"):
+                self.disconnects.labels(pool.name, phase)
+            for p in pool.prefill:
+                self.kv_params_missing.labels(pool.name, p.url)
+
     def render(self) -> bytes:
+        self._zero_series()
         self.refresh_worker_state()
         return generate_latest(self._scrape)

@@ -157,6 +157,7 @@ class MultiPromptResponse(RelayResponse):
 
     async def _answer(self, dispatches: list[Dispatch], send: Send) -> Outcome:
         legs = [d.leg for d in dispatches]  # all 200: an error answer fails its dispatch
+        self._dispatch = dispatches[0]
         await self._start(send, legs[0], dispatches[0].request_id)
         if legs[0].rest is None:
             await self._end(send, merge_bodies([leg.first for leg in legs], self._creq.n))

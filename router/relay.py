@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.responses import Response
 
+from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
 from router.config import TracingConfig
 from router.errors import (
@@ -70,9 +71,11 @@ class RelayResponse(Response):
         total_timeout: float,
         client_id: bytes | None = None,
         tracing: Tracing | None = None,
+        access: AccessLog | None = None,
     ) -> None:
         """``client_id``: the client's X-Request-Id, echoed back and logged."""
         self.background = None
+        self._access = access
         self._tracing = tracing or Tracing(TracingConfig())
         self._echo = client_id
         self._client_id = client_id.decode("latin-1") if client_id else "-"
@@ -87,6 +90,8 @@ class RelayResponse(Response):
         self._complete = False  # last body message about to be sent
         self._ttft: float | None = None
         self._disconnected = False
+        self._status = 0  # of the response head sent, if any
+        self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._tracing.enabled:
@@ -139,6 +144,8 @@ class RelayResponse(Response):
 
     def _observe(self, outcome: Outcome) -> None:
         self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+        if self._access is not None and self._access.enabled:
+            self._access.write(self._access_record(outcome))
         if not self._tracing.enabled:
             return
         self._tracing.set(pdrouter__outcome=outcome.value)
@@ -146,6 +153,25 @@ class RelayResponse(Response):
             self._tracing.set(pdrouter__ttft_s=self._ttft)
         if outcome is not Outcome.SUCCESS:
             self._tracing.failed(outcome.value)
+
+    def _access_record(self, outcome: Outcome) -> AccessRecord:
+        record = AccessRecord(
+            method="POST",
+            path=self._creq.endpoint.value,
+            # 499 (as nginx logs it): the client left before any answer was sent.
+            status=self._status or (499 if outcome is Outcome.DISCONNECT else 0),
+            model=self._pool.name,
+            mode=self._pool.mode.value,
+            outcome=outcome.value,
+            duration_ms=(self._clock() - self._t0) * 1000,
+            client_id=self._client_id,
+            ttft_ms=None if self._ttft is None else self._ttft * 1000,
+        )
+        d = self._dispatch
+        if d is not None:
+            record.request_id, record.decision = d.request_id, d.decision.value
+            record.prefill, record.decode = d.prefill or "-", d.leg.instance.url
+        return record
 
     async def _run(self, send: Send) -> Outcome:
         try:
@@ -162,6 +188,7 @@ class RelayResponse(Response):
         if self._started:
             raise exc  # not from the dispatch's opening: a bug, not a refusal
         self._log_refusal(exc)
+        self._status = exc.status
         await send_error(send, exc, self._echo)
         return exc.outcome
 
@@ -175,6 +202,7 @@ class RelayResponse(Response):
             headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": leg.status, "headers": headers})
         self._started = True
+        self._status = leg.status
 
     def _log_refusal(self, exc: RouterError) -> None:
         log.warning(
@@ -190,6 +218,7 @@ class RelayResponse(Response):
     async def _relay(self, dispatch: Dispatch, send: Send) -> None:
         """Send D's status and bytes; a broken stream ends with an SSE error event."""
         leg = dispatch.leg
+        self._dispatch = dispatch
         await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
         self._complete = not more
@@ -253,6 +282,7 @@ class RelayResponse(Response):
     async def _fail_late_or_early(self, send: Send, exc: RouterError) -> None:
         with contextlib.suppress(Exception):
             if not self._started:
+                self._status = exc.status
                 await send_error(send, exc, self._echo)
             elif not self._complete:
                 await self._end(send, sse_error_event(exc.message, exc.type, exc.code))

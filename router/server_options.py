@@ -8,10 +8,12 @@ __all__ = ["uvicorn_options"]
 
 
 def uvicorn_options(
-    *, log_level: str, access_log: bool, grace: float, backlog: int
+    *, log_level: str, access_log: bool, grace: float, backlog: int, own_logging: bool = False
 ) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` (app, host, port aside)."""
-    return {
+    """Keyword arguments for ``uvicorn.run`` / ``uvicorn.Config`` (app, host, port aside).
+    ``own_logging``: leave logging to the router's root handler (its JSON format), instead
+    of uvicorn's own text handlers."""
+    options: dict[str, Any] = {
         "log_level": log_level,
         "access_log": access_log,
         "loop": "uvloop",
@@ -23,3 +25,6 @@ def uvicorn_options(
         "timeout_graceful_shutdown": grace,
         "backlog": backlog,
     }
+    if own_logging:
+        options["log_config"] = None
+    return options

@@ -161,7 +161,11 @@ def _worker_main(
     )
     opts.prepare()
     options = uvicorn_options(
-        log_level=opts.log_level, access_log=opts.access_log, grace=opts.grace, backlog=opts.backlog
+        log_level=opts.log_level,
+        access_log=opts.access_log,
+        grace=opts.grace,
+        backlog=opts.backlog,
+        own_logging=cfg.logging.format == "json",
     )
     config = uvicorn.Config(app, **options)
     server = uvicorn.Server(config)

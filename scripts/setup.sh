@@ -16,6 +16,13 @@ pip_install() {
 }
 
 pip_install --upgrade pip
+# Prometheus and promtool (Debian package) for tests/observability; they skip without them.
+if ! command -v promtool >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt_install() { apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
+  apt_install || { apt-get update -q >/dev/null && apt_install; } ||
+    echo "setup: could not install prometheus; tests/observability will be skipped" >&2
+fi
 if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
   pip_install -e ".[test]"
   exit 0

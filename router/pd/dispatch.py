@@ -52,6 +52,7 @@ class Dispatch:
     request_id: str
     prefill_task: asyncio.Task[PrefillResult] | None = None  # P still running at open
     prefill_error: UpstreamError | None = None  # P failed after D's first bytes
+    prefill: str | None = None  # P's URL (None: D alone)
 
     @property
     def verdict(self) -> Fault | None:
@@ -198,7 +199,7 @@ class Dispatcher:
         plan.prefill_done(pair, result)
         leg = await self._decode(pool, pair.decode, pair.creq, body, pair.ids)
         self._observe_handoff(pool, result.finished_at)
-        return Dispatch(res, leg, decision, pair.ids.request_id)
+        return Dispatch(res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url)
 
     async def _concurrent(
         self, pool: ModelPool, plan: Plan, pair: Pair, decision: Decision, res: Reservation
@@ -238,7 +239,7 @@ class Dispatcher:
             del p_task, d_task
             p_error, done = None, set()
             raise
-        opened = Dispatch(res, leg, decision, pair.ids.request_id, p_task)
+        opened = Dispatch(res, leg, decision, pair.ids.request_id, p_task, prefill=pair.prefill.url)
         if not p_task.done():
             p_task.add_done_callback(lambda t: self._watch_prefill(opened, plan, pair, t))
         elif p_task.exception() is None:

@@ -446,8 +446,7 @@ async def test_error_answers_eject_a_prefill_while_another_serves(
     assert statuses == [200] * 6  # each failure on P0 is retried on P1
     assert len(cluster2.prefill[0].received) == 2  # then P0 is out
     assert (
-        metric(ctx, "pdrouter_breaker_state", role="prefill", instance=cluster2.prefill_urls[0])
-        == 1
+        metric(ctx, "pdrouter_breaker_state", role="prefill", engine=cluster2.prefill_urls[0]) == 1
     )
 
 
