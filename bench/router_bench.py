@@ -183,10 +183,17 @@ class RssSampler(threading.Thread):
 
 
 def _router_config(
-    mode: str, port: int, p_url: str, d_url: str, log_level: str, otlp: str | None = None
+    mode: str,
+    port: int,
+    p_url: str,
+    d_url: str,
+    log_level: str,
+    otlp: str | None = None,
+    access_log: bool = False,
 ) -> str:
     prefill = f'[{{url: "{p_url}", engine_id: "fake-p", kv_host: 127.0.0.1, kv_port: 12000}}]'
     tracing = f'tracing: {{endpoint: "{otlp}"}}\n' if otlp else ""
+    tracing += "logging: {access: true}\n" if access_log else ""
     return (
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
         f"log_level: {log_level}\n"
@@ -219,8 +226,9 @@ def _otlp_sink(port: int) -> str:
 
 def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
-    suffix (tracing on, exported to a sink in this process) is not part of the mode."""
-    spec = spec.removesuffix("+traced")
+    suffix (tracing on, exported to a sink in this process) or ``+logged`` (access log on,
+    into the target's log file) is not part of the mode."""
+    spec = spec.removesuffix("+traced").removesuffix("+logged")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
 
@@ -243,7 +251,8 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             if name.endswith("+traced"):
                 sink = sink or _otlp_sink(args.port_base + 9)
                 otlp = sink
-            cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp))
+            logged = name.endswith("+logged")
+            cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp, logged))
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if workers > 1:
                 argv += ["--workers", str(workers)]

@@ -42,6 +42,9 @@ class AccessLog:
         self.enabled = config.access
         self._json = config.format == "json"
         self._log = logger or logging.getLogger(ACCESS_LOGGER)
+        if self.enabled:
+            # Asked for, so written whatever ``log_level`` says about the router's other logs.
+            self._log.setLevel(logging.INFO)
 
     def write(self, record: AccessRecord) -> None:
         fields = asdict(record)

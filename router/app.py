@@ -30,6 +30,7 @@ from router.client_request import (
     parse_client_request,
     parse_json_object,
     request_json_schema,
+    with_session,
 )
 from router.config import CorsConfig, RouterConfig
 from router.engines.health import HealthMonitor
@@ -184,6 +185,7 @@ async def _handle(
         raw = await _read_body(request, ctx.config.admission.max_body_bytes)
         creq = parse_client_request(raw, endpoint)
         pool = _pool_for(ctx, creq.model)
+        creq = with_session(creq, request.headers.raw, pool.config.sessions)
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
         ctx.metrics.observe_request(model, mode, exc.outcome)

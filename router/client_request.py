@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
+from router.config import SessionConfig
 from router.errors import InvalidRequest
 
 __all__ = [
@@ -82,11 +84,35 @@ class ClientRequest:
     num_prompts: int
     prompt_chars: int  # characters of text (or tokens, for token prompts) in the prompt
     prompt_is_tokens: bool
+    session: str | None = None  # the conversation id, for session affinity
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:
             return self.prompt_chars
         return int(self.prompt_chars / chars_per_token)
+
+
+def with_session(
+    creq: ClientRequest, headers: Iterable[tuple[bytes, bytes]], config: SessionConfig
+) -> ClientRequest:
+    """``creq`` with its session id: the first header of ``config.headers`` it carries, else the
+    body's ``config.body_field`` (a string or number), which is removed from the body
+    either way: it is not an OpenAI field and must not reach an engine."""
+    session = None
+    if config.enabled and config.headers:
+        wanted = config.headers
+        for name, value in headers:
+            if value and name.decode("latin-1") in wanted:
+                session = value.decode("latin-1")
+                break
+    field = config.body_field
+    if field is None or field not in creq.body:
+        return creq if session is None else replace(creq, session=session)
+    body = dict(creq.body)
+    given = body.pop(field)
+    if session is None and isinstance(given, (str, int)) and not isinstance(given, bool):
+        session = str(given) or None
+    return replace(creq, body=body, session=session if config.enabled else None)
 
 
 def request_json_schema(endpoint: Endpoint) -> dict[str, Any]:

@@ -51,6 +51,7 @@ __all__ = [
     "PrefillInstanceConfig",
     "RetryConfig",
     "RouterConfig",
+    "SessionConfig",
     "TimeoutConfig",
     "load_config",
     "parse_config",
@@ -151,6 +152,40 @@ class DiscoveryConfig(_Strict):
     kubernetes: KubernetesDiscoveryConfig
 
 
+_SESSION_HEADERS = [
+    "x-session-id",
+    "session-id",
+    "x-conversation-id",
+    "conversation-id",
+    "x-dynamo-session-id",
+    "thread-id",
+]
+
+
+class SessionConfig(_Strict):
+    """Soft session affinity for P and D (router/engines/affinity.py).
+
+    A request's session is the first of ``headers`` it carries, else the ``body_field`` of
+    its JSON body (removed before the body reaches an engine), else, with
+    ``prefix_fallback``, the start of its prompt or messages (a conversation's history
+    starts the same at every turn). Off by default, the fallback would pin every request
+    with a shared prompt start (a common system prompt) to one engine until the load bound
+    spreads them, in place of the ``policy``."""
+
+    enabled: bool = True
+    headers: list[str] = Field(default_factory=lambda: list(_SESSION_HEADERS))
+    body_field: str | None = "session_id"
+    prefix_fallback: bool = False
+    load_factor: float = Field(default=1.25, ge=1.0)
+    max_sessions: int = Field(default=100_000, ge=1)
+    ttl_seconds: float = Field(default=1800.0, gt=0)
+
+    @field_validator("headers")
+    @classmethod
+    def _lower(cls, v: list[str]) -> list[str]:
+        return [h.lower() for h in v]
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     mode: Mode = Mode.PUSH
@@ -160,6 +195,7 @@ class ModelConfig(_Strict):
     prefill: list[PrefillInstanceConfig] = Field(default_factory=list)
     decode: list[DecodeInstanceConfig] = Field(default_factory=list, validate_default=True)
     policy: PolicyConfig = PolicyConfig()
+    sessions: SessionConfig = SessionConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)

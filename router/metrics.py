@@ -99,8 +99,12 @@ class StateCollector(Collector):
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             labels=["model", "engine"],
         )
+        sessions = GaugeMetricFamily(
+            "pdrouter_sessions", "Sessions in the affinity table", labels=["model"]
+        )
         for pool in self._pools():
             queue.add_metric([pool.name], pool.ledger.queue_depth)
+            sessions.add_metric([pool.name], len(pool.affinity))
             for d in pool.decode:
                 slots.add_metric([pool.name, d.url], d.slots)
                 in_use.add_metric([pool.name, d.url], d.in_use)
@@ -112,7 +116,7 @@ class StateCollector(Collector):
                 breaker.add_metric(labels, int(inst.breaker.state))
                 health = -1 if inst.healthy is None else int(inst.healthy)
                 healthy.add_metric(labels, health)
-        yield from (slots, in_use, queue, inflight, breaker, healthy, degraded)
+        yield from (slots, in_use, queue, inflight, breaker, healthy, degraded, sessions)
 
     def _slots(self) -> Iterator[Metric]:
         slots = GaugeMetricFamily(
@@ -168,12 +172,20 @@ class WorkerStateGauges:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.sessions = Gauge(
+            "pdrouter_sessions",
+            "Sessions in the affinity tables (each worker has its own)",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
     def refresh(self, pools: Iterable[ModelPool]) -> None:
         """Copy the current state. Series of removed instances keep their last
         value until the worker restarts (multiprocess files cannot drop a series)."""
         for pool in pools:
             self.queue.labels(pool.name).set(pool.ledger.queue_depth)
+            self.sessions.labels(pool.name).set(len(pool.affinity))
             for d in pool.decode:
                 self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
             for p in pool.prefill:
@@ -255,6 +267,12 @@ class Metrics:
             "pdrouter_disagg_decisions",
             "How requests were dispatched",
             ["model", "decision"],
+            registry=r,
+        )
+        self.session_routes = Counter(
+            "pdrouter_session_routes",
+            "Requests with a session key by how affinity placed them (hit, placed, spilled)",
+            ["model", "role", "result"],
             registry=r,
         )
         self.push_fallbacks = Counter(

@@ -22,6 +22,7 @@ from router.config import (
     PrefillInstanceConfig,
     RouterConfig,
 )
+from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role, candidates
 from router.engines.ledger import SlotLedger
@@ -39,6 +40,7 @@ class ModelPool:
     decode: list[Instance]
     ledger: SlotLedger
     prefill_policy: Policy
+    affinity: Affinity
 
     @property
     def name(self) -> str:
@@ -52,14 +54,29 @@ class ModelPool:
     def key_needed(self) -> bool:
         return self.prefill_policy.needs_key
 
-    def select_prefill(self, key: str | None, avoid: frozenset[Instance]) -> Instance | None:
+    def select_prefill(
+        self, key: str | None, avoid: frozenset[Instance], session: str | None = None
+    ) -> tuple[Instance, Placement | None] | None:
         """A prefill instance from the best tier of :func:`candidates`, preferring
-        those not in ``avoid``; None if there is none (P has no queue to wait in)."""
+        those not in ``avoid`` (with a ``session`` key, the one its affinity picks, and
+        how); None if there is none (P has no queue to wait in)."""
         usable = candidates(self.prefill)
         if not usable:
             return None
         preferred = [p for p in usable if p not in avoid] or usable
-        return self.prefill_policy.select(preferred, key)
+        if session is not None:
+            return self.affinity.select(Role.PREFILL, session, preferred)
+        return self.prefill_policy.select(preferred, key), None
+
+    def session_key(self, session: str | None, prefix: str) -> str | None:
+        """The affinity key of a request: its session id, else (with ``prefix_fallback``)
+        its prompt's start; None when affinity is off for this model."""
+        cfg = self.config.sessions
+        if not cfg.enabled:
+            return None
+        if session is not None:
+            return session
+        return f"prefix:{prefix}" if cfg.prefix_fallback and prefix else None
 
     def record(self, inst: Instance, fault: Fault | None) -> None:
         """Feed one engine call's outcome (None: success) to the instance's outlier
@@ -199,6 +216,7 @@ class Registry:
     def _update_settings(self, pool: ModelPool, cfg: ModelConfig) -> None:
         old = pool.config
         pool.config = cfg
+        pool.affinity.config = cfg.sessions  # the table is kept: sessions stay put
         if cfg.policy.prefill != old.policy.prefill:
             pool.prefill_policy = make_policy(cfg.policy.prefill)
         if cfg.policy.decode != old.policy.decode:
@@ -210,6 +228,7 @@ class Registry:
 
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
         admission = self._config.admission
+        affinity = Affinity(cfg.sessions, self._clock)
         ledger = SlotLedger(
             cfg.name,
             [],
@@ -219,8 +238,9 @@ class Registry:
             shared=self._shared_slots,
             probe_interval=self._config.health.interval,
             clock=self._clock,
+            affinity=affinity,
         )
-        return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill))
+        return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill), affinity)
 
     def _instance(self, url: str, role: Role, model: str) -> Instance:
         b = self._config.breaker

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
@@ -45,6 +46,7 @@ class Reservation:
     instance: Instance
     released: bool = False
     detached: bool = False  # handed to a background owner that releases it later
+    placement: Placement | None = None  # how a request with a session key got this D
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +54,7 @@ class _Waiter:
     fut: asyncio.Future[Reservation]
     avoid: frozenset[Instance]
     key: str | None = field(default=None)
+    session: str | None = field(default=None)
 
 
 class SlotLedger:
@@ -68,10 +71,13 @@ class SlotLedger:
         *,
         probe_interval: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        affinity: Affinity | None = None,
     ) -> None:
         """``probe_interval``: the health-check interval, the Retry-After of a refusal
-        while every decode instance is out for health."""
+        while every decode instance is out for health. ``affinity``: the model's session
+        table, which places requests that carry a session key (else ``policy``)."""
         self.model = model
+        self._affinity = affinity
         self._shared = shared
         self._poll: asyncio.TimerHandle | None = None
         self._reopen: asyncio.TimerHandle | None = None
@@ -118,9 +124,13 @@ class SlotLedger:
         self._probe_interval = probe_interval
 
     async def reserve(
-        self, key: str | None = None, avoid: frozenset[Instance] = frozenset()
+        self,
+        key: str | None = None,
+        avoid: frozenset[Instance] = frozenset(),
+        session: str | None = None,
     ) -> Reservation:
-        """A slot on a routable decode instance, preferring ones not in ``avoid``.
+        """A slot on a routable decode instance, preferring ones not in ``avoid``; with a
+        ``session`` key, the one its affinity picks among those with a free slot.
 
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
         :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
@@ -130,7 +140,7 @@ class SlotLedger:
         if not usable:
             raise self._refusal()
         if not self._waiters:
-            got = self._take(usable, avoid, key)
+            got = self._take(usable, avoid, key, session)
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
@@ -138,7 +148,7 @@ class SlotLedger:
                 f"all decode slots for model {self.model!r} are busy and the queue is full",
                 retry_after=1.0,
             )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key, session)
         self._waiters.append(waiter)
         self._schedule_poll()
         self._arm_reopen()
@@ -199,7 +209,7 @@ class SlotLedger:
             if not usable:
                 self._refuse_all()
                 return
-            got = self._take(usable, head.avoid, head.key)
+            got = self._take(usable, head.avoid, head.key, head.session)
             if got is None:
                 return
             self._waiters.popleft()
@@ -212,16 +222,24 @@ class SlotLedger:
                 waiter.fut.set_exception(self._refusal())
 
     def _take(
-        self, usable: list[Instance], avoid: frozenset[Instance], key: str | None
+        self,
+        usable: list[Instance],
+        avoid: frozenset[Instance],
+        key: str | None,
+        session: str | None,
     ) -> Reservation | None:
         free = [i for i in usable if i.free_slots > 0]
         while free:
             preferred = [i for i in free if i not in avoid] or free
-            inst = self._policy.select(preferred, key)
+            placement = None
+            if session is not None and self._affinity is not None:
+                inst, placement = self._affinity.select(Role.DECODE, session, preferred)
+            else:
+                inst = self._policy.select(preferred, key)
             if self._acquire(inst):
                 inst.in_flight += 1
                 inst.breaker.on_dispatch()
-                return Reservation(inst)
+                return Reservation(inst, placement=placement)
             # Another worker took the last slot between our read and its lock.
             free.remove(inst)
         return None

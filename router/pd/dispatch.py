@@ -23,6 +23,7 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import RetryConfig, TracingConfig
+from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Reservation
@@ -64,12 +65,33 @@ class Dispatch:
 
 
 def _routing_key(creq: ClientRequest) -> str:
-    """The start of the prompt (messages, Responses-API input, or prompt)."""
+    """A conversation's stable start, at most ``_PREFIX_KEY_CHARS`` characters: for chat,
+    the messages up to its first user message (the same at every turn while the history
+    only grows); else the start of the Responses-API input or of the prompt."""
     body = creq.body
-    for field in ("messages", "input", "prompt"):
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        opening = []
+        for message in messages:
+            opening.append(str(message)[:_PREFIX_KEY_CHARS])
+            if isinstance(message, dict) and message.get("role") == "user":
+                break
+        return "\x1f".join(opening)[:_PREFIX_KEY_CHARS]
+    for field in ("input", "prompt"):
         if field in body:
-            return str(body[field])[:_PREFIX_KEY_CHARS]
+            value = body[field]
+            head = value[:_PREFIX_KEY_CHARS] if isinstance(value, (str, list)) else value
+            return str(head)[:_PREFIX_KEY_CHARS]
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What instance selection goes by: ``key`` for the prefix-hash policy, ``session``
+    for session affinity (either may be None)."""
+
+    key: str | None
+    session: str | None
 
 
 class Dispatcher:
@@ -118,13 +140,16 @@ class Dispatcher:
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
-        key = _routing_key(creq) if pool.key_needed else None
+        sessions = pool.config.sessions
+        by_prefix = creq.session is None and sessions.enabled and sessions.prefix_fallback
+        prefix = _routing_key(creq) if pool.key_needed or by_prefix else ""
+        route = _Route(prefix if pool.key_needed else None, pool.session_key(creq.session, prefix))
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
                 with self._tracing.span("attempt", {"pdrouter.attempt": attempt}):
-                    return await self._attempt(pool, creq, decision, key, avoid)
+                    return await self._attempt(pool, creq, decision, route, avoid)
             except UpstreamError as exc:
                 self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
                 avoid = avoid | {i for i in _all(pool) if i.url == exc.instance}
@@ -138,6 +163,10 @@ class Dispatcher:
                 self._tracing.set(pdrouter__retries=attempt)
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _count_placement(self, pool: ModelPool, role: Role, placement: Placement | None) -> None:
+        if placement is not None:
+            self._metrics.session_routes.labels(pool.name, role.value, placement).inc()
 
     def _no_prefill(self, pool: ModelPool) -> NoHealthyEngine:
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
@@ -153,14 +182,15 @@ class Dispatcher:
         pool: ModelPool,
         creq: ClientRequest,
         decision: Decision,
-        key: str | None,
+        route: _Route,
         avoid: frozenset[Instance],
     ) -> Dispatch:
         if decision.uses_prefill and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
             raise self._no_prefill(pool)
         with self._tracing.span("slot_wait"):
-            reservation = await pool.ledger.reserve(key, avoid)
+            reservation = await pool.ledger.reserve(route.key, avoid, route.session)
+        self._count_placement(pool, Role.DECODE, reservation.placement)
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:
             self._tracing.set(
@@ -173,9 +203,11 @@ class Dispatcher:
                 body = kp.aggregated_body(creq.body)
                 leg = await self._decode(pool, reservation.instance, creq, body, ids)
                 return Dispatch(reservation, leg, decision, ids.request_id)
-            p = pool.select_prefill(key, avoid)
-            if p is None:  # left rotation while this request waited for its slot
+            selected = pool.select_prefill(route.key, avoid, route.session)
+            if selected is None:  # left rotation while this request waited for its slot
                 raise self._no_prefill(pool)
+            p, placement = selected
+            self._count_placement(pool, Role.PREFILL, placement)
             pair = Pair(creq, ids, p, reservation.instance)
             self._tracing.set(pdrouter__prefill=p.url)
             plan = self._plans[decision]

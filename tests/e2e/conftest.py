@@ -43,6 +43,31 @@ class Reference:
     completions: list[h.Output]
     chats: list[h.Output]
     answers: dict[str, cf.Answer]  # the conformance cases (tests/e2e/conformance.py)
+    turns: dict[str, h.Output]  # every request of MULTI_TURN, by its name
+
+
+Messages = list[dict[str, str]]
+MULTI_TURN_CONVERSATIONS, MULTI_TURN_TURNS = 4, 5
+
+
+def multi_turn() -> dict[str, Messages]:
+    """A fixed multi-turn script: per conversation, turn ``t`` resends the whole history (a
+    ~600-token opening, then scripted replies and follow-ups) plus a new question; then
+    ``edited``, conversation 0's last turn with an early message changed. Named
+    ``c<conversation>t<turn>``, in the order they are sent."""
+    script: dict[str, Messages] = {}
+    for c in range(MULTI_TURN_CONVERSATIONS):
+        history = [{"role": "user", "content": f"Conversation {c}. " + "context " * 600}]
+        for t in range(MULTI_TURN_TURNS):
+            script[f"c{c}t{t}"] = list(history)
+            history += [
+                {"role": "assistant", "content": f"Reply {t} in conversation {c}."},
+                {"role": "user", "content": f"Question {t + 1} of {c}: " + "detail " * 30},
+            ]
+    edited = [dict(m) for m in script[f"c0t{MULTI_TURN_TURNS - 1}"]]
+    edited[2]["content"] = "A different question, asked instead: " + "other " * 30
+    script["edited"] = edited
+    return script
 
 
 @pytest.fixture(scope="session")
@@ -66,11 +91,12 @@ def reference(prompts: list[str]) -> Reference:
         completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
         answers = {case.name: cf.ask(stack.decode.url, case) for case in cf.CASES}
+        turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
     assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
-    return Reference(prompts, completions, chats, answers)
+    return Reference(prompts, completions, chats, answers, turns)
 
 
 @pytest.fixture(scope="module", params=PD_MODES)

@@ -58,6 +58,7 @@ class Behaviour:
     # (``GET /kv/<request id>``) instead of this process's bus.
     kv_peer: str | None = None
     poison: str | None = None  # a prompt containing this gets a 500 (a bad prompt)
+    gate: asyncio.Event | None = None  # hold every answer until the test sets it
 
 
 @dataclass
@@ -178,6 +179,8 @@ class FakeEngine:
         b = self._for_request()
         if b.hang:
             await asyncio.Event().wait()
+        if b.gate is not None:
+            await b.gate.wait()
         if b.delay:
             await asyncio.sleep(b.delay)
         status = b.status
