@@ -40,7 +40,17 @@ DEFAULT_STARTUP_TIMEOUT_S = 420.0
 _RELOADED = "reloaded "  # the router's log line for an applied reload (router/reload.py)
 _RELOAD_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 5.0
+# A restarted engine whose API server has no child process this long after its start never
+# launched its EngineCore (seen under a steady load: the API server waits for the core's
+# handshake forever, with no core in its process group). The child exists within a second
+# or two even when the machine is saturated (it may then take minutes to load the model).
+_CORE_SPAWN_S = 90.0
+_RESTART_LAUNCHES = 3
 _KEEP_RUNS = 20
+
+
+class _NoEngineCore(Exception):
+    """The engine's API server runs, but no EngineCore process was ever started."""
 
 
 class StackError(RuntimeError):
@@ -171,11 +181,21 @@ class Stack:
             old.signal_group(signal.SIGCONT)  # a stopped group cannot act on SIGTERM
             stop_all([old], grace_s=grace_s)
             spec = self._new_incarnation(name)
-            self._procs[index] = self._launch(spec)
-            proc = self._procs[index]
         t0 = time.monotonic()
-        self._wait_ready({name: (proc, _http_ok(f"{spec.url}/health"))}, t0)
-        return time.monotonic() - t0
+        for launch in range(1, _RESTART_LAUNCHES + 1):
+            with self._lock:
+                self._procs[index] = proc = self._launch(spec)
+            try:
+                self._wait_ready({name: (proc, _http_ok(f"{spec.url}/health"))}, t0, proc)
+                return time.monotonic() - t0
+            except _NoEngineCore:
+                # As a supervisor would restart a pod that never gets ready; its stacks are
+                # in the log (SIGUSR1) for whoever wants to find vLLM's hang.
+                proc.signal_group(signal.SIGUSR1)
+                time.sleep(1.0)
+                self._say(f"{name}: no EngineCore {_CORE_SPAWN_S:g}s after launch {launch}")
+                stop_all([proc], grace_s=grace_s)
+        raise StackError(f"{name}: no EngineCore in {_RESTART_LAUNCHES} launches ({proc.log_path})")
 
     def _new_incarnation(self, name: str) -> eng.EngineSpec:
         """The spec to restart ``name`` with: a P gets a new engine id, which the running
@@ -277,11 +297,21 @@ class Stack:
     # -- readiness -------------------------------------------------------------------------
 
     def _wait_ready(
-        self, checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]], t0: float
+        self,
+        checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
+        t0: float,
+        watch_core: ManagedProcess | None = None,
     ) -> None:
+        """Wait until every check passes. ``watch_core``: raise :class:`_NoEngineCore` if
+        that engine's API server is still alone in its group ``_CORE_SPAWN_S`` after now."""
         pending = dict(checks)
         last_report = time.monotonic()
+        core_by = time.monotonic() + _CORE_SPAWN_S
         while pending:
+            if watch_core is not None and time.monotonic() > core_by:
+                if not _children(watch_core):
+                    raise _NoEngineCore
+                watch_core = None
             for name, (proc, ok) in list(pending.items()):
                 code = proc.exit_code()
                 if code is not None:
@@ -408,6 +438,19 @@ def _router_env(base: dict[str, str] | os._Environ[str]) -> dict[str, str]:
         env.pop("PYTHONPATH", None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def _children(proc: ManagedProcess) -> list[int]:
+    """Live members of ``proc``'s group besides its leader and multiprocessing's resource
+    tracker: the engine's EngineCore and Worker (or the process that becomes one)."""
+    out = []
+    for pid in live_group_members(proc.pgid):
+        if pid == proc.pid:
+            continue
+        with contextlib.suppress(OSError):
+            if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+    return out
 
 
 def _new_run_dir(cache_dir: str | os.PathLike[str] | None, mode: str) -> Path:
