@@ -68,15 +68,16 @@ class ModelPool:
             return self.affinity.select(Role.PREFILL, session, preferred)
         return self.prefill_policy.select(preferred, key), None
 
-    def session_key(self, session: str | None, prefix: str) -> str | None:
+    def session_key(self, session: str | None, prefix: Callable[[], str]) -> str | None:
         """The affinity key of a request: its session id, else (with ``prefix_fallback``)
-        its prompt's start; None when affinity is off for this model."""
+        its prompt's start, read from ``prefix`` only then; None when affinity is off."""
         cfg = self.config.sessions
         if not cfg.enabled:
             return None
         if session is not None:
             return session
-        return f"prefix:{prefix}" if cfg.prefix_fallback and prefix else None
+        start = prefix() if cfg.prefix_fallback else ""
+        return f"prefix:{start}" if start else None
 
     def record(self, inst: Instance, fault: Fault | None) -> None:
         """Feed one engine call's outcome (None: success) to the instance's outlier

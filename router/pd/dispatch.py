@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -140,10 +141,11 @@ class Dispatcher:
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
-        sessions = pool.config.sessions
-        by_prefix = creq.session is None and sessions.enabled and sessions.prefix_fallback
-        prefix = _routing_key(creq) if pool.key_needed or by_prefix else ""
-        route = _Route(prefix if pool.key_needed else None, pool.session_key(creq.session, prefix))
+        # Built at most once, and only if the policy or the session fallback needs it.
+        prefix = functools.cache(lambda: _routing_key(creq))
+        route = _Route(
+            prefix() if pool.key_needed else None, pool.session_key(creq.session, prefix)
+        )
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
