@@ -234,6 +234,17 @@ def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
     return False
 
 
+def wait_busy(engine: Engine, timeout_s: float) -> bool:
+    """True once the engine holds a running or waiting request."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = engine.metrics()
+        if m.total("vllm:num_requests_running") + m.total("vllm:num_requests_waiting") > 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def engine_core_pids(engine: Engine) -> list[int]:
     """Pids of the engine's EngineCore process(es): vLLM titles them ``VLLM::EngineCore...``."""
     pids = []

@@ -28,6 +28,7 @@ from tests.connector.engines import (
     frozen_core,
     local,
     pipelined,
+    wait_busy,
     wait_idle,
 )
 
@@ -203,14 +204,16 @@ def test_killed_prefill_ends_decode_fast(tmp_path: Path) -> None:
             "kv_transfer_params": prefill_params(tid, d.identity),
         }
         d_client = httpx.Client(timeout=30)
-        with cf.ThreadPoolExecutor(2) as pool:
+        # P's frozen core holds the prefill until the kill; D holding the request shows that
+        # both legs are under way.
+        with cf.ThreadPoolExecutor(2) as pool, frozen_core(p):
             p_fut = pool.submit(
                 httpx.post, f"{p.url}/v1/completions", json=p_body, headers=headers, timeout=30
             )
             d_fut = pool.submit(
                 _stream_status, d_client, f"{d.url}/v1/completions", d_body, headers
             )
-            time.sleep(0.05)
+            assert wait_busy(d, 10.0), "the decode leg never reached D"
             p.proc.signal_group(signal.SIGKILL)
             killed = time.monotonic()
             with pytest.raises(httpx.TransportError):

@@ -20,7 +20,15 @@ import yaml
 from router.stack.launcher import _router_env
 from router.stack.ports import pick_ports
 from router.stack.procs import ManagedProcess, stop_all
-from tests.connector.engines import HTTP_PORTS, Engine, engine_pair, local, wait_idle
+from tests.connector.engines import (
+    HTTP_PORTS,
+    Engine,
+    engine_pair,
+    frozen_core,
+    local,
+    wait_busy,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.e2e
 CHUNKED = ("--max-num-batched-tokens", "256")
@@ -106,15 +114,18 @@ def test_through_router(stack: tuple[Engine, Engine, str]) -> None:
     assert p.metrics().total("vllm:pdr_bytes_written_total") > 0
     assert d.metrics().total("vllm:pdr_bytes_received_total") > 0
 
-    # Client disconnects mid-prefill: both engines back to idle within 2 s.
-    with pytest.raises(httpx.TimeoutException):
+    # Client disconnects mid-prefill: both engines back to idle within 2 s. P's core is frozen
+    # so that the prefill cannot finish inside the client's 0.1 s (P's prefix cache would make
+    # a repeated prompt's prefill near-instant otherwise).
+    with frozen_core(p), pytest.raises(httpx.TimeoutException):
         complete(url, LONG, 32, timeout=0.1)
     assert wait_idle(p, 2.0) and wait_idle(d, 2.0)
 
-    # P killed mid-prefill: the client gets an error within 2 s, D keeps no blocks.
-    with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(complete, url, LONG, 32)
-        time.sleep(0.1)
+    # P killed mid-prefill: the client gets an error within 2 s, D keeps no blocks. The frozen
+    # core holds the prefill; D holding the request shows that both legs are under way.
+    with cf.ThreadPoolExecutor(1) as pool, frozen_core(p):
+        fut = pool.submit(complete, url, LONG + "Again. ", 32)
+        assert wait_busy(d, 10.0), "the decode leg never reached D"
         p.proc.signal_group(signal.SIGKILL)
         killed = time.monotonic()
         r = fut.result(timeout=30)
