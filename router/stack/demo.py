@@ -1,7 +1,8 @@
 """``pd-router demo``: start a local P/D stack, stream one chat answer, show TTFT and NIXL bytes.
 
-The stack (tiny model, P and D vLLM engines, router) is torn down on exit, on Ctrl-C and on
-SIGTERM; nothing is left running unless ``--keep-running`` is given (then until Ctrl-C).
+The stack (SmolLM2-135M-Instruct by default, P and D vLLM engines, router) is torn down on exit,
+on Ctrl-C and on SIGTERM; nothing is left running unless ``--keep-running`` is given (then until
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from router.stack.engines import Mode
 from router.stack.launcher import Stack, StackError
 from router.stack.metrics import Metrics
+from router.stack.model import DEFAULT_VARIANT, known_variants
 
 BYTES_METRIC = "vllm:nixl_bytes_transferred_sum"
 # This project's connector (pipelined mode) counts bytes under its own names.
@@ -35,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache-dir", default=None, help="model/log cache (default $PD_ROUTER_CACHE or ~/.cache)"
     )
-    parser.add_argument("--variant", default="tiny", help="model variant (tiny or bench)")
+    parser.add_argument(
+        "--variant",
+        default=DEFAULT_VARIANT,
+        choices=known_variants(),
+        help="model: smollm2 (real, default) or a random-weight one (tiny, bench)",
+    )
     parser.add_argument(
         "--keep-running", action="store_true", help="leave the stack up until Ctrl-C"
     )

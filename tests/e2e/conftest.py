@@ -86,7 +86,7 @@ def prompts(engines_available: None) -> list[str]:
 @pytest.fixture(scope="session")
 def reference(prompts: list[str]) -> Reference:
     """Run the aggregated engine once, record its outputs, and stop it before P/D stacks."""
-    with Stack(mode="aggregated", with_router=False) as stack:
+    with Stack(variant=h.FAST, mode="aggregated", with_router=False) as stack:
         client = h.client_for(stack.decode.url)
         completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
@@ -107,6 +107,6 @@ def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stac
     before starting the next mode's. Depends on ``reference`` so the aggregated engine has
     come and gone before any P/D engine starts (never two stacks on the two cores at once).
     """
-    with Stack(mode=request.param) as st:
+    with Stack(variant=h.FAST, mode=request.param) as st:
         h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
         yield st

@@ -16,6 +16,10 @@ import openai
 from router.stack import Stack
 from router.stack.metrics import Metrics
 
+# The random-weight model (served as "tiny"): the tests that need speed run on it; the stack's
+# default is the real SmolLM2 model.
+FAST = "tiny"
+
 MAX_TOKENS = 24
 # Greedy, fixed length, token ids in the response: what a token-for-token comparison needs.
 GREEDY: dict[str, Any] = {

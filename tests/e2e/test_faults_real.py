@@ -123,14 +123,14 @@ def fault_prompts(engines_available: None) -> Prompts:
 @pytest.fixture(scope="class")
 def push_stack(engines_available: None) -> Iterator[Stack]:
     args = {P: ("--max-model-len", str(P_MAX_MODEL_LEN), *P_LOAD_TRACKING)}
-    with Stack(mode="push", router_overrides=ROUTER, engine_args=args) as stack:
+    with Stack(variant=h.FAST, mode="push", router_overrides=ROUTER, engine_args=args) as stack:
         _warm_up(stack)
         yield stack
 
 
 @pytest.fixture(scope="class")
 def pull_stack(engines_available: None) -> Iterator[Stack]:
-    with Stack(mode="pull", router_overrides=ROUTER) as stack:
+    with Stack(variant=h.FAST, mode="pull", router_overrides=ROUTER) as stack:
         _warm_up(stack)
         yield stack
 

@@ -39,7 +39,7 @@ BLOCK_TOKENS = 128  # vLLM's KV block on CPU: transfers move whole blocks
 def cached_stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
     caching = ["--enable-prefix-caching"]
     args = {"prefill-0": caching, "decode-0": caching}
-    with Stack(mode=request.param, engine_args=args) as st:
+    with Stack(variant=h.FAST, mode=request.param, engine_args=args) as st:
         h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
         yield st
 

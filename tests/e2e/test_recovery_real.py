@@ -86,7 +86,7 @@ class Load:
 
 @pytest.fixture(scope="module", params=["push", "pull"])
 def loaded(request: pytest.FixtureRequest, engines_available: None) -> Iterator[tuple[Stack, Load]]:
-    with Stack(mode=request.param) as stack:
+    with Stack(variant=h.FAST, mode=request.param) as stack:
         h.complete(h.client_for(stack.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
         load = Load(stack.router_url)
         thread = threading.Thread(target=load.run, daemon=True)

@@ -39,6 +39,7 @@ def test_router_and_engine_spans_share_one_trace(
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
         otlp = ["--otlp-traces-endpoint", url]
         with Stack(
+            variant=h.FAST,
             mode=mode,
             router_overrides={"tracing": {"endpoint": url}},
             engine_args={"prefill-0": otlp, "decode-0": otlp},
