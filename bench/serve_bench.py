@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--modes", default="agg1,agg2,pull,push,pipelined", help=f"of {list(MODES)}")
+    p.add_argument(
+        "--modes",
+        default="agg1,agg2,pull,push,pipelined",
+        help=f"of {list(MODES)}; ':worker' pins only the forward pass (the control); "
+        "'pipelined+step' posts the connector's WRITEs once per step",
+    )
     p.add_argument("--inputs", default="512,1536", help="prompt lengths in tokens")
     p.add_argument("--qps", default="0.25,0.5,1", help="request rates (Poisson)")
     p.add_argument("--output-len", type=int, default=64, help="tokens per answer (ignore_eos)")
@@ -127,7 +132,11 @@ def _say(text: str) -> None:
 
 @contextmanager
 def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
-    stack_mode, cpus = MODES[mode]
+    """``mode`` is a name of ``MODES``, or one with ``:worker``: vLLM's own pinning (only the
+    forward pass on the engine's core), the control for the stack's whole-engine pinning."""
+    base, _, pin = mode.partition(":")
+    base, _, batch = base.partition("+")  # pipelined+step: the connector's write_batch
+    stack_mode, cpus = MODES[base]
     caching = ["--enable-prefix-caching"] if args.prefix_caching else []
     names = ["aggregated-0"] if stack_mode == "aggregated" else ["prefill-0", "decode-0"]
     with Stack(
@@ -135,6 +144,8 @@ def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
         variant=args.variant,
         cache_dir=args.cache_dir,
         aggregated_cpus=cpus,
+        pin=pin or "engine",
+        connector_extra={"write_batch": batch} if batch else None,
         engine_args={name: caching for name in names},
     ) as stack:
         _say(f"{mode}: stack up at {stack.router_url}")
@@ -235,7 +246,7 @@ def _breakdown(
     out["d_queue"] = mean("decode-0", "vllm:request_queue_time_seconds")
     out["d_first_step"] = mean("decode-0", "vllm:request_prefill_time_seconds")
     out["d_ttft"] = mean("decode-0", "vllm:time_to_first_token_seconds")
-    if stack.mode.value == "pull":
+    if stack.mode.value == "pull":  # D READs; P WRITEs in the push modes
         out["kv_xfer"] = mean("decode-0", "vllm:nixl_xfer_time_seconds")
     elif stack.mode.value == "push":
         out["kv_xfer"] = mean("prefill-0", "vllm:nixl_xfer_time_seconds")

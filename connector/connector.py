@@ -219,6 +219,9 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
         "idle_wait_s": "idle_wait_s",
     }
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
+    write_batch = str(extra.get("write_batch", "layer"))
+    if write_batch not in ("layer", "step"):
+        raise ValueError(f"write_batch must be 'layer' or 'step', not {write_batch!r}")
     agent = RealNixlAgent(
         agent_name(engine_id, rank),
         port + rank,
@@ -233,4 +236,5 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
         port=port,
         compat_fields=compat,
         timeouts=timeouts,
+        write_per_layer=write_batch == "layer",
     )

@@ -52,10 +52,16 @@ class _Send:
 
 
 class Sender:
-    """All P-side transfers of one rank, keyed by request id and by tid; their only owner."""
+    """All P-side transfers of one rank, keyed by request id and by tid; their only owner.
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    ``per_layer``: post each layer's WRITE as soon as the layer is saved (overlapping the rest of
+    the forward); otherwise post the step's layers together once the forward ends (still one
+    step, i.e. one prefill chunk, ahead of the next).
+    """
+
+    def __init__(self, ctx: WorkerContext, per_layer: bool = True) -> None:
         self._ctx = ctx
+        self._per_layer = per_layer
         self._sends: dict[str, _Send] = {}
         self._by_tid: dict[str, _Send] = {}
         self._early_regs: dict[str, tuple[str, dict[str, Any], float]] = {}  # D agent, body, at
@@ -112,7 +118,8 @@ class Sender:
             assert send.step is not None
             if send.step[1]:
                 send.queued.append((layer, send.step[0], send.step[1]))
-            self._flush(send)
+            if self._per_layer:
+                self._flush(send)
 
     def end_step(self) -> None:
         """The forward is over: close this step's plan; DONE where the prompt is complete."""
@@ -120,6 +127,8 @@ class Sender:
         for send in self._sends.values():
             if send.step_final and send.final_at is None:
                 send.final_at = now
+            if send.step is not None and not self._per_layer:
+                self._flush(send)
             send.step, send.step_final = None, False
             self._maybe_done(send)
 

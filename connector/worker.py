@@ -63,9 +63,10 @@ class WorkerSide:
         timeouts: Timeouts = _DEFAULT_TIMEOUTS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        write_per_layer: bool = True,
     ) -> None:
         self._ctx = WorkerContext(agent, tp_rank, timeouts, clock)
-        self._sender = Sender(self._ctx)
+        self._sender = Sender(self._ctx, per_layer=write_per_layer)
         self._receiver = Receiver(self._ctx)
         self._sleep = sleep
         self._forward_seen = False  # since the last get_finished

@@ -59,6 +59,8 @@ class EngineSpec:
     kv_port: int | None = None
     engine_id: str | None = None
     extra_args: tuple[str, ...] = field(default=())
+    # This project's connector only: more kv_connector_extra_config keys (connector/README.md).
+    connector_extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -118,6 +120,7 @@ def kv_transfer_config(spec: EngineSpec) -> str | None:
         config["kv_connector_extra_config"] = {
             "side_channel_host": LOCALHOST,
             "side_channel_port": spec.kv_port,
+            **spec.connector_extra,
         }
     return json.dumps(config, separators=(",", ":"))
 
@@ -141,6 +144,17 @@ def engine_argv(spec: EngineSpec, opts: EngineOptions) -> list[str]:
     if kv_config is not None:
         argv += ["--kv-transfer-config", kv_config]
     return argv + list(spec.extra_args)
+
+
+def cpu_set(core: int | str) -> frozenset[int]:
+    """The CPUs of an ``EngineSpec.core``: ``1`` or a list such as ``"0-1"`` or ``"0,2-3"``."""
+    if isinstance(core, int):
+        return frozenset({core})
+    cpus: set[int] = set()
+    for part in core.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 def engine_env(spec: EngineSpec, base: Mapping[str, str]) -> dict[str, str]:

@@ -78,6 +78,8 @@ class Stack:
         decode_slots: int = 64,
         cores: tuple[int, int] = (0, 1),
         aggregated_cpus: str | None = None,
+        pin: str = "engine",
+        connector_extra: Mapping[str, Any] | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         log: TextIO | None = None,
         router_overrides: Mapping[str, Any] | None = None,
@@ -88,7 +90,11 @@ class Stack:
         engine name (e.g. ``{"prefill-0": ["--max-model-len", "2048"]}``); later flags win.
         ``variant``: the model (:func:`router.stack.model.known_variants`), served under
         ``model_name`` (default: the variant's name). ``aggregated_cpus``: where the aggregated
-        engine runs (``"0-1"``: both cores; default ``cores[1]``)."""
+        engine runs (``"0-1"``: both cores; default ``cores[1]``). ``pin``: ``"engine"`` keeps every
+        process of an engine (API server, EngineCore, Worker) on its cores; ``"worker"`` pins only
+        the forward pass, as vLLM alone does, and lets the rest run on any core (then one engine's
+        scheduler and API server take time from the other's forward). ``connector_extra``: more
+        ``kv_connector_extra_config`` keys for this project's connector (pipelined mode)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -97,6 +103,10 @@ class Stack:
         self.decode_slots = decode_slots
         self.cores = cores
         self.aggregated_cpus = aggregated_cpus
+        if pin not in ("engine", "worker"):
+            raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
+        self.pin = pin
+        self.connector_extra = dict(connector_extra or {})
         self.startup_timeout_s = startup_timeout_s
         self.max_model_len = max_model_len
         self._router_port_wanted = router_port
@@ -261,6 +271,7 @@ class Stack:
             eng.engine_argv(spec, self._engine_options_used),
             eng.engine_env(spec, os.environ),
             self.run_dir / f"{spec.name}.log",
+            cpus=eng.cpu_set(spec.core) if self.pin == "engine" else None,
         )
 
     def _plan(self) -> list[eng.EngineSpec]:
@@ -274,7 +285,12 @@ class Stack:
         if unknown:
             raise StackError(f"engine_args for engines this stack does not run: {sorted(unknown)}")
         return [
-            replace(s, extra_args=s.extra_args + self.engine_args.get(s.name, ())) for s in specs
+            replace(
+                s,
+                extra_args=s.extra_args + self.engine_args.get(s.name, ()),
+                connector_extra=self.connector_extra,
+            )
+            for s in specs
         ]
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:

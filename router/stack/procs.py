@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -27,11 +27,26 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # inherited by every process the child starts
+
+    return setup
+
+
 class ManagedProcess:
-    """One child process group with its output in ``log_path``."""
+    """One child process group with its output in ``log_path``; ``cpus``: the CPUs the whole
+    group may run on (default: no restriction)."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -45,7 +60,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(cpus),
             )
         self.pid = self._popen.pid
         # With start_new_session the child leads its own group: pgid == pid.

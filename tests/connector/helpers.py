@@ -78,6 +78,7 @@ def make_side(
     *,
     fill: float | None = None,
     timeouts: Timeouts | None = None,
+    write_per_layer: bool = True,
     **compat: Any,
 ) -> Side:
     name = agent_name(addr.engine_id, 0)
@@ -91,6 +92,7 @@ def make_side(
         compat_fields=compat_fields(**compat),
         timeouts=timeouts or Timeouts(),
         clock=clock,
+        write_per_layer=write_per_layer,
     )
     caches = kv_caches(fill)
     w.register_kv_caches(caches, BLOCKS, "DRAM")

@@ -78,6 +78,26 @@ def test_layers_are_written_per_chunk_and_d_completes_after_done() -> None:
     assert stats["writes_per_request"] == [2 * LAYERS]
 
 
+def test_step_batching_posts_the_layers_once_the_forward_ends() -> None:
+    """write_batch=step: nothing is posted while layers compute; at the step's end every layer is
+    posted (one WRITE each), and D gets the same bytes as with per-layer writes."""
+    fabric, clock = Fabric(), Clock()
+    p = make_side(fabric, P_ADDR, clock, write_per_layer=False)
+    d = make_side(fabric, D_ADDR, clock, fill=0.0)
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)  # handshake, REG
+    p.worker.bind(send("p1", 0, [1, 2], final=True, tokens=8))
+    for name in p.layers():
+        p.worker.save_layer(name)
+    assert fabric.writes_to(d.name) == []  # the forward runs undisturbed
+    p.worker.end_step()
+    assert len(fabric.writes_to(d.name)) == LAYERS
+    p.worker.get_finished(p.finished)
+    _, finished, failed = idle(d)
+    assert finished == {"d1"} and failed == set()
+    assert same_blocks(p, d, [1, 2], [10, 11])
+
+
 def test_writes_before_registration_are_queued_then_merged() -> None:
     fabric, _, p, d = pair()
     forward(p, send("p1", 0, [1], final=False))
