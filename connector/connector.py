@@ -12,7 +12,9 @@ Load it on both engines with::
 ``handshake_timeout_s``, ``registration_timeout_s``, ``receive_timeout_s``, ``write_timeout_s``
 (see ``worker.Timeouts``), ``progress_delay_us`` (NIXL progress-thread sleep, default 1000),
 ``backends`` (default ``["UCX"]``), ``model_id`` (name compared in the handshake; default: the
-model path).
+model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
+step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
+``layer`` in device memory).
 
 vLLM builds one instance with ``role=SCHEDULER`` in the engine-core process and one with
 ``role=WORKER`` in every worker process; each builds only its own half.
@@ -219,9 +221,9 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
         "idle_wait_s": "idle_wait_s",
     }
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
-    write_batch = str(extra.get("write_batch", "layer"))
-    if write_batch not in ("layer", "step"):
-        raise ValueError(f"write_batch must be 'layer' or 'step', not {write_batch!r}")
+    write_batch = str(extra.get("write_batch", "auto"))
+    if write_batch not in ("auto", "layer", "step"):
+        raise ValueError(f"write_batch must be 'auto', 'layer' or 'step', not {write_batch!r}")
     agent = RealNixlAgent(
         agent_name(engine_id, rank),
         port + rank,
@@ -236,5 +238,5 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
         port=port,
         compat_fields=compat,
         timeouts=timeouts,
-        write_per_layer=write_batch == "layer",
+        write_per_layer=None if write_batch == "auto" else write_batch == "layer",
     )

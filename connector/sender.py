@@ -2,7 +2,8 @@
 
 Per transfer id: each step's ``SendSpec`` names the blocks the forward computes; ``save_layer``
 queues them per layer and posts one WRITE per layer (each carrying a ``W`` notice) as soon as D's
-``REG`` and the link's layout are known, so layers saved before REG arrives wait in the queue.
+``REG`` and the link's layout are known (per layer, or at the step's end: ``per_layer``), so
+layers saved before REG arrives wait in the queue.
 Once the final step has ended, REG is known and the queue is empty, ``DONE`` tells D how many
 WRITEs to count. A send is reported finished once vLLM has finished its request and no WRITE from
 its blocks is still in flight (vLLM frees the blocks then).
@@ -56,12 +57,12 @@ class Sender:
 
     ``per_layer``: post each layer's WRITE as soon as the layer is saved (overlapping the rest of
     the forward); otherwise post the step's layers together once the forward ends (still one
-    step, i.e. one prefill chunk, ahead of the next).
+    step, i.e. one prefill chunk, ahead of the next). Settable until the first send.
     """
 
     def __init__(self, ctx: WorkerContext, per_layer: bool = True) -> None:
         self._ctx = ctx
-        self._per_layer = per_layer
+        self.per_layer = per_layer
         self._sends: dict[str, _Send] = {}
         self._by_tid: dict[str, _Send] = {}
         self._early_regs: dict[str, tuple[str, dict[str, Any], float]] = {}  # D agent, body, at
@@ -118,7 +119,7 @@ class Sender:
             assert send.step is not None
             if send.step[1]:
                 send.queued.append((layer, send.step[0], send.step[1]))
-            if self._per_layer:
+            if self.per_layer:
                 self._flush(send)
 
     def end_step(self) -> None:
@@ -127,7 +128,7 @@ class Sender:
         for send in self._sends.values():
             if send.step_final and send.final_at is None:
                 send.final_at = now
-            if send.step is not None and not self._per_layer:
+            if send.step is not None and not self.per_layer:
                 self._flush(send)
             send.step, send.step_final = None, False
             self._maybe_done(send)

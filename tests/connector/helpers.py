@@ -78,7 +78,7 @@ def make_side(
     *,
     fill: float | None = None,
     timeouts: Timeouts | None = None,
-    write_per_layer: bool = True,
+    write_per_layer: bool | None = True,
     **compat: Any,
 ) -> Side:
     name = agent_name(addr.engine_id, 0)

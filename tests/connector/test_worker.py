@@ -78,11 +78,11 @@ def test_layers_are_written_per_chunk_and_d_completes_after_done() -> None:
     assert stats["writes_per_request"] == [2 * LAYERS]
 
 
-def test_step_batching_posts_the_layers_once_the_forward_ends() -> None:
-    """write_batch=step: nothing is posted while layers compute; at the step's end every layer is
-    posted (one WRITE each), and D gets the same bytes as with per-layer writes."""
+def test_kv_in_dram_posts_the_layers_once_the_forward_ends() -> None:
+    """write_batch=auto with the KV cache in DRAM is step batching: nothing is posted while the
+    layers compute; at the step's end every layer is (one WRITE each), same bytes on D."""
     fabric, clock = Fabric(), Clock()
-    p = make_side(fabric, P_ADDR, clock, write_per_layer=False)
+    p = make_side(fabric, P_ADDR, clock, write_per_layer=None)
     d = make_side(fabric, D_ADDR, clock, fill=0.0)
     forward(d, recv("d1", 0, [10, 11]))
     settle(p, d)  # handshake, REG
