@@ -1,0 +1,65 @@
+"""The stack's real model, SmolLM2-135M-Instruct, through the router in every P/D mode: a chat
+answer that is right, and that is exactly what one engine alone answers (greedy, natural stop).
+
+The random-weight model of the other tests shows the KV moved intact; this one shows that a
+real checkpoint (converted from the package's GGUF file) keeps its quality across the handoff.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from router.stack import Stack
+from router.stack.model import DEFAULT_VARIANT, kv_bytes_per_token
+from tests.e2e import helpers as h
+
+pytestmark = pytest.mark.e2e
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "user", "content": "Tell me about the Eiffel Tower. " * 60}]  # ~500 tokens
+
+
+def ask(stack_url: str, model: str, messages: list[dict[str, str]], stream: bool) -> str:
+    """A greedy chat answer of at most 32 tokens, ending where the model stops."""
+    client = h.client_for(stack_url)
+    kwargs: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": 32}
+    if not stream:
+        return (
+            client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content or ""
+        )
+    chunks = client.chat.completions.create(temperature=0, stream=True, **kwargs)
+    return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
+
+
+@pytest.fixture(scope="module")
+def answers(engines_available: None) -> dict[str, str]:
+    """One engine alone, before any P/D stack starts (never two stacks on the cores at once)."""
+    with Stack(variant=DEFAULT_VARIANT, mode="aggregated", with_router=False) as st:
+        assert st.model_path is not None and kv_bytes_per_token(st.model_path) == 23040
+        url = st.decode.url
+        return {
+            "question": ask(url, st.model_name, QUESTION, stream=False),
+            "long": ask(url, st.model_name, LONG, stream=False),
+        }
+
+
+@pytest.fixture(scope="module", params=["pull", "push", "pipelined"])
+def stack(request: pytest.FixtureRequest, answers: dict[str, str]) -> Iterator[Stack]:
+    with Stack(variant=DEFAULT_VARIANT, mode=request.param) as st:
+        ask(st.router_url, st.model_name, [{"role": "user", "content": "hi"}], stream=False)
+        yield st
+
+
+def test_the_real_model_answers_right(answers: dict[str, str]) -> None:
+    assert "Paris" in answers["question"], answers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_answers_what_one_engine_answers(
+    stack: Stack, answers: dict[str, str], stream: bool
+) -> None:
+    for name, messages in (("question", QUESTION), ("long", LONG)):
+        got = ask(stack.router_url, stack.model_name, messages, stream)
+        assert got == answers[name], f"{stack.mode.value} {name}: {got!r}"
