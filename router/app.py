@@ -236,7 +236,7 @@ def _pool_for(ctx: AppContext, model: str | None) -> ModelPool:
     if model is not None:
         pool = ctx.registry.get(model)
         if pool is None:
-            raise ModelNotFound(f"the model {model!r} does not exist on this router")
+            raise ModelNotFound(model, sorted(p.name for p in ctx.registry.pools()))
         return pool
     pools = list(ctx.registry.pools())
     if len(pools) != 1:

@@ -5,10 +5,10 @@
     RouterError                  status  type / code                              outcome
     ├── InternalError            500     internal_error                           internal_error
     ├── HttpError                4xx     invalid_request_error / not_found, 405   client_error
-    ├── InvalidRequest           400     invalid_request_error                    client_error
-    │   └── BodyTooLarge         413     invalid_request_error / body_too_large   client_error
+    ├── InvalidRequest           400     BadRequestError / 400 (as vLLM)          client_error
+    │   └── BodyTooLarge         413     BadRequestError / 413                    client_error
     ├── Unauthorized             401     authentication_error / invalid_api_key   client_error
-    ├── ModelNotFound            404     invalid_request_error / model_not_found  client_error
+    ├── ModelNotFound            404     NotFoundError / 404, param model (vLLM)  client_error
     ├── QueueFull                429     rate_limit_error / queue_full (1)        no_capacity
     ├── NoCapacity               503     service_unavailable / no_capacity (1)    no_capacity
     │   ├── NoHealthyEngine      503     service_unavailable / no_healthy_<role>  no_capacity
@@ -137,9 +137,12 @@ class HttpError(RouterError):
 
 
 class InvalidRequest(RouterError):
+    """A body the router itself rejects; typed and coded as vLLM's own 400s, so that a client
+    cannot tell whether the router or an engine refused it."""
+
     status = 400
-    type = "invalid_request_error"
-    code = "invalid_request"
+    type = "BadRequestError"
+    code = 400
     outcome = Outcome.CLIENT_ERROR
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -152,7 +155,7 @@ class InvalidRequest(RouterError):
 
 class BodyTooLarge(InvalidRequest):
     status = 413
-    code = "body_too_large"
+    code = 413
 
 
 class Unauthorized(RouterError):
@@ -163,10 +166,18 @@ class Unauthorized(RouterError):
 
 
 class ModelNotFound(RouterError):
+    """An unknown model, answered in vLLM's words: its message, type, param and code."""
+
     status = 404
-    type = "invalid_request_error"
-    code = "model_not_found"
+    type = "NotFoundError"
+    code = 404
     outcome = Outcome.CLIENT_ERROR
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        super().__init__(f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.")
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, "model")
 
 
 class QueueFull(RouterError):

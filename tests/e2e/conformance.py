@@ -2,8 +2,8 @@
 to the router in front of P/D engines, answers compared field by field.
 
 Each case is sent with ``httpx`` (exact bytes, no SDK defaults). An answer is reduced to what a
-client relies on: the status, and for 200s the body without per-request values (ids,
-timestamps), streams reduced to per-choice text, token ids, finish reasons, the usage chunk and
+client relies on: the status, the error body of the cases that compare one, and for 200s the
+body without per-request values (ids, timestamps), streams reduced to per-choice text, token ids, finish reasons, the usage chunk and
 the number of ``[DONE]``. Floats (logprobs) compare within ``FLOAT_TOLERANCE``: P/D and one
 engine batch differently, and bf16 on CPU rounds differently per batch.
 """
@@ -32,6 +32,7 @@ class Case:
     path: str
     body: dict[str, Any] | None  # None: GET
     compare_body: bool = True  # False: the status only (the router's own error text)
+    compare_error: bool = False  # a non-200's body too (the router answers as vLLM would)
 
 
 def _comp(**kw: Any) -> dict[str, Any]:
@@ -75,6 +76,8 @@ CASES = [
     Case("tokenize", "/tokenize", {"model": MODEL, "prompt": _TEXT}),
     Case("detokenize", "/detokenize", {"model": MODEL, "tokens": list(range(5, 30))}),
     Case("bad prompt", "/v1/completions", _comp(prompt=5), compare_body=False),
+    Case("unknown model", "/v1/completions", _comp(model="nope"), compare_error=True),
+    Case("unknown model, chat", "/v1/chat/completions", _chat(model="nope"), compare_error=True),
     Case("bad max_tokens", "/v1/completions", _comp(max_tokens=-1), compare_body=False),
     Case("seed past 64 bits", "/v1/completions", _comp(seed=2**70), compare_body=False),
 ]
@@ -94,6 +97,8 @@ def ask(base_url: str, case: Case) -> Answer:
         else:
             raw = json.dumps(case.body).encode()
             r = client.post(case.path, content=raw, headers={"content-type": "application/json"})
+    if r.status_code != 200 and case.compare_error:
+        return Answer(r.status_code, r.json())
     if r.status_code != 200 or not case.compare_body:
         return Answer(r.status_code, None)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
