@@ -80,6 +80,7 @@ class Stack:
         aggregated_cpus: str | None = None,
         pin: str = "engine",
         connector_extra: Mapping[str, Any] | None = None,
+        dtype: str | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         log: TextIO | None = None,
         router_overrides: Mapping[str, Any] | None = None,
@@ -94,7 +95,8 @@ class Stack:
         process of an engine (API server, EngineCore, Worker) on its cores; ``"worker"`` pins only
         the forward pass, as vLLM alone does, and lets the rest run on any core (then one engine's
         scheduler and API server take time from the other's forward). ``connector_extra``: more
-        ``kv_connector_extra_config`` keys for this project's connector (pipelined mode)."""
+        ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
+        what the engines compute in (default: the model's, ``serving_dtype``)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -107,6 +109,7 @@ class Stack:
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
         self.connector_extra = dict(connector_extra or {})
+        self.dtype = dtype or tiny_model.serving_dtype(variant)
         self.startup_timeout_s = startup_timeout_s
         self.max_model_len = max_model_len
         self._router_port_wanted = router_port
@@ -294,7 +297,7 @@ class Stack:
         ]
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:
-        dtype = tiny_model.serving_dtype(self.variant)
+        dtype = self.dtype
         per_token = tiny_model.kv_bytes_per_token(model_path, 4 if dtype == "float32" else 2)
         return eng.EngineOptions(
             model_path=model_path,
