@@ -1,11 +1,12 @@
-"""The differential conformance cases: the same raw requests to one aggregated vLLM engine and
-to the router in front of P/D engines, answers compared field by field.
+"""The differential conformance cases: the same raw requests to one aggregated vLLM engine and to
+the router in front of P/D engines, answers compared field by field.
 
 Each case is sent with ``httpx`` (exact bytes, no SDK defaults). An answer is reduced to what a
 client relies on: the status, the error body of the cases that compare one, and for 200s the
-body without per-request values (ids, timestamps), streams reduced to per-choice text, token ids, finish reasons, the usage chunk and
-the number of ``[DONE]``. Floats (logprobs) compare within ``FLOAT_TOLERANCE``: P/D and one
-engine batch differently, and bf16 on CPU rounds differently per batch.
+body without per-request values (ids, timestamps), streams reduced to per-choice text, token
+ids, finish reasons, the usage chunk and the number of ``[DONE]``. Floats (logprobs) compare
+within ``FLOAT_TOLERANCE``: P/D and one engine batch differently, and bf16 on CPU rounds
+differently per batch.
 """
 
 from __future__ import annotations
