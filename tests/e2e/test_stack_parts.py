@@ -155,3 +155,33 @@ def test_stop_all_kills_the_whole_group(tmp_path: Path) -> None:
     assert killed == ["stubborn"]
     assert live_group_members(proc.pgid) == []
     assert not proc.alive()
+
+
+def test_cpu_lists() -> None:
+    assert eng.cpu_set(1) == {1}
+    assert eng.cpu_set("0-1") == {0, 1}
+    assert eng.cpu_set("0,2-3") == {0, 2, 3}
+    (agg,) = eng.plan_engines(eng.Mode.AGGREGATED, [8101], [5601], ENGINE_ID, aggregated_cpus="0-1")
+    assert agg.core == "0-1"
+
+
+def test_a_pinned_group_runs_on_its_cpus_only(tmp_path: Path) -> None:
+    """The whole group, grandchildren included, inherits the CPUs: an engine's API server,
+    EngineCore and Worker all stay on the engine's core."""
+    cpu = min(os.sched_getaffinity(0))
+    inner = "import os; print(sorted(os.sched_getaffinity(0)), flush=True)"
+    script = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {inner!r}])"
+    proc = ManagedProcess(
+        "pinned", [sys.executable, "-c", script], os.environ, tmp_path / "l", cpus=frozenset({cpu})
+    )
+    deadline = time.monotonic() + 30
+    while proc.exit_code() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert f"[{cpu}]" in proc.log_tail()
+
+
+def test_the_connector_settings_reach_the_pipelined_engines() -> None:
+    stack = Stack("pipelined", connector_extra={"write_batch": "layer"})
+    for spec in stack._plan():
+        extra = json.loads(eng.kv_transfer_config(spec) or "{}")["kv_connector_extra_config"]
+        assert extra["write_batch"] == "layer" and extra["side_channel_port"] == spec.kv_port
