@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from router.stack import Stack
-from router.stack.engines import ENGINE_SITE_DIR
+from router.stack.engines import vllm_python_path
 from router.stack.metrics import Metrics, scrape
 from router.stack.model import DEFAULT_VARIANT, ensure_model
 
@@ -199,7 +199,7 @@ def _run_bench(argv: list[str], result: Path) -> dict[str, Any]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     # vLLM's CLI asks for the version of a distribution named "vllm"; the CPU build has another
     # name, and the engines' run-time fixes folder answers for it.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ENGINE_SITE_DIR), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = vllm_python_path(env)
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")

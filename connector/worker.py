@@ -67,8 +67,8 @@ class WorkerSide:
     ) -> None:
         """``write_per_layer``: see ``Sender``; None decides by where the KV cache lives."""
         self._ctx = WorkerContext(agent, tp_rank, timeouts, clock)
-        self._sender = Sender(self._ctx, per_layer=write_per_layer is not False)
-        self._write_per_layer = write_per_layer
+        self._sender = Sender(self._ctx)
+        self._write_per_layer = write_per_layer  # applied once the cache's memory is known
         self._receiver = Receiver(self._ctx)
         self._sleep = sleep
         self._forward_seen = False  # since the last get_finished
@@ -93,12 +93,12 @@ class WorkerSide:
         self._layer_idx = {name: i for i, name in enumerate(names)}
         layout = CacheLayout.from_tensors([kv_caches[n] for n in names], num_blocks, mem_type)
         ctx.agent.register(layout.regions(), mem_type)
-        if self._write_per_layer is None:
-            # KV in DRAM: UCX moves the bytes with this engine's own CPU (memcpy, TCP), so a
-            # WRITE posted mid-forward takes the cores the forward runs on, and costs more
-            # there than all of a step's layers posted at once (measured: bench/serve_bench.py).
-            # In device memory the NIC or copy engines move them: overlap the forward.
-            self._sender.per_layer = mem_type != "DRAM"
+        # KV in DRAM: UCX moves the bytes with this engine's own CPU (memcpy, TCP), so a WRITE
+        # posted mid-forward takes the cores the forward runs on, and costs more there than all
+        # of a step's layers posted at once (measured: bench/serve_bench.py). In device memory
+        # the NIC or copy engines move them: overlap the forward.
+        per_layer = self._write_per_layer
+        self._sender.per_layer = mem_type != "DRAM" if per_layer is None else per_layer
         compat = Compat(
             num_layers=len(names),
             block_bytes=layout.block_bytes,

@@ -157,16 +157,18 @@ def cpu_set(core: int | str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def vllm_python_path(base: Mapping[str, str]) -> str:
+    """``PYTHONPATH`` for a process that runs vLLM's CLI: the run-time fixes folder first."""
+    return os.pathsep.join(filter(None, [str(ENGINE_SITE_DIR), base.get("PYTHONPATH")]))
+
+
 def engine_env(spec: EngineSpec, base: Mapping[str, str]) -> dict[str, str]:
     """Environment for ``spec``: ``base`` plus pinning, side channel, offline mode, and the
     run-time fixes folder first on ``PYTHONPATH`` (engine processes only)."""
     env = dict(base)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes decides instead
-    python_path = [str(ENGINE_SITE_DIR)]
-    if base.get("PYTHONPATH"):
-        python_path.append(base["PYTHONPATH"])
     env.update(
-        PYTHONPATH=os.pathsep.join(python_path),
+        PYTHONPATH=vllm_python_path(base),
         VLLM_CPU_OMP_THREADS_BIND=str(spec.core),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

@@ -297,14 +297,13 @@ class Stack:
         ]
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:
-        dtype = self.dtype
-        per_token = tiny_model.kv_bytes_per_token(model_path, 4 if dtype == "float32" else 2)
+        per_token = tiny_model.kv_bytes_per_token(model_path, self.dtype)
         return eng.EngineOptions(
             model_path=model_path,
             served_model_name=self.model_name,
             max_model_len=self.max_model_len,
             kv_cache_bytes=eng.kv_cache_bytes_for(per_token, self.max_model_len),
-            dtype=dtype,
+            dtype=self.dtype,
         )
 
     def _start_router(self, t0: float) -> None:

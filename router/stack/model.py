@@ -63,11 +63,6 @@ class ModelVariant:
     num_key_value_heads: int
     head_dim: int
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes of K and V one token occupies across all layers."""
-        per_layer = 2 * self.num_key_value_heads * self.head_dim * dtype_bytes
-        return per_layer * self.num_hidden_layers
-
 
 VARIANTS: dict[str, ModelVariant] = {
     # Fast to start and run: the e2e tests' model.
@@ -144,8 +139,13 @@ def serving_dtype(variant: str) -> str:
     return packaged.dtype if packaged is not None else "bfloat16"
 
 
-def kv_bytes_per_token(model_path: Path, dtype_bytes: int = 2) -> int:
-    """Bytes of K and V one token occupies across all layers, from the checkpoint's config."""
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_bytes_per_token(model_path: Path, dtype: str = "bfloat16") -> int:
+    """Bytes of K and V one token occupies across all layers, from the checkpoint's config,
+    with the KV cache in ``dtype`` (vLLM's ``auto``: the dtype the engine computes in)."""
+    dtype_bytes = _DTYPE_BYTES[dtype]
     cfg = json.loads((model_path / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

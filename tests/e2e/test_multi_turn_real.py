@@ -45,9 +45,9 @@ def cached_stack(request: pytest.FixtureRequest, reference: Reference) -> Iterat
 
 
 def _kv_bytes_per_token() -> int:
-    from router.stack.model import VARIANTS
+    from router.stack.model import ensure_model, kv_bytes_per_token
 
-    return VARIANTS["tiny"].kv_bytes_per_token()
+    return kv_bytes_per_token(ensure_model(h.FAST))
 
 
 def _snapshot(stack: Stack) -> dict[str, Metrics]:

@@ -104,9 +104,9 @@ def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
 
 
 def _min_kv_bytes_per_token() -> int:
-    from router.stack.model import VARIANTS
+    from router.stack.model import ensure_model, kv_bytes_per_token
 
-    return VARIANTS["tiny"].kv_bytes_per_token()
+    return kv_bytes_per_token(ensure_model(h.FAST))
 
 
 def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> None:
