@@ -22,7 +22,7 @@ import orjson
 from router.client_request import ClientRequest
 from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
 from router.pd.dispatch import Dispatch
-from router.pd.legs import ENGINE_ERROR_EVENT, DecodeLeg
+from router.pd.legs import ENGINE_ERROR_EVENT
 from router.relay import RelayResponse, Send
 
 __all__ = ["MultiPromptResponse", "StreamMerge", "merge_bodies", "split"]
@@ -160,34 +160,35 @@ class MultiPromptResponse(RelayResponse):
         self._dispatch = dispatches[0]
         await self._start(send, legs[0], dispatches[0].request_id)
         if legs[0].rest is None:
-            await self._end(send, merge_bodies([leg.first for leg in legs], self._creq.n))
+            bodies = [await d.first_bytes() for d in dispatches]
+            await self._end(send, merge_bodies(bodies, self._creq.n))
             self._ttft = self._clock() - self._t0
             return Outcome.SUCCESS
-        return await self._merge_streams(legs, send, StreamMerge(len(legs), self._creq.n))
+        return await self._merge_streams(dispatches, send, StreamMerge(len(legs), self._creq.n))
 
     async def _merge_streams(
-        self, legs: list[DecodeLeg], send: Send, merge: StreamMerge
+        self, dispatches: list[Dispatch], send: Send, merge: StreamMerge
     ) -> Outcome:
         """Relay every prompt's stream as one; on an error, the other prompts' legs are
         left unread (their dispatches close them)."""
         queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]] = asyncio.Queue()
 
-        async def pump(i: int, leg: DecodeLeg) -> None:
+        async def pump(i: int, dispatch: Dispatch) -> None:
             async def collect(message: Any) -> None:
                 await queue.put((i, message["body"]))
 
             try:
-                await leg.forward(collect, lambda: None)
+                await dispatch.leg.forward(collect, lambda: None, dispatch.usage_patch)
             except UpstreamError as exc:
                 await queue.put((i, exc))
             await queue.put((i, None))
 
-        for i, leg in enumerate(legs):
-            queue.put_nowait((i, leg.first))
+        for i, dispatch in enumerate(dispatches):
+            queue.put_nowait((i, await dispatch.first_bytes()))
         async with asyncio.TaskGroup() as group:
-            pumps = [group.create_task(pump(i, leg)) for i, leg in enumerate(legs)]
+            pumps = [group.create_task(pump(i, d)) for i, d in enumerate(dispatches)]
             try:
-                return await self._relay_merged(queue, len(legs), send, merge)
+                return await self._relay_merged(queue, len(dispatches), send, merge)
             finally:
                 for task in pumps:
                     task.cancel()

@@ -219,10 +219,11 @@ class RelayResponse(Response):
         """Send D's status and bytes; a broken stream ends with an SSE error event."""
         leg = dispatch.leg
         self._dispatch = dispatch
+        first = await dispatch.first_bytes()
         await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
         self._complete = not more
-        await send({"type": "http.response.body", "body": leg.first, "more_body": more})
+        await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0
         if not more:
             return
@@ -233,7 +234,7 @@ class RelayResponse(Response):
 
         try:
             with self._tracing.span("stream"):
-                await leg.forward(send, before_last)
+                await leg.forward(send, before_last, dispatch.usage_patch)
                 self._tracing.set(pdrouter__chunks=leg.chunks)
         except UpstreamError as exc:
             self._stream_stats(dispatch)

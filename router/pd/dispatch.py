@@ -34,6 +34,7 @@ from router.pd import kv_params as kp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.plans import Decision, Pair, Plan, decide, plans
 from router.pd.settle import Settler, cancel_task, discard_decode
+from router.pd.usage import MARKER, Patch, with_cached_tokens
 from router.registry import ModelPool
 from router.tracing import Tracing
 
@@ -42,6 +43,8 @@ __all__ = ["Dispatch", "Dispatcher"]
 log = logging.getLogger("pd_router.dispatch")
 
 _PREFIX_KEY_CHARS = 256
+# The decisions whose D counts the transferred KV as cached (router/pd/usage.py).
+_USAGE_FROM_PREFILL = frozenset({Decision.PUSH, Decision.PUSH_SEQUENTIAL, Decision.PIPELINED})
 
 
 @dataclass(eq=False)
@@ -55,6 +58,36 @@ class Dispatch:
     prefill_task: asyncio.Task[PrefillResult] | None = None  # P still running at open
     prefill_error: UpstreamError | None = None  # P failed after D's first bytes
     prefill: str | None = None  # P's URL (None: D alone)
+    prefill_result: PrefillResult | None = None  # P's, when it finished before D opened
+
+    @property
+    def usage_patch(self) -> Patch | None:
+        """The rewrite of D's ``cached_tokens`` to P's, where D counts the transfer as
+        cached (None: D's usage is right as it is)."""
+        if self.decision not in _USAGE_FROM_PREFILL:
+            return None
+
+        async def patch(chunk: bytes) -> bytes:
+            cached = await self.prefill_cached_tokens()
+            return chunk if cached is None else with_cached_tokens(chunk, cached)
+
+        return patch
+
+    async def first_bytes(self) -> bytes:
+        """D's first bytes for the client (``leg.first``, its usage rewritten where needed)."""
+        patch = self.usage_patch
+        first = self.leg.first
+        return await patch(first) if patch is not None and MARKER in first else first
+
+    async def prefill_cached_tokens(self) -> int | None:
+        """P's prefix-cache hits; None where P failed or did not report them. Waits for a
+        P leg still running (it is bounded by the prefill timeout)."""
+        if self.prefill_result is None and self.prefill_task is not None:
+            await asyncio.wait({self.prefill_task})
+            task = self.prefill_task
+            if not task.cancelled() and task.exception() is None:
+                self.prefill_result = task.result()
+        return None if self.prefill_result is None else self.prefill_result.cached_tokens
 
     @property
     def verdict(self) -> Fault | None:
@@ -233,7 +266,9 @@ class Dispatcher:
         plan.prefill_done(pair, result)
         leg = await self._decode(pool, pair.decode, pair.creq, body, pair.ids)
         self._observe_handoff(pool, result.finished_at)
-        return Dispatch(res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url)
+        return Dispatch(
+            res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url, prefill_result=result
+        )
 
     async def _concurrent(
         self, pool: ModelPool, plan: Plan, pair: Pair, decision: Decision, res: Reservation

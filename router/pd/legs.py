@@ -21,6 +21,7 @@ from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError, UpstreamStatus, UpstreamTimeout
 from router.http1 import Http1Response
 from router.metrics import Metrics
+from router.pd.usage import MARKER, Patch
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 
 __all__ = ["ENGINE_ERROR_EVENT", "DecodeLeg", "LegRunner", "PrefillResult", "Send"]
@@ -62,6 +63,8 @@ async def _bounded(inst: Instance, limit: float, code: str) -> AsyncIterator[Non
 class PrefillResult:
     kv_params: dict[str, Any] | None
     finished_at: float
+    # P's prefix-cache hits from its usage (None: P reported no prompt_tokens_details).
+    cached_tokens: int | None = None
 
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASGI send
@@ -115,11 +118,14 @@ class DecodeLeg:
         if self._counted:
             instance.at_engine += 1
 
-    async def forward(self, send: Send, before_last: Callable[[], None]) -> None:
+    async def forward(
+        self, send: Send, before_last: Callable[[], None], patch: Patch | None = None
+    ) -> None:
         """Send the rest of D's body to the client as ASGI body messages, chunk by chunk
         as read (no buffering); ``before_last()`` runs just before the last message (whose
-        ``more_body`` is False). Raises :class:`UpstreamError` if D's stream breaks;
-        ``verdict`` then holds its fault."""
+        ``more_body`` is False). ``patch`` rewrites the chunks that hold usage's
+        ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's stream
+        breaks; ``verdict`` then holds its fault."""
         assert self.rest is not None, "a complete body has nothing left to forward"
         error_event = ENGINE_ERROR_EVENT in self.first
         last = b""
@@ -134,6 +140,8 @@ class DecodeLeg:
                     t = clock()
                     worst = max(worst, t - now)
                     now = t
+                    if patch is not None and MARKER in chunk:
+                        chunk = await patch(chunk)
                     if stream.ended:
                         last = chunk  # D's last bytes came with its end: one write for both
                         break
@@ -224,7 +232,8 @@ class LegRunner:
             content = await self._prefill_call(inst, path, body, request_id, traceparent)
         finally:
             inst.in_flight -= 1
-        params = _kv_params(content)
+        doc = _json(content)
+        params = _kv_params(doc)
         if require_params and params is None:
             self._metrics.kv_params_missing.labels(model, inst.url).inc()
             raise UpstreamError(
@@ -234,7 +243,7 @@ class LegRunner:
                 instance=inst.url,
                 code="kv_transfer_params_missing",
             )
-        return PrefillResult(params, self._clock())
+        return PrefillResult(params, self._clock(), _cached_tokens(doc))
 
     async def _prefill_call(
         self,
@@ -305,10 +314,21 @@ async def _read_bounded(stream: UpstreamStream) -> bytes:
     return (await stream.read_all())[: _MAX_ERROR_BODY if stream.status >= 400 else None]
 
 
-def _kv_params(content: bytes) -> dict[str, Any] | None:
+def _json(content: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return None
-    params = doc.get("kv_transfer_params") if isinstance(doc, dict) else None
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _kv_params(doc: dict[str, Any]) -> dict[str, Any] | None:
+    params = doc.get("kv_transfer_params")
     return params if isinstance(params, dict) and params else None
+
+
+def _cached_tokens(doc: dict[str, Any]) -> int | None:
+    usage = doc.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None

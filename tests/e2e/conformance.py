@@ -46,6 +46,36 @@ def _chat(**kw: Any) -> dict[str, Any]:
 
 
 _USAGE = {"stream_options": {"include_usage": True}}
+_SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
+_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+}
+_NAMED_TOOL = {
+    "tools": [_WEATHER],
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+}
+_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},
+            "required": ["answer", "score"],
+        },
+    },
+}
+# "e" is a stop string the tiny model's output hits within 24 tokens; unexercised() checks
+# that the reference answers really stopped, called a tool, and so on.
 
 CASES = [
     Case("completion", "/v1/completions", _comp()),
@@ -60,6 +90,12 @@ CASES = [
         "/v1/completions",
         _comp(prompt=[_TEXT, _TEXT[::-1]], stream=True, **_USAGE),
     ),
+    Case("completion stop", "/v1/completions", _comp(max_tokens=24, stop=["e"])),
+    Case(
+        "completion n=2 sampled",
+        "/v1/completions",
+        _comp(n=2, max_tokens=8, **_SAMPLED, logprobs=1),
+    ),
     Case("completion lenient", "/v1/completions", _comp(max_tokens="6", stream=1)),
     Case("completion without model", "/v1/completions", {"prompt": _TEXT, "max_tokens": 3}),
     Case("chat", "/v1/chat/completions", _chat()),
@@ -69,6 +105,36 @@ CASES = [
         _chat(logprobs=True, top_logprobs=2, max_tokens=None, max_completion_tokens=5),
     ),
     Case("chat stream usage", "/v1/chat/completions", _chat(stream=True, **_USAGE)),
+    Case("chat stop stream", "/v1/chat/completions", _chat(max_tokens=24, stop=["e"], stream=True)),
+    Case("chat n=2 sampled", "/v1/chat/completions", _chat(n=2, max_tokens=8, **_SAMPLED)),
+    Case("chat named tool", "/v1/chat/completions", _chat(max_tokens=40, **_NAMED_TOOL)),
+    Case(
+        "chat named tool stream",
+        "/v1/chat/completions",
+        _chat(max_tokens=40, stream=True, **_NAMED_TOOL, **_USAGE),
+    ),
+    Case(
+        "chat required tool",
+        "/v1/chat/completions",
+        _chat(max_tokens=40, tools=[_WEATHER], tool_choice="required"),
+    ),
+    Case(
+        "chat auto tool, no parser",
+        "/v1/chat/completions",
+        _chat(tools=[_WEATHER], tool_choice="auto"),
+        compare_error=True,
+    ),
+    Case("chat json_schema", "/v1/chat/completions", _chat(max_tokens=40, response_format=_SCHEMA)),
+    Case(
+        "chat json_object stream",
+        "/v1/chat/completions",
+        _chat(max_tokens=30, response_format={"type": "json_object"}, stream=True),
+    ),
+    Case(
+        "completion json_schema",
+        "/v1/completions",
+        _comp(max_tokens=40, response_format=_SCHEMA),
+    ),
     Case(
         "responses",
         "/v1/responses",
@@ -107,6 +173,40 @@ def ask(base_url: str, case: Case) -> Answer:
     return Answer(200, normalize(r.json()))
 
 
+def unexercised(answers: dict[str, Answer]) -> list[str]:
+    """The cases whose reference answer does not show what the case is named for (nothing
+    stopped, no tool called, the two sampled choices alike): such a case would pass vacuously."""
+
+    def body(name: str) -> Any:
+        return answers[name].body
+
+    checks = {
+        "completion stop": body("completion stop")["choices"][0]["finish_reason"] == "stop",
+        "chat stop stream": body("chat stop stream")["finish"] == {0: "stop"},
+        "completion n=2 sampled": _distinct(
+            c["text"] for c in body("completion n=2 sampled")["choices"]
+        ),
+        "chat n=2 sampled": _distinct(
+            c["message"]["content"] for c in body("chat n=2 sampled")["choices"]
+        ),
+        "chat named tool": bool(body("chat named tool")["choices"][0]["message"]["tool_calls"]),
+        "chat named tool stream": bool(body("chat named tool stream")["tools"]),
+        "chat required tool": bool(
+            body("chat required tool")["choices"][0]["message"]["tool_calls"]
+        ),
+        "chat auto tool, no parser": answers["chat auto tool, no parser"].status == 400,
+        "chat json_schema": body("chat json_schema")["choices"][0]["message"]["content"].startswith(
+            "{"
+        ),
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
+def _distinct(texts: Any) -> bool:
+    items = list(texts)
+    return len(set(items)) == len(items) > 1
+
+
 def normalize(doc: Any) -> Any:
     """``doc`` without volatile keys, recursively."""
     if isinstance(doc, dict):
@@ -120,6 +220,7 @@ def _stream_summary(text: str) -> dict[str, Any]:
     events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.startswith("data: ")]
     texts: dict[int, str] = {}
     finish: dict[int, Any] = {}
+    tools: dict[str, str] = {}  # "choice/call" -> name and arguments as streamed
     usage = None
     for event in events:
         if event == "[DONE]":
@@ -127,14 +228,21 @@ def _stream_summary(text: str) -> dict[str, Any]:
         doc = json.loads(event)
         for choice in doc.get("choices") or []:
             i = choice["index"]
+            delta = choice.get("delta") or {}
             piece = choice.get("text")
             if piece is None:
-                piece = (choice.get("delta") or {}).get("content") or ""
+                piece = delta.get("content") or ""
             texts[i] = texts.get(i, "") + piece
             finish[i] = choice.get("finish_reason") or finish.get(i)
+            for call in delta.get("tool_calls") or []:
+                key, fn = f"{i}/{call['index']}", call.get("function") or {}
+                tools[key] = (
+                    tools.get(key, "") + (fn.get("name") or "") + (fn.get("arguments") or "")
+                )
         if doc.get("usage") is not None and not doc.get("choices"):
             usage = normalize(doc["usage"])
-    return {"texts": texts, "finish": finish, "usage": usage, "done": events.count("[DONE]")}
+    done = events.count("[DONE]")
+    return {"texts": texts, "finish": finish, "tools": tools, "usage": usage, "done": done}
 
 
 def differences(got: Any, want: Any, path: str = "") -> list[str]:

@@ -18,7 +18,9 @@ from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
 
 MODEL = "tiny"
-PD_MODES = ["pull", "push", "push-sequential"]
+# On every engine of these fixtures, so that usage.prompt_tokens_details is compared too.
+ENGINE_FLAGS = ("--enable-prompt-tokens-details",)
+PD_MODES = ["pull", "push", "push-sequential", "pipelined"]
 # Token lengths around the CPU KV block size (128) and well past it, plus tiny prompts.
 PROMPT_LENGTHS = [1, 9, 40, 127, 128, 129, 300, 700, 1500]
 CONVERSATIONS: list[list[dict[str, str]]] = [
@@ -86,7 +88,8 @@ def prompts(engines_available: None) -> list[str]:
 @pytest.fixture(scope="session")
 def reference(prompts: list[str]) -> Reference:
     """Run the aggregated engine once, record its outputs, and stop it before P/D stacks."""
-    with Stack(variant=h.FAST, mode="aggregated", with_router=False) as stack:
+    flags = {"aggregated-0": ENGINE_FLAGS}
+    with Stack(variant=h.FAST, mode="aggregated", with_router=False, engine_args=flags) as stack:
         client = h.client_for(stack.decode.url)
         completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
@@ -94,6 +97,7 @@ def reference(prompts: list[str]) -> Reference:
         turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
+    assert cf.unexercised(answers) == [], "conformance cases that would pass vacuously"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
     assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
     return Reference(prompts, completions, chats, answers, turns)
@@ -107,6 +111,7 @@ def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stac
     before starting the next mode's. Depends on ``reference`` so the aggregated engine has
     come and gone before any P/D engine starts (never two stacks on the two cores at once).
     """
-    with Stack(variant=h.FAST, mode=request.param) as st:
+    flags = {"prefill-0": ENGINE_FLAGS, "decode-0": ENGINE_FLAGS}
+    with Stack(variant=h.FAST, mode=request.param, engine_args=flags) as st:
         h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
         yield st

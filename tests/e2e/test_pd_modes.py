@@ -1,4 +1,4 @@
-"""Real vLLM P/D engines behind the router, per mode (pull, push, push-sequential).
+"""Real vLLM P/D engines behind the router, per mode (pull, push, push-sequential, pipelined).
 
 Each test runs once per mode on that mode's stack (see ``conftest.stack``). The aggregated
 single-engine outputs (``conftest.reference``) are the ground truth.
@@ -24,9 +24,17 @@ from tests.observability.test_prometheus_live import dashboard_queries
 # The first test of each mode also pays for starting engines (30-120 s on a busy 2-core box).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-BYTES = "vllm:nixl_bytes_transferred_sum"
-TRANSFERS = "vllm:nixl_bytes_transferred_count"
-FAILED = "vllm:nixl_num_failed_transfers_total"
+# What the engine that moves the KV counts: vLLM's NIXL connectors, or this project's.
+NIXL_STATS = {
+    "bytes": "vllm:nixl_bytes_transferred_sum",
+    "transfers": "vllm:nixl_bytes_transferred_count",
+    "failed": "vllm:nixl_num_failed_transfers_total",
+}
+PIPELINED_STATS = {
+    "bytes": "vllm:pdr_bytes_written_total",
+    "transfers": "vllm:pdr_writes_total",
+    "failed": "vllm:pdr_failures_total",
+}
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -92,11 +100,12 @@ def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
     p, d = "prefill-0", "decode-0"
     # Pull: D READs from P. Push: P WRITEs into D. Only the initiator counts the bytes.
     mover = d if stack.mode.value == "pull" else p
-    moved = h.delta(after[mover], before[mover], BYTES)
+    stats = PIPELINED_STATS if stack.mode.value == "pipelined" else NIXL_STATS
+    moved = h.delta(after[mover], before[mover], stats["bytes"])
     assert moved >= prompt_tokens * _min_kv_bytes_per_token(), f"{mover} moved only {moved} B"
-    assert h.delta(after[mover], before[mover], TRANSFERS) >= len(prompts)
+    assert h.delta(after[mover], before[mover], stats["transfers"]) >= len(prompts)
     for name in (p, d):
-        assert h.delta(after[name], before[name], FAILED) == 0
+        assert h.delta(after[name], before[name], stats["failed"]) == 0
     # P computed every prompt token; D got them over NIXL and computed none of them.
     assert h.delta(after[p], before[p], BY_SOURCE, source="local_compute") == prompt_tokens
     assert h.delta(after[d], before[d], BY_SOURCE, source="external_kv_transfer") == prompt_tokens

@@ -59,6 +59,8 @@ class Behaviour:
     kv_peer: str | None = None
     poison: str | None = None  # a prompt containing this gets a 500 (a bad prompt)
     gate: asyncio.Event | None = None  # hold every answer until the test sets it
+    # usage.prompt_tokens_details.cached_tokens (None: no details, as vLLM by default)
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -211,13 +213,15 @@ class FakeEngine:
         if rec.body.get("stream"):
             await self._stream(rec, send, b)
         else:
-            await _respond(send, 200, json.dumps(_full(rec, b.tokens, b.prompt_tag)).encode())
+            await _respond(
+                send, 200, json.dumps(_full(rec, b.tokens, b.prompt_tag, b.cached_tokens)).encode()
+            )
 
     async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
         if b.malformed_json:
             await _respond(send, 200, b'{"id": "cmpl-1", "choices": [')
             return
-        doc = _full(rec, 1)
+        doc = _full(rec, 1, cached=b.cached_tokens)
         if not b.omit_kv_params:
             xid = rec.request_id
             doc["kv_transfer_params"] = {
@@ -263,7 +267,11 @@ class FakeEngine:
             if b.token_delay:
                 await asyncio.sleep(b.token_delay)
         if (rec.body.get("stream_options") or {}).get("include_usage"):
-            usage = {**_delta(rec, 0, False), "choices": [], "usage": _usage(rec, b.tokens)}
+            usage = {
+                **_delta(rec, 0, False),
+                "choices": [],
+                "usage": _usage(b.tokens, b.cached_tokens),
+            }
             await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
         await _chunk(send, b"data: [DONE]\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -327,13 +335,19 @@ def _is_chat(rec: Received) -> bool:
     return rec.path.endswith("/chat/completions")
 
 
-def _usage(rec: Received, tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": 5, "completion_tokens": tokens, "total_tokens": 5 + tokens}
+def _usage(tokens: int, cached: int | None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": tokens}
+    usage["total_tokens"] = 5 + tokens
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
-def _full(rec: Received, tokens: int, tag: bool = False) -> dict[str, Any]:
+def _full(
+    rec: Received, tokens: int, tag: bool = False, cached: int | None = None
+) -> dict[str, Any]:
     text = "".join(_text(rec, i, tag) for i in range(tokens))
-    usage = _usage(rec, tokens)
+    usage = _usage(tokens, cached)
     if _is_chat(rec):
         return {
             "id": f"chatcmpl-{rec.request_id}",

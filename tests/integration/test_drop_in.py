@@ -257,3 +257,31 @@ async def test_several_prompts_one_fails(cluster: Cluster, client: httpx.AsyncCl
     )
     assert r.status_code == 502  # the stream had not started: a whole error response
     assert ctx.registry.slots_in_use() == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "push-sequential", "pipelined", "pull"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_cached_tokens_are_prefills_not_the_transfer(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str, stream: bool
+) -> None:
+    """D counts KV that came over the transfer as cached (vLLM 0.32: all 5 prompt tokens);
+    an aggregated engine would report its own prefix-cache hits, P's here (2). In pull,
+    vLLM's D already reports P's count from P's params, so the router leaves it alone."""
+    cluster.prefill[0].behaviour.cached_tokens = 2
+    cluster.decode[0].behaviour.cached_tokens = 5
+    ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
+    url, _ = await cluster.router(mode, prefill_extra=ids, decode_extra=ids)
+    body = {**PROMPT, "stream": stream, "stream_options": {"include_usage": True}}
+    if not stream:
+        del body["stream_options"]
+    r = await client.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+    else:
+        usage = r.json()["usage"]
+    want = 5 if mode == "pull" else 2
+    assert usage["prompt_tokens_details"] == {"cached_tokens": want}
+    assert usage["prompt_tokens"] == 5  # the rest of usage unchanged
