@@ -44,6 +44,7 @@ __all__ = [
     "DiscoveryConfig",
     "HealthConfig",
     "KubernetesDiscoveryConfig",
+    "KvReturnConfig",
     "ListenConfig",
     "Mode",
     "ModelConfig",
@@ -186,6 +187,25 @@ class SessionConfig(_Strict):
         return [h.lower() for h in v]
 
 
+class KvReturnConfig(_Strict):
+    """KV that flows back (router/pd/kv_return.py): in pull mode, D keeps a finished turn's
+    blocks and the conversation's next P reads them instead of recomputing the history
+    (vLLM's ``bidirectional_kv_xfer``; both engines must run with it). Off by default: with
+    it on, vLLM's D holds every finished request's blocks until a P reads them or its
+    ``decoder_kv_blocks_ttl`` ends, which costs D capacity.
+
+    ``ttl_seconds`` must stay below the engines' ``decoder_kv_blocks_ttl`` (vLLM's default
+    480): the router never hands P blocks D may already have freed. A turn reuses at most
+    ``max_entries`` kept turns (least recently kept dropped first), and only turns whose
+    verified common prefix with the new prompt is at least ``min_tokens`` long (vLLM's
+    ``kv_recompute_threshold`` is the same idea, on P)."""
+
+    enabled: bool = False
+    ttl_seconds: float = Field(default=240.0, gt=0)
+    min_tokens: int = Field(default=64, ge=1)
+    max_entries: int = Field(default=10_000, ge=1)
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     mode: Mode = Mode.PUSH
@@ -196,6 +216,7 @@ class ModelConfig(_Strict):
     decode: list[DecodeInstanceConfig] = Field(default_factory=list, validate_default=True)
     policy: PolicyConfig = PolicyConfig()
     sessions: SessionConfig = SessionConfig()
+    kv_return: KvReturnConfig = KvReturnConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)
@@ -211,6 +232,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
+        if self.kv_return.enabled and self.mode is not Mode.PULL:
+            raise ValueError(
+                f"kv_return needs mode 'pull', not {self.mode.value!r}: vLLM 0.32's "
+                "bidirectional KV transfer exists in NixlConnector only"
+            )
         if self.discovery is not None:
             if self.mode.uses_prefill and not self.discovery.kubernetes.prefill_selector:
                 raise ValueError(

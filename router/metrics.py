@@ -275,6 +275,19 @@ class Metrics:
             ["model", "role", "result"],
             registry=r,
         )
+        self.kv_returns = Counter(
+            "pdrouter_kv_return",
+            "Finished turns kept on D for the next P, and what became of them "
+            "(kept, reused, partial, mismatch, expired, unavailable)",
+            ["model", "result"],
+            registry=r,
+        )
+        self.kv_returns_kept = Gauge(
+            "pdrouter_kv_return_entries",
+            "Finished turns kept on D and not yet taken by a next turn",
+            ["model"],
+            registry=r,
+        )
         self.push_fallbacks = Counter(
             "pdrouter_push_sequential_dispatches",
             "Push requests sent sequentially because P's identity was not yet known",

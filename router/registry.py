@@ -28,6 +28,7 @@ from router.engines.instance import Instance, Role, candidates
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
 from router.errors import Fault
+from router.pd.kv_return import KvReturns
 from router.shared_slots import WorkerSlots
 
 __all__ = ["ModelPool", "Registry"]
@@ -41,6 +42,7 @@ class ModelPool:
     ledger: SlotLedger
     prefill_policy: Policy
     affinity: Affinity
+    kv_returns: KvReturns
 
     @property
     def name(self) -> str:
@@ -241,7 +243,8 @@ class Registry:
             clock=self._clock,
             affinity=affinity,
         )
-        return ModelPool(cfg, [], [], ledger, make_policy(cfg.policy.prefill), affinity)
+        policy = make_policy(cfg.policy.prefill)
+        return ModelPool(cfg, [], [], ledger, policy, affinity, KvReturns(self._clock))
 
     def _instance(self, url: str, role: Role, model: str) -> Instance:
         b = self._config.breaker

@@ -63,6 +63,7 @@ class Instance:
         # The engine's NIXL address: configured (or discovered), else learned from
         # P's responses in push mode. ``kv_host`` overrides the host P reports.
         self.kv_host: str | None = None
+        self.block_size: int | None = None  # decode: KV tokens per block, once learned
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
         # Decode, ``--workers N``: reads the router-wide count of this instance from the

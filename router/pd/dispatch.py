@@ -28,12 +28,13 @@ from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Reservation
-from router.errors import Fault, NoHealthyEngine, UpstreamError
+from router.errors import Fault, NoHealthyEngine, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.plans import Decision, Pair, Plan, decide, plans
 from router.pd.settle import Settler, cancel_task, discard_decode
+from router.pd.turns import TurnPlan, Turns
 from router.pd.usage import MARKER, Patch, with_cached_tokens
 from router.registry import ModelPool
 from router.tracing import Tracing
@@ -144,6 +145,7 @@ class Dispatcher:
         self._legs = legs
         self._metrics = metrics
         self.settler = Settler(legs.timeouts)
+        self._turns = Turns(legs, metrics)
         self._retries = retries
         self._clock = clock
         self._plans: dict[Decision, Plan] = plans(
@@ -248,7 +250,8 @@ class Dispatcher:
             plan = self._plans[decision]
             if plan.concurrent(pair):
                 return await self._concurrent(pool, plan, pair, decision, reservation)
-            return await self._sequential(pool, plan, pair, decision, reservation)
+            turn = self._turns.plan(pool, creq)
+            return await self._sequential(pool, plan, pair, decision, reservation, turn)
         except BaseException as exc:
             if isinstance(exc, UpstreamError):
                 exc.request_id = ids.request_id  # for the attempt's log line
@@ -257,18 +260,50 @@ class Dispatcher:
             raise
 
     async def _sequential(
-        self, pool: ModelPool, plan: Plan, pair: Pair, decision: Decision, res: Reservation
+        self,
+        pool: ModelPool,
+        plan: Plan,
+        pair: Pair,
+        decision: Decision,
+        res: Reservation,
+        turn: TurnPlan | None = None,
     ) -> Dispatch:
-        """P to completion, then D with parameters derived from P's response."""
-        result = await self._prefill(pool, plan, pair, plan.prefill_params(pair))
+        """P to completion, then D with parameters derived from P's response; with a
+        ``turn`` (router/pd/turns.py), P may read the conversation's kept turn from D,
+        and D's answer may be kept for the next one."""
+        result = await self._prefill_turn(pool, plan, pair, turn)
         assert result.kv_params is not None  # required by sequential plans (legs.prefill)
         body = kp.decode_body(pair.creq.body, plan.decode_params(pair, result.kv_params))
         plan.prefill_done(pair, result)
+        body = self._turns.decode_body(turn, body)
         leg = await self._decode(pool, pair.decode, pair.creq, body, pair.ids)
+        self._turns.keep(pool, pair.creq, turn, leg)
         self._observe_handoff(pool, result.finished_at)
         return Dispatch(
             res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url, prefill_result=result
         )
+
+    async def _prefill_turn(
+        self, pool: ModelPool, plan: Plan, pair: Pair, turn: TurnPlan | None
+    ) -> PrefillResult:
+        """P's leg, reading the kept turn from D where it matches. If P fails with it (D
+        freed it early, the read failed), P is asked once more without it."""
+        params = plan.prefill_params(pair)
+        if turn is None:
+            return await self._prefill(pool, plan, pair, params)
+        await self._turns.prepare(pool, pair.creq, pair.prefill, turn)
+        if turn.reuse is None:
+            return await self._prefill(pool, plan, pair, params)
+        try:
+            return await self._prefill(pool, plan, pair, {**params, **turn.reuse})
+        except UpstreamStatus as exc:
+            log.warning(
+                "event=kv_return_failed request_id=%s instance=%s status=%d",
+                pair.ids.request_id,
+                pair.prefill.url,
+                exc.status,
+            )
+            return await self._prefill(pool, plan, pair, params)
 
     async def _concurrent(
         self, pool: ModelPool, plan: Plan, pair: Pair, decision: Decision, res: Reservation

@@ -267,6 +267,33 @@ class LegRunner:
             raise UpstreamStatus(stream.status, content, role="prefill", instance=inst.url)
         return content
 
+    async def tokenize(self, inst: Instance, query: dict[str, Any]) -> list[int] | None:
+        """The token ids ``inst``'s ``/tokenize`` gives for ``query``; None on any failure
+        (a side call: its failure costs the optimisation, never the request)."""
+        limit = self._timeouts.connect + 5.0
+        try:
+            async with asyncio.timeout(limit):
+                stream = await self._upstream.open(
+                    inst.url + "/tokenize", query, "tokenize", read_timeout=limit
+                )
+                try:
+                    content = await stream.read_all()
+                finally:
+                    await _close_quietly(stream)
+        except Exception:
+            return None
+        tokens = _json(content).get("tokens") if stream.status == 200 else None
+        ok = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+        return tokens if ok else None
+
+    async def metrics_text(self, inst: Instance) -> str | None:
+        """``inst``'s ``/metrics`` page; None on any failure."""
+        try:
+            status, body = await self._upstream.get(inst.url + "/metrics", self._timeouts.connect)
+        except Exception:
+            return None
+        return body.decode("utf-8", "replace") if status == 200 else None
+
     async def open_decode(
         self,
         inst: Instance,

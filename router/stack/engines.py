@@ -59,7 +59,8 @@ class EngineSpec:
     kv_port: int | None = None
     engine_id: str | None = None
     extra_args: tuple[str, ...] = field(default=())
-    # This project's connector only: more kv_connector_extra_config keys (connector/README.md).
+    # More kv_connector_extra_config keys: this project's connector's (connector/README.md),
+    # or vLLM's (NixlConnector's bidirectional_kv_xfer, decoder_kv_blocks_ttl).
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -122,6 +123,8 @@ def kv_transfer_config(spec: EngineSpec) -> str | None:
             "side_channel_port": spec.kv_port,
             **spec.connector_extra,
         }
+    elif spec.connector_extra:  # vLLM's connectors' own keys (bidirectional_kv_xfer, ...)
+        config["kv_connector_extra_config"] = dict(spec.connector_extra)
     return json.dumps(config, separators=(",", ":"))
 
 

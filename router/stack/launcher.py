@@ -37,6 +37,10 @@ from router.stack.metrics import Metrics, scrape
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
+# KV that flows back (kv_return): how long D keeps a finished turn, and how much sooner the
+# router stops handing it out (it never names blocks D may have freed).
+KV_RETURN_ENGINE_TTL_S = 120
+KV_RETURN_MARGIN_S = 30
 _RELOADED = "reloaded "  # the router's log line for an applied reload (router/reload.py)
 _RELOAD_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 5.0
@@ -85,6 +89,7 @@ class Stack:
         log: TextIO | None = None,
         router_overrides: Mapping[str, Any] | None = None,
         engine_args: Mapping[str, Sequence[str]] | None = None,
+        kv_return: bool = False,
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
@@ -96,7 +101,9 @@ class Stack:
         the forward pass, as vLLM alone does, and lets the rest run on any core (then one engine's
         scheduler and API server take time from the other's forward). ``connector_extra``: more
         ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
-        what the engines compute in (default: the model's, ``serving_dtype``)."""
+        what the engines compute in (default: the model's, ``serving_dtype``). ``kv_return``
+        (pull mode): both engines run vLLM's ``bidirectional_kv_xfer`` and the router hands a
+        conversation's kept turn to its next P (router/pd/kv_return.py)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -109,6 +116,14 @@ class Stack:
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
         self.connector_extra = dict(connector_extra or {})
+        if kv_return and self.mode is not eng.Mode.PULL:
+            raise StackError(f"kv_return needs mode pull, not {self.mode.value}")
+        self.kv_return = kv_return
+        if kv_return:
+            self.connector_extra |= {
+                "bidirectional_kv_xfer": True,
+                "decoder_kv_blocks_ttl": KV_RETURN_ENGINE_TTL_S,
+            }
         self.dtype = dtype or tiny_model.serving_dtype(variant)
         self.startup_timeout_s = startup_timeout_s
         self.max_model_len = max_model_len
@@ -408,6 +423,9 @@ class Stack:
         config = router_config(
             self.mode, self.engines, self.model_name, self.router_port, self.decode_slots
         )
+        if self.kv_return:
+            ttl = KV_RETURN_ENGINE_TTL_S - KV_RETURN_MARGIN_S
+            config["models"][0]["kv_return"] = {"enabled": True, "ttl_seconds": ttl}
         return config | self.router_overrides
 
     def _say(self, message: str) -> None:

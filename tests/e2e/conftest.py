@@ -8,7 +8,7 @@ failure. Tests of the stack's parts that need no engine run everywhere.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -46,6 +46,7 @@ class Reference:
     chats: list[h.Output]
     answers: dict[str, cf.Answer]  # the conformance cases (tests/e2e/conformance.py)
     turns: dict[str, h.Output]  # every request of MULTI_TURN, by its name
+    replies: list[h.Output]  # each turn of the fed-back conversation (feed_back)
 
 
 Messages = list[dict[str, str]]
@@ -72,6 +73,26 @@ def multi_turn() -> dict[str, Messages]:
     return script
 
 
+FEED_BACK_TURNS = 4
+
+
+def feed_back(say: Callable[[Messages], h.Output]) -> list[h.Output]:
+    """A conversation whose history holds the model's own replies, as a real client's does:
+    ``say`` answers each turn (its whole history), the answer goes into the next turn's
+    history with a new question. The answers are returned turn by turn."""
+    messages: Messages = [{"role": "user", "content": "A long talk. " + "context " * 600}]
+    replies = []
+    for t in range(FEED_BACK_TURNS):
+        reply = say(messages)
+        replies.append(reply)
+        messages = [
+            *messages,
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": f"Question {t + 1}: " + "detail " * 30},
+        ]
+    return replies
+
+
 @pytest.fixture(scope="session")
 def engines_available() -> None:
     """Skip (with the reason) where the engine extra is not installed."""
@@ -95,12 +116,13 @@ def reference(prompts: list[str]) -> Reference:
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
         answers = {case.name: cf.ask(stack.decode.url, case) for case in cf.CASES}
         turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
+        replies = feed_back(lambda m: h.chat(client, MODEL, m, stream=False))
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     assert cf.unexercised(answers) == [], "conformance cases that would pass vacuously"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
     assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
-    return Reference(prompts, completions, chats, answers, turns)
+    return Reference(prompts, completions, chats, answers, turns, replies)
 
 
 @pytest.fixture(scope="module", params=PD_MODES)

@@ -49,7 +49,7 @@ def complete(
     if not stream:
         r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, **GREEDY)
         choice = r.choices[0]
-        return Output(choice.text, _ids(choice), choice.finish_reason)
+        return Output(choice.text, token_ids(choice), choice.finish_reason)
     parts: list[str] = []
     ids: list[int] = []
     finish: str | None = None
@@ -58,7 +58,7 @@ def complete(
     ):
         for choice in chunk.choices:
             parts.append(choice.text)
-            ids.extend(_ids(choice))
+            ids.extend(token_ids(choice))
             finish = choice.finish_reason or finish
     return Output("".join(parts), tuple(ids), finish)
 
@@ -78,7 +78,7 @@ def chat(
             model=model, messages=msgs, max_tokens=max_tokens, **GREEDY
         )
         choice = r.choices[0]
-        return Output(choice.message.content or "", _ids(choice), choice.finish_reason)
+        return Output(choice.message.content or "", token_ids(choice), choice.finish_reason)
     parts: list[str] = []
     ids: list[int] = []
     finish: str | None = None
@@ -87,12 +87,12 @@ def chat(
     ):
         for c in chunk.choices:
             parts.append(c.delta.content or "")
-            ids.extend(_ids(c))
+            ids.extend(token_ids(c))
             finish = c.finish_reason or finish
     return Output("".join(parts), tuple(ids), finish)
 
 
-def _ids(choice: Any) -> tuple[int, ...]:
+def token_ids(choice: Any) -> tuple[int, ...]:
     """vLLM's ``token_ids`` extension field (present because of ``return_token_ids``)."""
     extra = getattr(choice, "model_extra", None) or {}
     return tuple(extra.get("token_ids") or ())
@@ -192,3 +192,17 @@ def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[l
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGCONT)
+
+
+def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -> Metrics:
+    """``scrape()`` once the total of ``name`` is the same in two scrapes 0.2 s apart (an
+    engine counts a request's tokens as its answer goes out)."""
+    last = scrape()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = scrape()
+        if now.total(name) == last.total(name):
+            return now
+        last = now
+    return last

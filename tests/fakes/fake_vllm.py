@@ -61,6 +61,11 @@ class Behaviour:
     gate: asyncio.Event | None = None  # hold every answer until the test sets it
     # usage.prompt_tokens_details.cached_tokens (None: no details, as vLLM by default)
     cached_tokens: int | None = None
+    # Pull D with vLLM's bidirectional_kv_xfer: a finished non-streaming answer carries the
+    # params of the blocks it keeps (and token ids when asked with return_token_ids).
+    bidirectional: bool = False
+    block_size: int = 16  # in /metrics (vllm:cache_config_info)
+    fail_kv_read: bool = False  # P: a request that reads a kept turn from D gets a 500
 
 
 @dataclass
@@ -148,6 +153,7 @@ class FakeEngine:
                 f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
                 f'vllm:num_requests_waiting{{model_name="tiny"}} {b.waiting}\n'
                 f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {b.kv_usage}\n'
+                f'vllm:cache_config_info{{block_size="{b.block_size}"}} 1.0\n'
             )
             await _respond(send, 200, text.encode(), b"text/plain")
         elif path.startswith("/kv/"):
@@ -197,6 +203,9 @@ class FakeEngine:
             )
             await _respond(send, status, body)
             return
+        if b.fail_kv_read and rec.kv.get("do_remote_decode") and rec.kv.get("remote_block_ids"):
+            await _respond(send, 500, b'{"error": {"message": "KV read from D failed"}}')
+            return
         if rec.path in ("/tokenize", "/detokenize"):
             await _respond(send, 200, json.dumps(_tokenizer(rec.path, rec.body)).encode())
             return
@@ -212,10 +221,11 @@ class FakeEngine:
                 await _poll_kv(b.kv_peer, rec.request_id)
         if rec.body.get("stream"):
             await self._stream(rec, send, b)
-        else:
-            await _respond(
-                send, 200, json.dumps(_full(rec, b.tokens, b.prompt_tag, b.cached_tokens)).encode()
-            )
+            return
+        doc = _full(rec, b.tokens, b.prompt_tag, b.cached_tokens)
+        if b.bidirectional and kv.get("do_remote_prefill"):
+            _keep_turn(self.name, rec, doc)
+        await _respond(send, 200, json.dumps(doc).encode())
 
     async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
         if b.malformed_json:
@@ -397,9 +407,50 @@ def _delta(rec: Received, i: int, tag: bool = False) -> dict[str, Any]:
     }
 
 
+def _keep_turn(name: str, rec: Received, doc: dict[str, Any]) -> None:
+    """What vLLM's D adds to a finished answer with bidirectional KV: the params of the
+    blocks it keeps, and with ``return_token_ids`` the prompt's and the output's ids (bytes,
+    as this fake's tokenizer has them)."""
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if _is_chat(rec) else choice["text"]
+    prompt_ids, output_ids = _token_ids(rec.body), list(text.encode())
+    held = len(prompt_ids) + len(output_ids) - 1  # the last sampled token has no KV yet
+    doc["kv_transfer_params"] = {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_block_ids": [list(range(100, 100 + -(-held // 16)))],
+        "remote_engine_id": f"{name}-engine",
+        "remote_request_id": f"cmpl-{rec.request_id}-0-ffff",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5700,
+        "tp_size": 1,
+        "remote_num_tokens": held,
+        "remote_blocks_expiry_time": 1e9,
+        "transfer_mode": "pull",
+    }
+    if rec.body.get("return_token_ids"):
+        choice["token_ids"] = output_ids
+        if _is_chat(rec):
+            doc["prompt_token_ids"] = prompt_ids
+        else:
+            choice["prompt_token_ids"] = prompt_ids
+
+
+def _token_ids(body: dict[str, Any]) -> list[int]:
+    """This fake's tokenizer: the bytes of the prompt, or of a chat template that joins
+    ``<role>content`` (plus ``<assistant>`` as the generation prompt)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        if body.get("add_generation_prompt", True):
+            text += "<assistant>"
+        return list(text.encode())
+    return list(str(body.get("prompt", "")).encode())
+
+
 def _tokenizer(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """A byte-level stand-in for vLLM's /tokenize and /detokenize answers."""
     if path == "/detokenize":
         return {"prompt": bytes(body.get("tokens", [])).decode("utf-8", "replace")}
-    tokens = list(str(body.get("prompt", "")).encode())
+    tokens = _token_ids(body)
     return {"count": len(tokens), "max_model_len": 4096, "tokens": tokens, "token_strs": None}

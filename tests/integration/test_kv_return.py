@@ -1,0 +1,203 @@
+"""KV that flows back in pull mode (router/pd/kv_return.py) over real sockets: a finished turn's
+params from D reach the conversation's next P only when the new prompt starts with the tokens
+D holds, at most once and within the TTL; the client sees D's answer as an aggregated engine
+gives it (no params, no token ids it did not ask for)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import ConfigError, parse_config
+from tests.conftest import Cluster, metric
+
+HISTORY = [{"role": "user", "content": "Tell me about routers. " * 8}]
+REPLY = "t0 t1 t2 t3 "  # what the fake D answers with its default four tokens
+KV_RETURN = {"model": {"kv_return": {"enabled": True, "min_tokens": 16}}}
+
+
+def _chat(messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": messages, "max_tokens": 4, **kw}
+
+
+def _next_turn(reply: str = REPLY, question: str = "And then?") -> list[dict[str, str]]:
+    return [
+        *HISTORY,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": question},
+    ]
+
+
+async def _router(cluster: Cluster, **model: Any) -> tuple[str, Any]:
+    cluster.decode[0].behaviour.bidirectional = True
+    cfg = {"kv_return": {"enabled": True, "min_tokens": 16, **model}}
+    return await cluster.router("pull", model=cfg)
+
+
+async def _say(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], session: str = "conv-1"
+) -> httpx.Response:
+    r = await client.post(
+        url + "/v1/chat/completions", json=body, headers={"x-session-id": session}
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _last_prefill_kv(cluster: Cluster) -> dict[str, Any]:
+    return cluster.prefill[0].received[-1].kv
+
+
+def _result(ctx: Any, result: str) -> float:
+    return metric(ctx, "pdrouter_kv_return_total", model="tiny", result=result)
+
+
+async def test_next_turn_reads_the_kept_turn_from_d(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _router(cluster)
+    first = await _say(client, url, _chat(HISTORY))
+    doc = first.json()
+    # As an aggregated engine answers: no params, no token ids (the router asked for them).
+    assert doc["kv_transfer_params"] is None
+    assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
+    assert cluster.decode[0].received[-1].body["return_token_ids"] is True
+    assert _result(ctx, "kept") == 1
+    assert metric(ctx, "pdrouter_kv_return_entries", model="tiny") == 1
+    kept = cluster.decode[0].received[-1]
+
+    await _say(client, url, _chat(_next_turn()))
+    kv = _last_prefill_kv(cluster)
+    # P reads the history from D: D's params, not P's own empty ones.
+    assert kv["do_remote_decode"] is True and kv["remote_engine_id"] == "d0-engine"
+    assert kv["remote_request_id"] == f"cmpl-{kept.request_id}-0-ffff"
+    assert kv["transfer_id"]  # the router's fields are kept
+    assert _result(ctx, "reused") == 1
+    # D's leg of the second turn carries P's params as usual.
+    assert cluster.decode[0].received[-1].kv["do_remote_prefill"] is True
+
+
+async def test_a_kept_turn_is_used_once(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, ctx = await _router(cluster)
+    await _say(client, url, _chat(HISTORY, stream=True))  # streamed: nothing to keep
+    assert _result(ctx, "kept") == 0
+    await _say(client, url, _chat(HISTORY))
+    await _say(client, url, _chat(_next_turn(), stream=True))  # a streamed turn can reuse
+    assert _last_prefill_kv(cluster)["remote_engine_id"] == "d0-engine"
+    await _say(client, url, _chat(_next_turn(), stream=True))
+    assert _last_prefill_kv(cluster)["remote_block_ids"] is None  # taken already
+    assert _result(ctx, "reused") == 1
+
+
+async def test_an_edited_history_is_not_served_with_the_old_kv(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _router(cluster)
+    await _say(client, url, _chat(HISTORY))
+    edited = [{"role": "user", "content": "Something else entirely. " * 8}]
+    await _say(client, url, _chat([*edited, {"role": "user", "content": "And then?"}]))
+    assert _last_prefill_kv(cluster)["remote_block_ids"] is None
+    assert _result(ctx, "mismatch") == 1
+
+
+async def test_a_changed_reply_reuses_the_common_prefix_blocks_only(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The client resent another reply than D's: only the blocks of the common prefix (the
+    old prompt) are read, the last one partly; P computes the rest."""
+    url, ctx = await _router(cluster)
+    await _say(client, url, _chat(HISTORY))
+    held = cluster.decode[0].received[-1]
+    prompt_len = len(f"<user>{HISTORY[0]['content']}<assistant>".encode())
+    await _say(client, url, _chat(_next_turn(reply="a different reply")))
+    kv = _last_prefill_kv(cluster)
+    assert _result(ctx, "partial") == 1
+    assert kv["remote_num_tokens"] == prompt_len
+    assert kv["remote_block_ids"] == [list(range(100, 100 + -(-prompt_len // 16)))]
+    assert kv["remote_request_id"] == f"cmpl-{held.request_id}-0-ffff"
+
+
+async def test_a_kept_turn_expires(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, ctx = await _router(cluster, ttl_seconds=0.2)
+    await _say(client, url, _chat(HISTORY))
+    await asyncio.sleep(0.3)  # past the TTL: the entry must not be handed out any more
+    await _say(client, url, _chat(_next_turn()))
+    assert _last_prefill_kv(cluster)["remote_block_ids"] is None
+    assert _result(ctx, "expired") == 1
+
+
+async def test_sessions_do_not_share_kept_turns(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await _router(cluster)
+    await _say(client, url, _chat(HISTORY), session="a")
+    await _say(client, url, _chat(_next_turn()), session="b")
+    assert _last_prefill_kv(cluster)["remote_block_ids"] is None
+    await _say(client, url, _chat(_next_turn()), session="a")
+    assert _last_prefill_kv(cluster)["remote_engine_id"] == "d0-engine"
+
+
+async def test_the_client_keeps_token_ids_it_asked_for(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await _router(cluster)
+    doc = (await _say(client, url, _chat(HISTORY, return_token_ids=True))).json()
+    assert doc["kv_transfer_params"] is None
+    assert doc["choices"][0]["token_ids"] == list(REPLY.encode())
+    assert doc["prompt_token_ids"]
+
+
+async def test_completions_turns_too(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, ctx = await _router(cluster)
+    prompt = "Once upon a time " * 4
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+    headers = {"x-session-id": "story"}
+    r = await client.post(url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200 and "prompt_token_ids" not in r.json()["choices"][0]
+    text = r.json()["choices"][0]["text"]
+    body["prompt"] = prompt + text + " and then"
+    r = await client.post(url + "/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200
+    assert _last_prefill_kv(cluster)["remote_engine_id"] == "d0-engine"
+    assert _result(ctx, "reused") == 1
+
+
+async def test_a_failed_read_from_d_costs_a_recompute_not_the_request(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await _router(cluster)
+    await _say(client, url, _chat(HISTORY))
+    cluster.prefill[0].behaviour.fail_kv_read = True
+    await _say(client, url, _chat(_next_turn()))
+    tried, retried = (r.kv for r in cluster.prefill[0].received[-2:])
+    assert tried["remote_engine_id"] == "d0-engine" and retried["remote_block_ids"] is None
+
+
+async def test_without_bidirectional_engines_nothing_is_kept_and_ids_stay_hidden(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull", **KV_RETURN)  # D returns no params
+    doc = (await _say(client, url, _chat(HISTORY))).json()
+    assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
+    assert _result(ctx, "kept") == 0
+
+
+async def test_without_a_session_nothing_is_kept(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _router(cluster)
+    r = await client.post(url + "/v1/chat/completions", json=_chat(HISTORY))
+    assert r.status_code == 200
+    assert "return_token_ids" not in cluster.decode[0].received[-1].body
+    assert _result(ctx, "kept") == 0
+
+
+@pytest.mark.parametrize("mode", ["push", "push-sequential", "pipelined"])
+def test_kv_return_is_a_pull_mode_setting(cluster: Cluster, mode: str) -> None:
+    cfg = cluster.config(mode, **KV_RETURN)
+    with pytest.raises(ConfigError, match="kv_return needs mode 'pull'"):
+        create_app(parse_config(cfg))
