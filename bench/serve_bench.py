@@ -112,6 +112,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default="agg1,agg2,pull,push,pipelined",
         help=f"of {list(MODES)}; ':worker' pins only the forward pass (the control); "
         "'pipelined+step' posts the connector's WRITEs once per step; "
+        "'pipelined~2' serves a request on D alone when P already runs 2 prefills; "
         f"'@name' adds engine flags, name of {list(ENGINE_FLAGS)}",
     )
     p.add_argument("--inputs", default="512,1536", help="prompt lengths in tokens")
@@ -148,6 +149,7 @@ def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
     """``mode`` is a name of ``MODES``, or one with ``:worker``: vLLM's own pinning (only the
     forward pass on the engine's core), the control for the stack's whole-engine pinning."""
     base, _, pin = mode.partition(":")
+    base, _, busy = base.partition("~")  # pipelined~2: disagg_max_prefill_queue
     base, _, flags = base.partition("@")  # agg1@compiled: more engine flags
     base, _, batch = base.partition("+")  # pipelined+step: the connector's write_batch
     stack_mode, cpus = MODES[base]
@@ -163,6 +165,7 @@ def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
         dtype=args.dtype,
         connector_extra={"write_batch": batch} if batch else None,
         engine_args={name: caching for name in names},
+        model_overrides={"disagg_max_prefill_queue": int(busy)} if busy else None,
     ) as stack:
         _say(f"{mode}: stack up at {stack.router_url}")
         yield stack

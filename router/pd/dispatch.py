@@ -172,7 +172,8 @@ class Dispatcher:
             await self._finish(pool, opened)
 
     async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
-        decision = decide(pool.mode, creq, pool.config.disagg_min_prompt_tokens)
+        cfg = pool.config
+        decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, _prefill_busy(pool))
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
@@ -468,6 +469,14 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
         str(exc.__cause__ or exc.code),
         "yes" if retry else "no",
     )
+
+
+def _prefill_busy(pool: ModelPool) -> bool:
+    """Every routable P runs ``disagg_max_prefill_queue`` legs or more (False when off, or
+    when no P is routable: that is refused, not served elsewhere)."""
+    limit = pool.config.disagg_max_prefill_queue
+    usable = candidates(pool.prefill) if limit else []
+    return bool(usable) and min(p.in_flight for p in usable) >= limit
 
 
 def _all(pool: ModelPool) -> list[Instance]:

@@ -42,6 +42,7 @@ class Decision(enum.StrEnum):
     AGGREGATED = "aggregated"  # the model's mode has no P
     DECODE_ONLY_N = "decode_only_n"  # n > 1: vLLM's P/D serves one sequence
     DECODE_ONLY_SHORT = "decode_only_short"  # under disagg_min_prompt_tokens
+    DECODE_ONLY_BUSY = "decode_only_busy"  # every P at disagg_max_prefill_queue
     DECODE_ONLY_ENDPOINT = "decode_only_endpoint"  # an endpoint the mode cannot split (below)
     PULL = "pull"
     PUSH = "push"
@@ -58,6 +59,7 @@ _DECODE_ONLY = frozenset(
         Decision.AGGREGATED,
         Decision.DECODE_ONLY_N,
         Decision.DECODE_ONLY_SHORT,
+        Decision.DECODE_ONLY_BUSY,
         Decision.DECODE_ONLY_ENDPOINT,
     }
 )
@@ -68,8 +70,11 @@ _SPLIT_ENDPOINTS = {Mode.PULL: frozenset(Endpoint)}
 _DEFAULT_SPLIT = frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT})
 
 
-def decide(mode: Mode, creq: ClientRequest, min_prompt_tokens: int) -> Decision:
-    """The decision for ``creq`` in a model served in ``mode``."""
+def decide(
+    mode: Mode, creq: ClientRequest, min_prompt_tokens: int, prefill_busy: bool = False
+) -> Decision:
+    """The decision for ``creq`` in a model served in ``mode``; ``prefill_busy``: every
+    routable P is at the model's ``disagg_max_prefill_queue``."""
     if not mode.uses_prefill:
         return Decision.AGGREGATED
     if creq.endpoint not in _SPLIT_ENDPOINTS.get(mode, _DEFAULT_SPLIT):
@@ -78,6 +83,8 @@ def decide(mode: Mode, creq: ClientRequest, min_prompt_tokens: int) -> Decision:
         return Decision.DECODE_ONLY_N
     if min_prompt_tokens and creq.estimated_prompt_tokens() < min_prompt_tokens:
         return Decision.DECODE_ONLY_SHORT
+    if prefill_busy:
+        return Decision.DECODE_ONLY_BUSY
     return Decision(mode.value)
 
 

@@ -90,6 +90,7 @@ class Stack:
         router_overrides: Mapping[str, Any] | None = None,
         engine_args: Mapping[str, Sequence[str]] | None = None,
         kv_return: bool = False,
+        model_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
@@ -103,7 +104,9 @@ class Stack:
         ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
         what the engines compute in (default: the model's, ``serving_dtype``). ``kv_return``
         (pull mode): both engines run vLLM's ``bidirectional_kv_xfer`` and the router hands a
-        conversation's kept turn to its next P (router/pd/kv_return.py)."""
+        conversation's kept turn to its next P (router/pd/kv_return.py). ``model_overrides``:
+        keys merged into the router config's model entry (e.g.
+        ``{"disagg_max_prefill_queue": 2}``)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -119,6 +122,7 @@ class Stack:
         if kv_return and self.mode is not eng.Mode.PULL:
             raise StackError(f"kv_return needs mode pull, not {self.mode.value}")
         self.kv_return = kv_return
+        self.model_overrides = dict(model_overrides or {})
         if kv_return:
             self.connector_extra |= {
                 "bidirectional_kv_xfer": True,
@@ -426,6 +430,7 @@ class Stack:
         if self.kv_return:
             ttl = KV_RETURN_ENGINE_TTL_S - KV_RETURN_MARGIN_S
             config["models"][0]["kv_return"] = {"enabled": True, "ttl_seconds": ttl}
+        config["models"][0] |= self.model_overrides
         return config | self.router_overrides
 
     def _say(self, message: str) -> None:

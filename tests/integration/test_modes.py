@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Cluster, metric
+from tests.conftest import Cluster, eventually, metric
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
 
@@ -211,3 +212,28 @@ async def test_stream_metrics_count_chunks_and_the_worst_gap(
     assert metric(ctx, "pdrouter_stream_max_chunk_gap_seconds_count") == 1
     worst = metric(ctx, "pdrouter_stream_max_chunk_gap_seconds_sum")
     assert 0.04 <= worst < 5
+
+
+@pytest.mark.parametrize("mode", ["pull", "push", "pipelined"])
+async def test_a_busy_prefill_sends_new_requests_to_d_alone(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    """With every P at ``disagg_max_prefill_queue`` legs, the next request is served by D
+    alone instead of queueing behind them; once P is free again, requests split again."""
+    ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
+    url, ctx = await cluster.router(
+        mode, model={"disagg_max_prefill_queue": 1}, prefill_extra=ids, decode_extra=ids
+    )
+    gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
+    held = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.prefill[0].received) == 1)  # P holds the first one
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 200 and not held.done()
+    assert len(cluster.prefill[0].received) == 1  # the second never went to P
+    assert "kv_transfer_params" not in cluster.decode[0].received[-1].body
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_busy") == 1
+    gate.set()
+    assert (await held).status_code == 200
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    assert len(cluster.prefill[0].received) == 2
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 2
