@@ -55,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in _STOP_SIGNALS}
     try:
         with Stack(
-            mode=args.mode, variant=args.variant, cache_dir=args.cache_dir, router_port=args.port
+            mode=args.mode,
+            variant=args.variant,
+            cache_dir=args.cache_dir,
+            router_port=args.port,
+            prefix_caching=True,  # as a deployment runs: a repeated prompt or history is reused
         ) as stack:
             _show_request(stack, args.prompt, args.max_tokens)
             if args.keep_running:

@@ -91,6 +91,7 @@ class Stack:
         engine_args: Mapping[str, Sequence[str]] | None = None,
         kv_return: bool = False,
         model_overrides: Mapping[str, Any] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
@@ -106,7 +107,8 @@ class Stack:
         (pull mode): both engines run vLLM's ``bidirectional_kv_xfer`` and the router hands a
         conversation's kept turn to its next P (router/pd/kv_return.py). ``model_overrides``:
         keys merged into the router config's model entry (e.g.
-        ``{"disagg_max_prefill_queue": 2}``)."""
+        ``{"disagg_max_prefill_queue": 2}``). ``prefix_caching``: on in every engine (vLLM's
+        default for serving; the tests keep it off so that every prompt is computed and moved)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -123,6 +125,7 @@ class Stack:
             raise StackError(f"kv_return needs mode pull, not {self.mode.value}")
         self.kv_return = kv_return
         self.model_overrides = dict(model_overrides or {})
+        self.prefix_caching = prefix_caching
         if kv_return:
             self.connector_extra |= {
                 "bidirectional_kv_xfer": True,
@@ -309,11 +312,15 @@ class Stack:
         return [
             replace(
                 s,
-                extra_args=s.extra_args + self.engine_args.get(s.name, ()),
+                extra_args=s.extra_args + self._caching + self.engine_args.get(s.name, ()),
                 connector_extra=self.connector_extra,
             )
             for s in specs
         ]
+
+    @property
+    def _caching(self) -> tuple[str, ...]:
+        return ("--enable-prefix-caching",) if self.prefix_caching else ()
 
     def _engine_options(self, model_path: Path) -> eng.EngineOptions:
         per_token = tiny_model.kv_bytes_per_token(model_path, self.dtype)
