@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Where the engines' time goes under load: py-spy samples every process of every engine
+(API server, EngineCore, worker) while ``vllm bench serve`` runs through the router.
+
+One stack per mode in turn (the modes of ``bench/serve_bench.py``), one load point. For each
+engine process it prints the share of samples per activity: the forward pass, the scheduler,
+the KV connector (NIXL posting, polling, handshakes), output processing, the API server's
+HTTP/tokenizer work, idle waiting, and the rest; then the functions with the most samples of
+their own. Threads are sampled idle too (``--idle``), so the shares add up to 100% of each
+thread's wall time; a process's threads are summed, so a process with a busy thread and an
+idle one shows both.
+
+    .venv/bin/python bench/profile_engines.py --modes pull,pipelined --input 1536 --qps 1
+
+Needs ``py-spy`` (``pip install py-spy``) and permission to ptrace the engines (root, or
+``kernel.yama.ptrace_scope=0``). Not a test: it asserts nothing. The raw collapsed stacks stay
+under ``--out`` for flame graphs (``inferno-flamegraph`` or speedscope read them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import serve_bench as sb  # the stacks and the client of bench/serve_bench.py
+
+from router.stack import Stack
+from router.stack.model import ensure_model
+
+# (activity, substrings of a sampled stack that put it there), first match wins. A stack is
+# "frame;frame;..." from the thread's root down to the sampled frame.
+ACTIVITIES: list[tuple[str, tuple[str, ...]]] = [
+    ("kv connector", ("kv_connector", "nixl", "connector/", "Connector")),
+    ("forward pass", ("execute_model", "model_runner", "forward", "_C.", "torch/")),
+    ("scheduler", ("core/sched/", "kv_cache_manager", "block_pool")),
+    ("output processing", ("output_processor", "detokenizer", "logprobs")),
+    ("api server", ("entrypoints/", "uvicorn", "starlette", "fastapi", "tokeniz")),
+    ("engine loop / ipc", ("zmq", "msgspec", "serial_utils", "core_client", "engine/core.py")),
+]
+IDLE_LEAVES = ("select", "poll", "wait", "_recv", "recv_multipart", "sleep", "acquire", "epoll")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+        print("py-spy not found: pip install py-spy", file=sys.stderr)
+        return 2
+    out = Path(args.out or tempfile.mkdtemp(prefix="pdr-profile-"))
+    model_path = ensure_model(args.variant, args.cache_dir)
+    point = sb.Point(args.input, args.qps)
+    for mode in args.modes.split(","):
+        with sb._stack(mode, args) as stack:
+            warm = sb._bench_argv(stack, model_path, sb.Point(args.input, 1000.0), args, 4, 999)
+            sb._run_bench(warm, out / f"warm-{mode}.json")
+            profiles = _profile(stack, model_path, point, args, out / mode)
+        _print(mode, point, profiles, args.top)
+    print(f"\nraw stacks: {out}")
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--modes", default="pull,push,pipelined", help="serve_bench's mode names")
+    p.add_argument("--input", type=int, default=1536, help="prompt length in tokens")
+    p.add_argument("--qps", type=float, default=1.0, help="request rate (Poisson)")
+    p.add_argument("--prompts", type=int, default=30, help="requests profiled")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per answer (ignore_eos)")
+    p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    p.add_argument("--top", type=int, default=8, help="functions listed per process")
+    p.add_argument("--variant", default=sb.DEFAULT_VARIANT, help="stack model")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default=None, help="folder for the raw stacks")
+    p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--engine", default="compiled", choices=list(sb.ENGINE_FLAGS))
+    p.add_argument("--dtype", default="bfloat16")
+    return p.parse_args(argv)
+
+
+def _profile(
+    stack: Stack, model_path: Path, point: sb.Point, args: argparse.Namespace, out: Path
+) -> dict[str, Path]:
+    """py-spy on every engine process for the length of one bench run: ``label -> raw file``."""
+    out.mkdir(parents=True, exist_ok=True)
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    recorders, files = [], {}
+    for spec in stack.engines:
+        for pid in stack.engine_pids(spec.name):
+            label = f"{spec.name}/{_process_name(pid)}"
+            files[label] = path = out / f"{label.replace('/', '_')}-{pid}.txt"
+            argv = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--idle"]
+            argv += ["--nonblocking", "--format", "raw", "--output", str(path)]
+            recorders.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+    try:
+        bench = sb._bench_argv(stack, model_path, point, args, args.prompts, 7)
+        sb._run_bench(bench, out / "bench.json")
+    finally:
+        for rec in recorders:
+            rec.send_signal(2)  # py-spy writes its output on SIGINT
+        for rec in recorders:
+            rec.wait(timeout=60)
+    return {label: path for label, path in files.items() if path.exists()}
+
+
+def _process_name(pid: int) -> str:
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    return comm.removeprefix("VLLM::") or "process"
+
+
+def activity(stack: str) -> str:
+    """The activity of one sampled stack (see ``ACTIVITIES``)."""
+    leaf = stack.rsplit(";", 1)[-1]
+    for name, needles in ACTIVITIES:
+        if any(n in stack for n in needles):
+            if name in ("api server", "engine loop / ipc") and _idle(leaf):
+                return "idle"
+            return name
+    return "idle" if _idle(leaf) else "other"
+
+
+def _idle(leaf: str) -> bool:
+    return any(word in leaf.split(" (")[0] for word in IDLE_LEAVES)
+
+
+def _read(path: Path) -> Counter[str]:
+    stacks: Counter[str] = Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if count.isdigit():
+            stacks[stack] += int(count)
+    return stacks
+
+
+def _print(mode: str, point: sb.Point, profiles: dict[str, Path], top: int) -> None:
+    names = [a for a, _ in ACTIVITIES] + ["idle", "other"]
+    print(f"\n### {mode}: input {point.input_len}, QPS {point.qps:g}\n")
+    print("| process | samples | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    tops = {}
+    for label, path in sorted(profiles.items()):
+        stacks = _read(path)
+        total = sum(stacks.values()) or 1
+        shares: Counter[str] = Counter()
+        own: Counter[str] = Counter()
+        for stack, count in stacks.items():
+            shares[activity(stack)] += count
+            if activity(stack) != "idle":
+                own[stack.rsplit(";", 1)[-1]] += count
+        cells = " | ".join(f"{100 * shares[n] / total:.0f}%" for n in names)
+        print(f"| {label} | {total} | {cells} |")
+        tops[label] = (own.most_common(top), total)
+    for label, (functions, total) in tops.items():
+        print(f"\n{label}, busiest functions (own samples, % of the process's):")
+        for function, count in functions:
+            print(f"  {100 * count / total:5.1f}%  {function}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
