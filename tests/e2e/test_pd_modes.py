@@ -227,6 +227,7 @@ def test_conformance_with_single_engine(
 ) -> None:
     """The same raw requests as to one aggregated engine: the same answers, field by field
     (tests/e2e/conformance.py says what is left out and why); prints the table."""
+    assert cf.unexercised(reference.answers) == [], "cases the reference does not exercise"
     rows, failures = [], []
     for case in cf.CASES:
         want = reference.answers[case.name]
