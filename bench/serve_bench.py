@@ -253,7 +253,15 @@ def _breakdown(
     def mean(node: str, histogram: str) -> float:
         return _mean_ms(before[node], after[node], histogram)
 
+    decisions = "pdrouter_disagg_decisions_total"
+    r0, r1 = before["router"], after["router"]
+    alone = r1.total(decisions, decision="decode_only_busy") - r0.total(
+        decisions, decision="decode_only_busy"
+    )
+    dispatched = r1.total(decisions) - r0.total(decisions)
     out = {
+        # Requests served by D alone because P was busy (disagg_max_prefill_queue), in %.
+        "d_alone_pct": 100 * alone / dispatched if dispatched else float("nan"),
         "router_ttft": mean("router", "pdrouter_ttft_seconds"),
         "router_prefill": mean("router", "pdrouter_prefill_duration_seconds"),
         "router_handoff": mean("router", "pdrouter_handoff_seconds"),
@@ -321,7 +329,7 @@ def _print_tables(
             print(" | ".join(cells + ratios) + " |")
     keys = [
         "router_ttft", "p_queue", "p_prefill", "kv_xfer", "d_queue", "d_first_step", "d_ttft",
-        "router_prefill", "router_handoff",
+        "router_prefill", "router_handoff", "d_alone_pct",
     ]  # fmt: skip
     print("\nTTFT breakdown, mean ms per request (router's and engines' own histograms)\n")
     print("| mode | input | QPS | client TTFT | " + " | ".join(keys) + " |")
