@@ -52,7 +52,7 @@ class Reference:
     chats: list[h.Output]
     answers: dict[str, cf.Answer]  # the conformance cases (tests/e2e/conformance.py)
     turns: dict[str, h.Output]  # every request of MULTI_TURN, by its name
-    replies: list[h.Output]  # each turn of the fed-back conversation (feed_back)
+    replies: list[h.Reply]  # each turn of the fed-back conversation (feed_back)
 
 
 Messages = list[dict[str, str]]
@@ -82,7 +82,7 @@ def multi_turn() -> dict[str, Messages]:
 FEED_BACK_TURNS = 4
 
 
-def feed_back(say: Callable[[Messages], h.Output]) -> list[h.Output]:
+def feed_back(say: Callable[[Messages], h.Reply]) -> list[h.Reply]:
     """A conversation whose history holds the model's own replies, as a real client's does:
     ``say`` answers each turn (its whole history), the answer goes into the next turn's
     history with a new question. The answers are returned turn by turn."""
@@ -122,7 +122,7 @@ def reference(prompts: list[str]) -> Reference:
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
         answers = {case.name: cf.ask(stack.decode.url, case) for case in cf.CASES}
         turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
-        replies = feed_back(lambda m: h.chat(client, MODEL, m, stream=False))
+        replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.

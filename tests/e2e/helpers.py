@@ -206,3 +206,40 @@ def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -
             return now
         last = now
     return last
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A chat answer with, per generated token, the two best log-probabilities."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    top2: tuple[tuple[float, float], ...]
+
+
+def chat_top2(client: openai.OpenAI, model: str, messages: Sequence[dict[str, str]]) -> Reply:
+    """One greedy, non-streaming chat answer with its per-token top-2 log-probabilities."""
+    msgs: Any = list(messages)
+    r = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=MAX_TOKENS, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    choice = r.choices[0]
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    top2 = tuple((t.top_logprobs[0].logprob, t.top_logprobs[1].logprob) for t in (content or []))
+    return Reply(choice.message.content or "", token_ids(choice), top2)
+
+
+NEAR_TIE = 0.1  # nats between the two best tokens: where KV computed elsewhere may flip it
+
+
+def first_disagreement(got: Reply, want: Reply) -> str | None:
+    """None if ``got`` equals ``want`` token for token, or first differs where ``want``'s two
+    best tokens were within ``NEAR_TIE`` (KV computed in another order, as any prefix cache
+    reuses it, rounds differently: a near-tie may go the other way); else what differs."""
+    for i, (g, w) in enumerate(zip(got.token_ids, want.token_ids, strict=False)):
+        if g != w:
+            best, second = want.top2[i]
+            if best - second < NEAR_TIE:
+                return None
+            return f"token {i}: {g} != {w}, not a near-tie ({best:.3f} vs {second:.3f})"
+    return None if got.token_ids == want.token_ids else "lengths differ"
