@@ -42,11 +42,25 @@ ACTIVITIES: list[tuple[str, tuple[str, ...]]] = [
     ("api server", ("entrypoints/", "uvicorn", "starlette", "fastapi", "tokeniz")),
     ("engine loop / ipc", ("zmq", "msgspec", "serial_utils", "core_client", "engine/core.py")),
 ]
-IDLE_LEAVES = ("select", "poll", "wait", "_recv", "recv_multipart", "sleep", "acquire", "epoll")
+# Where a sampled thread waits (the sampled function, its last dotted part): blocked in a
+# queue, a socket, a selector or a lock; a thread-pool worker with no work item is in
+# ``_worker`` itself, and an asyncio loop in its native poll shows as ``Runner.run``.
+IDLE_FUNCTIONS = frozenset(
+    {"select", "poll", "wait", "_recv", "recv", "recv_multipart", "sleep", "acquire", "epoll",
+     "_worker", "get", "dequeue", "recv_into", "_wait_for_tstate_lock"}
+)  # fmt: skip
+IDLE_STACK_LEAVES = ("Runner.run",)
+# Busy-waiting: vLLM's shared-memory broadcast spins on sched_yield for the next message.
+SPIN_LEAVES = ("sched_yield", "memory_fence")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.read:  # the raw stacks of an earlier run, analysed again
+        for folder in sorted(p for p in Path(args.read).iterdir() if p.is_dir()):
+            files = {f.stem.replace("_", "/", 1): f for f in sorted(folder.glob("*-*.txt"))}
+            _print(folder.name, sb.Point(args.input, args.qps), files, args.top, args.rate)
+        return 0
     if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         print("py-spy not found: pip install py-spy", file=sys.stderr)
         return 2
@@ -58,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             warm = sb._bench_argv(stack, model_path, sb.Point(args.input, 1000.0), args, 4, 999)
             sb._run_bench(warm, out / f"warm-{mode}.json")
             profiles = _profile(stack, model_path, point, args, out / mode)
-        _print(mode, point, profiles, args.top)
+        _print(mode, point, profiles, args.top, args.rate)
     print(f"\nraw stacks: {out}")
     return 0
 
@@ -75,6 +89,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--variant", default=sb.DEFAULT_VARIANT, help="stack model")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default=None, help="folder for the raw stacks")
+    p.add_argument("--read", default=None, help="analyse the raw stacks of an earlier --out")
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--engine", default="compiled", choices=list(sb.ENGINE_FLAGS))
     p.add_argument("--dtype", default="bfloat16")
@@ -90,8 +105,8 @@ def _profile(
     recorders, files = [], {}
     for spec in stack.engines:
         for pid in stack.engine_pids(spec.name):
-            label = f"{spec.name}/{_process_name(pid)}"
-            files[label] = path = out / f"{label.replace('/', '_')}-{pid}.txt"
+            label = f"{spec.name}/{_process_name(pid)}-{pid}"
+            files[label] = path = out / f"{label.replace('/', '_')}.txt"
             argv = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--idle"]
             argv += ["--nonblocking", "--format", "raw", "--output", str(path)]
             recorders.append(
@@ -117,18 +132,18 @@ def _process_name(pid: int) -> str:
 
 
 def activity(stack: str) -> str:
-    """The activity of one sampled stack (see ``ACTIVITIES``)."""
-    leaf = stack.rsplit(";", 1)[-1]
+    """The activity of one sampled stack: by its sampled frame when that waits or spins,
+    else by the first of ``ACTIVITIES`` whose substrings it holds."""
+    function = stack.rsplit(";", 1)[-1].split(" (")[0]
+    last = function.rsplit(".", 1)[-1]
+    if last in SPIN_LEAVES:
+        return "spin wait"
+    if last in IDLE_FUNCTIONS or function in IDLE_STACK_LEAVES:
+        return "idle"
     for name, needles in ACTIVITIES:
         if any(n in stack for n in needles):
-            if name in ("api server", "engine loop / ipc") and _idle(leaf):
-                return "idle"
             return name
-    return "idle" if _idle(leaf) else "other"
-
-
-def _idle(leaf: str) -> bool:
-    return any(word in leaf.split(" (")[0] for word in IDLE_LEAVES)
+    return "other"
 
 
 def _read(path: Path) -> Counter[str]:
@@ -140,28 +155,41 @@ def _read(path: Path) -> Counter[str]:
     return stacks
 
 
-def _print(mode: str, point: sb.Point, profiles: dict[str, Path], top: int) -> None:
-    names = [a for a, _ in ACTIVITIES] + ["idle", "other"]
-    print(f"\n### {mode}: input {point.input_len}, QPS {point.qps:g}\n")
-    print("| process | samples | " + " | ".join(names) + " |")
+def _print(mode: str, point: sb.Point, profiles: dict[str, Path], top: int, rate: int) -> None:
+    """Per process, the time of each activity as a share of one core over the profile: a
+    thread sampled busy all along is 100%, so a process's row adds up to its thread count."""
+    stacks = {label: _read(path) for label, path in sorted(profiles.items())}
+    # The profile's length: the samples of the process sampled longest per thread, taken as
+    # the single-threaded one with the most samples (vLLM's resource tracker, an idle API
+    # thread): every thread gets ``rate`` samples a second with --idle.
+    wall = max((sum(c.values()) for c in stacks.values() if len(_roots(c)) == 1), default=0)
+    wall = wall or max(sum(c.values()) for c in stacks.values())
+    names = [a for a, _ in ACTIVITIES] + ["spin wait", "idle", "other"]
+    print(f"\n### {mode}: input {point.input_len}, QPS {point.qps:g}, {wall / rate:.0f} s\n")
+    print("| process | threads | " + " | ".join(names) + " |")
     print("|---|---|" + "---|" * len(names))
     tops = {}
-    for label, path in sorted(profiles.items()):
-        stacks = _read(path)
-        total = sum(stacks.values()) or 1
+    for label, counts in stacks.items():
         shares: Counter[str] = Counter()
         own: Counter[str] = Counter()
-        for stack, count in stacks.items():
-            shares[activity(stack)] += count
-            if activity(stack) != "idle":
+        for stack, count in counts.items():
+            kind = activity(stack)
+            shares[kind] += count
+            if kind != "idle":
                 own[stack.rsplit(";", 1)[-1]] += count
-        cells = " | ".join(f"{100 * shares[n] / total:.0f}%" for n in names)
-        print(f"| {label} | {total} | {cells} |")
-        tops[label] = (own.most_common(top), total)
-    for label, (functions, total) in tops.items():
-        print(f"\n{label}, busiest functions (own samples, % of the process's):")
+        cells = " | ".join(f"{100 * shares[n] / wall:.0f}%" for n in names)
+        threads = sum(counts.values()) / wall
+        print(f"| {label} | {threads:.1f} | {cells} |")
+        tops[label] = own.most_common(top)
+    for label, functions in tops.items():
+        if functions:
+            print(f"\n{label}, busiest functions (% of one core):")
         for function, count in functions:
-            print(f"  {100 * count / total:5.1f}%  {function}")
+            print(f"  {100 * count / wall:5.1f}%  {function}")
+
+
+def _roots(counts: Counter[str]) -> set[str]:
+    return {stack.split(";", 1)[0] for stack in counts}
 
 
 if __name__ == "__main__":
