@@ -61,10 +61,10 @@ class Dispatch:
     prefill: str | None = None  # P's URL (None: D alone)
     prefill_result: PrefillResult | None = None  # P's, when it finished before D opened
 
-    @property
+    @functools.cached_property
     def usage_patch(self) -> Patch | None:
         """The rewrite of D's ``cached_tokens`` to P's, where D counts the transfer as
-        cached (None: D's usage is right as it is)."""
+        cached (None: D's usage is right as it is); built once per dispatch."""
         if self.decision not in _USAGE_FROM_PREFILL:
             return None
 
