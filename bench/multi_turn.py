@@ -1,6 +1,7 @@
-"""Multi-turn benchmark on real engines: history reuse off vs on. Not a test: it prints figures.
+"""Multi-turn benchmark on real engines: history reuse off, on, or read back from D. Not a test.
 
     .venv/bin/python bench/multi_turn.py --mode push --conversations 4 --turns 6 --repeats 2
+    .venv/bin/python bench/multi_turn.py --mode pull --variants off,on,return --repeats 2
 
 N conversations of M turns go through the router one request at a time (the TTFT of a turn is
 then its own, not a queue's). Each turn resends the whole history (an opening of
@@ -10,7 +11,14 @@ Variants, each on a fresh 1P1D stack (``router.stack``; P on core 0, D on core 1
 
 * ``off``: prefix caching off on both engines: every turn computes and moves the whole history;
 * ``on``: prefix caching on both and the session header (affinity keeps a conversation on its
-  P and D; on 1P1D there is one of each, so this measures what caching gives a session).
+  P and D; on 1P1D there is one of each, so this measures what caching gives a session);
+* ``return`` (pull only): prefix caching off, as on a P that lost the conversation, and KV
+  that flows back on (vLLM's ``bidirectional_kv_xfer``, the router's ``kv_return``): P reads
+  the history D kept from the last turn instead of recomputing it.
+
+vLLM 0.32 hands D's kept blocks back only in non-streaming answers, so a run with ``return``
+sends every variant's turns non-streamed with ``--tokens`` (default 2 then, 16 otherwise) and
+prints their latency, which is TTFT plus ``--tokens - 1`` decode steps, in place of TTFT.
 
 Runs alternate ``off``, ``on``, ``off``, ... ``--repeats`` times; printed per turn index: the
 median over repeats of the mean TTFT, the ratio on/off, and the KV bytes D received (NIXL
@@ -25,6 +33,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -51,16 +60,21 @@ def _script(conversations: int, turns: int, history: int, new: int) -> list[list
     return out
 
 
-def _ttft(client: httpx.Client, url: str, messages: list[dict], session: str) -> float:
+def _turn(client: httpx.Client, url: str, messages: list[dict], session: str, args: Any) -> float:
+    """Seconds to the first token (streamed) or to the whole answer (not streamed)."""
     body = {
         "model": "tiny",
         "messages": messages,
-        "max_tokens": 16,
-        "stream": True,
+        "max_tokens": args.tokens,
+        "stream": args.stream,
         "temperature": 0,
         "ignore_eos": True,
     }
     t0 = time.perf_counter()
+    if not args.stream:
+        r = client.post(f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session})
+        r.raise_for_status()
+        return time.perf_counter() - t0
     with client.stream(
         "POST", f"{url}/v1/chat/completions", json=body, headers={"x-session-id": session}
     ) as r:
@@ -73,31 +87,91 @@ def _ttft(client: httpx.Client, url: str, messages: list[dict], session: str) ->
         return first
 
 
-def run_variant(
-    args: argparse.Namespace, variant: str
-) -> dict[int, tuple[list[float], list[float]]]:
+# per turn index: seconds, KV bytes D received, KV bytes P read back from D
+PerTurn = dict[int, tuple[list[float], list[float], list[float]]]
+
+
+def _moved(stack: Stack, node: str, metric: str) -> tuple[float, float]:
+    """KV bytes so far: received by D, and read back by P (pull with KV that flows back)."""
+    back = stack.engine_metrics("prefill-0").total("vllm:nixl_bytes_transferred_sum")
+    return stack.engine_metrics(node).total(metric), back if stack.kv_return else 0.0
+
+
+def run_variant(args: argparse.Namespace, variant: str) -> PerTurn:
     """Per turn index: TTFTs (s) and KV bytes moved, over every conversation."""
     flag = "--enable-prefix-caching" if variant == "on" else "--no-enable-prefix-caching"
     engine_args = {"prefill-0": [flag], "decode-0": [flag]}
     node, metric = BYTES[args.mode]
-    per_turn: dict[int, tuple[list[float], list[float]]] = {}
+    per_turn: PerTurn = {}
     with (
         Stack(
-            args.mode, variant=args.model, engine_args=engine_args, log=open(Path("/dev/null"), "w")
+            args.mode,
+            variant=args.model,
+            engine_args=engine_args,
+            kv_return=variant == "return",
+            log=open(Path("/dev/null"), "w"),
         ) as stack,
         httpx.Client(timeout=120) as client,
     ):
-        _ttft(client, stack.router_url, [{"role": "user", "content": "warm up"}], "warm")
+        _turn(client, stack.router_url, [{"role": "user", "content": "warm up"}], "warm", args)
         for c, turns in enumerate(_script(args.conversations, args.turns, args.history, args.new)):
             for t, messages in enumerate(turns):
-                before = stack.engine_metrics(node).total(metric)
-                ttft = _ttft(client, stack.router_url, messages, f"c{c}")
+                before = _moved(stack, node, metric)
+                ttft = _turn(client, stack.router_url, messages, f"c{c}", args)
                 time.sleep(0.3)  # let the engine count the transfer
-                moved = stack.engine_metrics(node).total(metric) - before
-                ttfts, moves = per_turn.setdefault(t, ([], []))
+                moved = [a - b for a, b in zip(_moved(stack, node, metric), before, strict=True)]
+                ttfts, moves, back = per_turn.setdefault(t, ([], [], []))
                 ttfts.append(ttft)
-                moves.append(moved)
+                moves.append(moved[0])
+                back.append(moved[1])
     return per_turn
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def _report(args: argparse.Namespace, runs: dict[str, list[PerTurn]]) -> None:
+    label = "TTFT" if args.stream else f"latency ({args.tokens} tokens)"
+    mean = {
+        v: [
+            statistics.median(statistics.fmean(r[t][0]) for r in runs[v]) for t in range(args.turns)
+        ]
+        for v in runs
+    }
+    others = [v for v in runs if v != "off"]
+    print(
+        f"mode {args.mode}, model {args.model}, {args.conversations} conversations x "
+        f"{args.turns} turns, opening {args.history} words, {args.repeats} repeats, "
+        f"{'streamed' if args.stream else 'not streamed'}, {args.tokens} output tokens"
+    )
+    head = [f"{label} {v} (ms)" for v in runs] + [f"{v}/off" for v in others]
+    head += [f"KV KB {v}" for v in runs] + ["KV KB back to P" for v in runs if v == "return"]
+    print("| turn | " + " | ".join(head) + " |")
+    print("|---" * (len(head) + 1) + "|")
+    for t in range(args.turns):
+        cells = [f"{mean[v][t] * 1000:.0f}" for v in runs]
+        cells += [f"{mean[v][t] / mean['off'][t]:.2f}" for v in others]
+        cells += [
+            f"{statistics.fmean(b for r in runs[v] for b in r[t][1]) / 1024:.0f}" for v in runs
+        ]
+        if "return" in runs:
+            back = statistics.fmean(b for r in runs["return"] for b in r[t][2])
+            cells.append(f"{back / 1024:.0f}")
+        print(f"| {t} | " + " | ".join(cells) + " |")
+    for v in runs:
+        xs = [x for r in runs[v] for t in range(2, args.turns) for x in r[t][0]]
+        late_mean, late_p99 = statistics.fmean(xs) * 1000, _p99(xs) * 1000
+        print(f"{v}: turns >= 3 mean {late_mean:.0f} ms, p99 {late_p99:.0f} ms")
+    for v in others:
+        ratios = [
+            statistics.fmean(r_v[t][0]) / statistics.fmean(r_off[t][0])
+            for r_off, r_v in zip(runs["off"], runs[v], strict=True)
+            for t in range(2, args.turns)
+        ]
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        print(f"{v}/off mean {label} at turns >= 3, per repeat and turn: {spread}")
 
 
 def main() -> None:
@@ -106,47 +180,27 @@ def main() -> None:
     )
     ap.add_argument("--mode", choices=list(BYTES), default="push")
     ap.add_argument("--model", default="tiny", help="stack model variant (tiny, bench)")
+    ap.add_argument("--variants", default="off,on", help="off, on, return (pull only)")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--history", type=int, default=1500, help="opening words (~tokens)")
     ap.add_argument("--new", type=int, default=40, help="words of each new question")
+    ap.add_argument("--tokens", type=int, help="output tokens per turn (16; 2 with return)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the raw figures here")
     args = ap.parse_args()
-    runs: dict[str, list[dict[int, tuple[list[float], list[float]]]]] = {"off": [], "on": []}
+    variants = args.variants.split(",")
+    if "off" not in variants or not set(variants) <= {"off", "on", "return"}:
+        ap.error("--variants: off and any of on, return")
+    if "return" in variants and args.mode != "pull":
+        ap.error("the return variant needs --mode pull (vLLM's bidirectional_kv_xfer)")
+    args.stream = "return" not in variants
+    args.tokens = args.tokens or (16 if args.stream else 2)
+    runs: dict[str, list[PerTurn]] = {v: [] for v in variants}
     for _ in range(args.repeats):
-        for variant in ("off", "on"):
+        for variant in variants:
             runs[variant].append(run_variant(args, variant))
-    mean_ttft = {
-        v: {
-            t: statistics.median(statistics.fmean(r[t][0]) for r in runs[v])
-            for t in range(args.turns)
-        }
-        for v in runs
-    }
-    print(
-        f"mode {args.mode}, model {args.model}, {args.conversations} conversations x "
-        f"{args.turns} turns, opening {args.history} words, {args.repeats} repeats"
-    )
-    print("| turn | TTFT off (ms) | TTFT on (ms) | on/off | KV KB off | KV KB on |")
-    print("|---|---|---|---|---|---|")
-    for t in range(args.turns):
-        kb = {v: statistics.fmean(b for r in runs[v] for b in r[t][1]) / 1024 for v in runs}
-        off, on = mean_ttft["off"][t] * 1000, mean_ttft["on"][t] * 1000
-        print(f"| {t} | {off:.0f} | {on:.0f} | {on / off:.2f} | {kb['off']:.0f} | {kb['on']:.0f} |")
-    late = {v: [x for r in runs[v] for t in range(2, args.turns) for x in r[t][0]] for v in runs}
-    for v in runs:
-        xs = sorted(late[v])
-        p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
-        print(f"{v}: turns >= 3 mean {statistics.fmean(xs) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
-    ratios = [
-        statistics.fmean(r_on[t][0]) / statistics.fmean(r_off[t][0])
-        for r_off, r_on in zip(runs["off"], runs["on"], strict=True)
-        for t in range(2, args.turns)
-    ]
-    print(
-        f"on/off mean TTFT at turns >= 3, per repeat and turn: {min(ratios):.2f}-{max(ratios):.2f}"
-    )
+    _report(args, runs)
     if args.json:
         args.json.write_text(json.dumps(runs))
 

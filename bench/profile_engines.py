@@ -20,10 +20,12 @@ under ``--out`` for flame graphs (``inferno-flamegraph`` or speedscope read them
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             files = {f.stem.replace("_", "/", 1): f for f in sorted(folder.glob("*-*.txt"))}
             _print(folder.name, sb.Point(args.input, args.qps), files, args.top, args.rate)
         return 0
-    if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+    if args.cpu_only:
+        pass
+    elif shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
         print("py-spy not found: pip install py-spy", file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="pdr-profile-"))
@@ -71,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         with sb._stack(mode, args) as stack:
             warm = sb._bench_argv(stack, model_path, sb.Point(args.input, 1000.0), args, 4, 999)
             sb._run_bench(warm, out / f"warm-{mode}.json")
+            before, t0 = _cpu_seconds(stack), time.monotonic()
             profiles = _profile(stack, model_path, point, args, out / mode)
-        _print(mode, point, profiles, args.top, args.rate)
+            used = _cpu_seconds(stack) - before
+            wall = time.monotonic() - t0
+        if profiles:
+            _print(mode, point, profiles, args.top, args.rate)
+        _print_cpu(mode, point, used, wall, args.top)
     print(f"\nraw stacks: {out}")
     return 0
 
@@ -91,6 +100,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="folder for the raw stacks")
     p.add_argument("--read", default=None, help="analyse the raw stacks of an earlier --out")
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument(
+        "--cpu-only", action="store_true", help="CPU time per thread only, without py-spy"
+    )
     p.add_argument("--engine", default="compiled", choices=list(sb.ENGINE_FLAGS))
     p.add_argument("--dtype", default="bfloat16")
     return p.parse_args(argv)
@@ -103,7 +115,7 @@ def _profile(
     out.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     recorders, files = [], {}
-    for spec in stack.engines:
+    for spec in [] if args.cpu_only else stack.engines:
         for pid in stack.engine_pids(spec.name):
             label = f"{spec.name}/{_process_name(pid)}-{pid}"
             files[label] = path = out / f"{label.replace('/', '_')}.txt"
@@ -121,6 +133,42 @@ def _profile(
         for rec in recorders:
             rec.wait(timeout=60)
     return {label: path for label, path in files.items() if path.exists()}
+
+
+def _cpu_seconds(stack: Stack) -> Counter[str]:
+    """CPU seconds (user + system) so far of every thread of every engine process, by
+    ``engine/process thread-name``: what the threads cost, not how long they were sampled."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: Counter[str] = Counter()
+    for spec in stack.engines:
+        for pid in stack.engine_pids(spec.name):
+            process = _process_name(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    stat = (task / "stat").read_text()
+                except OSError:
+                    continue  # the thread ended
+                comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.split(") ")[1]
+                utime, stime = (int(x) for x in fields.split()[11:13])
+                used[f"{spec.name}/{process} {comm}"] += (utime + stime) / tick
+    return used
+
+
+def _print_cpu(mode: str, point: sb.Point, used: Counter[str], wall: float, top: int) -> None:
+    """CPU time over the run, as a share of one core: per engine, per process, and its
+    busiest threads (vLLM names its threads; Python threads show as ``python``)."""
+    print(f"\n### {mode}: CPU time, input {point.input_len}, QPS {point.qps:g}, {wall:.0f} s\n")
+    print("| engine/process | thread | % of one core |")
+    print("|---|---|---|")
+    processes: Counter[str] = Counter()
+    for key, seconds in used.items():
+        processes[key.split(" ", 1)[0]] += seconds
+    for process, seconds in sorted(processes.items()):
+        print(f"| {process} | all | {100 * seconds / wall:.0f}% |")
+        threads = [(k, v) for k, v in used.items() if k.split(" ", 1)[0] == process]
+        for key, secs in sorted(threads, key=lambda kv: -kv[1])[:top]:
+            if secs / wall >= 0.01:
+                print(f"| {process} | {key.split(' ', 1)[1]} | {100 * secs / wall:.0f}% |")
 
 
 def _process_name(pid: int) -> str:

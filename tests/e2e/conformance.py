@@ -135,6 +135,11 @@ CASES = [
         "/v1/responses",
         {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0},
     ),
+    Case(
+        "responses stream",
+        "/v1/responses",
+        {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0, "stream": True},
+    ),
     Case("tokenize", "/tokenize", {"model": MODEL, "prompt": _TEXT}),
     Case("detokenize", "/detokenize", {"model": MODEL, "tokens": list(range(5, 30))}),
     Case("bad prompt", "/v1/completions", _comp(prompt=5), compare_body=False),
@@ -164,6 +169,8 @@ def ask(base_url: str, case: Case) -> Answer:
     if r.status_code != 200 or not case.compare_body:
         return Answer(r.status_code, None)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
+        if case.path == "/v1/responses":
+            return Answer(200, _responses_stream_summary(r.text))
         return Answer(200, _stream_summary(r.text))
     return Answer(200, normalize(r.json()))
 
@@ -188,6 +195,8 @@ def unexercised(answers: dict[str, Answer]) -> list[str]:
         "chat named tool stream": bool(body("chat named tool stream")["tools"]),
         "chat required tool": _called(body("chat required tool")),
         "chat auto tool": answers["chat auto tool"].status == 200,
+        "responses stream": bool(body("responses stream")["text"])
+        and body("responses stream")["completed"] is not None,
         # Constrained to a JSON object: a random model's free text would not hold a brace.
         "chat json_schema": "{" in body("chat json_schema")["choices"][0]["message"]["content"],
     }
@@ -242,6 +251,27 @@ def _stream_summary(text: str) -> dict[str, Any]:
             usage = normalize(doc["usage"])
     done = events.count("[DONE]")
     return {"texts": texts, "finish": finish, "tools": tools, "usage": usage, "done": done}
+
+
+def _responses_stream_summary(text: str) -> dict[str, Any]:
+    """A streamed ``/v1/responses``: the order of the event types (an ``event:`` line per
+    event, equal to its data's ``type``; a run of deltas counts once: vLLM merges the tokens
+    of steps its stream has not sent yet, so how many deltas carry them is timing), the text
+    the deltas add up to, and the final response of ``response.completed`` (usage included)."""
+    types, texts, final = [], "", None
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" not in lines:
+            continue
+        doc = json.loads(lines["data"])
+        kind = doc["type"] if lines.get("event") == doc["type"] else f"bad {lines}"
+        if kind == "response.output_text.delta":
+            texts += doc["delta"]
+        if not types or kind != types[-1] or kind != "response.output_text.delta":
+            types.append(kind)
+        if doc["type"] == "response.completed":
+            final = normalize(doc["response"])
+    return {"types": types, "text": texts, "completed": final}
 
 
 def differences(got: Any, want: Any, path: str = "") -> list[str]:
