@@ -63,7 +63,7 @@ def _script(conversations: int, turns: int, history: int, new: int) -> list[list
 def _turn(client: httpx.Client, url: str, messages: list[dict], session: str, args: Any) -> float:
     """Seconds to the first token (streamed) or to the whole answer (not streamed)."""
     body = {
-        "model": "tiny",
+        "model": args.model,
         "messages": messages,
         "max_tokens": args.tokens,
         "stream": args.stream,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -140,8 +141,9 @@ def _cpu_seconds(stack: Stack) -> Counter[str]:
     ``engine/process thread-name``: what the threads cost, not how long they were sampled."""
     tick = os.sysconf("SC_CLK_TCK")
     used: Counter[str] = Counter()
-    for spec in stack.engines:
-        for pid in stack.engine_pids(spec.name):
+    groups = [(spec.name, stack.engine_pids(spec.name)) for spec in stack.engines]
+    for group, pids in [*groups, ("router", stack.router_pids())]:
+        for pid in pids:
             process = _process_name(pid)
             for task in Path(f"/proc/{pid}/task").glob("*"):
                 try:
@@ -150,13 +152,18 @@ def _cpu_seconds(stack: Stack) -> Counter[str]:
                     continue  # the thread ended
                 comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.split(") ")[1]
                 utime, stime = (int(x) for x in fields.split()[11:13])
-                used[f"{spec.name}/{process} {comm}"] += (utime + stime) / tick
+                used[f"{group}/{process} {comm}"] += (utime + stime) / tick
+    # The load generator (``vllm bench serve``, a child of this script, waited for); without
+    # --cpu-only the py-spy recorders are children too and count here.
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used["client/vllm-bench-serve all"] += children.ru_utime + children.ru_stime
     return used
 
 
 def _print_cpu(mode: str, point: sb.Point, used: Counter[str], wall: float, top: int) -> None:
-    """CPU time over the run, as a share of one core: per engine, per process, and its
-    busiest threads (vLLM names its threads; Python threads show as ``python``)."""
+    """CPU time over the run, as a share of one core: per engine, the router and the load
+    generator, per process, and its busiest threads (vLLM names its threads; Python threads
+    show as ``python``). The machine's cores bound the sum."""
     print(f"\n### {mode}: CPU time, input {point.input_len}, QPS {point.qps:g}, {wall:.0f} s\n")
     print("| engine/process | thread | % of one core |")
     print("|---|---|---|")

@@ -220,9 +220,10 @@ class ModelConfig(_Strict):
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)
-    # When every routable P already runs this many prefill legs for this router, a new request
-    # is served by D alone (D computes its prompt) instead of queueing behind them: P/D pays
-    # off while P keeps up, and one engine beats a saturated P. 0 disables it.
+    # When every routable P already runs this many prefill legs for this router, and a D has
+    # fewer D-alone prompts still before their first token than that, a new request is served
+    # by D alone (D computes its prompt) instead of queueing behind them: P/D pays off while P
+    # keeps up, and one engine beats a saturated P. 0 disables it.
     disagg_max_prefill_queue: int = Field(default=0, ge=0)
 
     @field_validator("decode")

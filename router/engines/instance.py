@@ -58,6 +58,7 @@ class Instance:
         self.slots = slots  # decode: capacity offered to this router
         self.in_flight = 0  # requests currently using the instance
         self.at_engine = 0  # decode: streams with first bytes in and no end seen yet
+        self.prefilling = 0  # decode: legs of D alone still before their first bytes
         self.health_failures = 0
         self.suspect = False  # decode: a leg was closed while waiting for KV
         # The engine's NIXL address: configured (or discovered), else learned from

@@ -239,7 +239,7 @@ class Dispatcher:
         try:
             if not decision.uses_prefill:
                 body = kp.aggregated_body(creq.body)
-                leg = await self._decode(pool, reservation.instance, creq, body, ids)
+                leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
                 return Dispatch(reservation, leg, decision, ids.request_id)
             selected = pool.select_prefill(route.key, avoid, route.session)
             if selected is None:  # left rotation while this request waited for its slot
@@ -405,10 +405,12 @@ class Dispatcher:
         creq: ClientRequest,
         body: dict[str, Any],
         ids: kp.DispatchIds,
+        alone: bool = False,
     ) -> DecodeLeg:
-        """Open D's leg. A leg is judged when it ends (the dispatch's exit), except a
-        half-open D's trial, which succeeds with its first bytes: the other
-        requests need not wait for the whole stream to know that D is back."""
+        """Open D's leg (``alone``: D computes the prompt, no P). A leg is judged when it
+        ends (the dispatch's exit), except a half-open D's trial, which succeeds with its
+        first bytes: the other requests need not wait for the whole stream to know that D
+        is back."""
         try:
             with self._tracing.span("decode_first_byte", {"pdrouter.instance": d.url}):
                 leg = await self._legs.open_decode(
@@ -418,6 +420,7 @@ class Dispatcher:
                     ids.request_id,
                     creq.stream,
                     self._tracing.traceparent(),
+                    computes_prompt=alone,
                 )
         except UpstreamError as exc:
             pool.record(d, exc.fault)
@@ -472,11 +475,17 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
 
 
 def _prefill_busy(pool: ModelPool) -> bool:
-    """Every routable P runs ``disagg_max_prefill_queue`` legs or more (False when off, or
-    when no P is routable: that is refused, not served elsewhere)."""
+    """Every routable P runs ``disagg_max_prefill_queue`` legs or more, and a routable D has
+    fewer prompts of its own still to compute than the least busy P: D would start this one
+    sooner (join the shorter queue; a D-alone prompt also skips the transfer). False when
+    off, or when no P is routable: that is refused, not served elsewhere."""
     limit = pool.config.disagg_max_prefill_queue
     usable = candidates(pool.prefill) if limit else []
-    return bool(usable) and min(p.in_flight for p in usable) >= limit
+    if not usable:
+        return False
+    queue = min(p.in_flight for p in usable)
+    decode = candidates(pool.decode)
+    return queue >= limit and bool(decode) and min(d.prefilling for d in decode) < queue
 
 
 def _all(pool: ModelPool) -> list[Instance]:

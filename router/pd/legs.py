@@ -302,15 +302,18 @@ class LegRunner:
         request_id: str,
         stream: bool,
         traceparent: str | None = None,
+        computes_prompt: bool = False,
     ) -> DecodeLeg:
         """Send the D leg and wait for its first bytes (the whole body if not streaming).
 
         Streaming responses must show their first byte within ``decode_first_byte``;
-        non-streaming ones complete within ``total``.
+        non-streaming ones complete within ``total``. A leg that ``computes_prompt`` (D
+        alone) counts in ``inst.prefilling`` until then.
         """
         limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
         opened: UpstreamStream | None = None
+        inst.prefilling += computes_prompt
         try:
             async with _bounded(inst, limit, code):
                 with map_errors("decode", inst.url):
@@ -335,6 +338,8 @@ class LegRunner:
             if opened is not None:
                 await _close_quietly(opened)
             raise
+        finally:
+            inst.prefilling -= computes_prompt
 
 
 async def _read_bounded(stream: UpstreamStream) -> bytes:

@@ -63,10 +63,11 @@ _DECODE_ONLY = frozenset(
         Decision.DECODE_ONLY_ENDPOINT,
     }
 )
-# The Responses API disaggregates in pull mode only: with vLLM 0.32's NixlPushConnector, a
-# Responses-API D leg waited for its KV forever (measured on the real-engine stack, push and
-# push-sequential), and this project's connector is not verified with it yet.
-_SPLIT_ENDPOINTS = {Mode.PULL: frozenset(Endpoint)}
+# The Responses API disaggregates in pull and pipelined mode: with vLLM 0.32's
+# NixlPushConnector, a Responses-API D leg waited for its KV forever (measured on the
+# real-engine stack, push and push-sequential); this project's connector pairs the legs by
+# transfer id, whatever the endpoint (tests/e2e/test_pd_modes.py).
+_SPLIT_ENDPOINTS = {Mode.PULL: frozenset(Endpoint), Mode.PIPELINED: frozenset(Endpoint)}
 _DEFAULT_SPLIT = frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT})
 
 

@@ -189,6 +189,10 @@ class Stack:
         """Pids of every live process of engine ``name`` (API server, EngineCore, Worker)."""
         return live_group_members(self._engine_proc(name).pgid)
 
+    def router_pids(self) -> list[int]:
+        """Pids of the router's live processes (with ``--workers N``, its workers too)."""
+        return [] if self._router_proc is None else live_group_members(self._router_proc.pgid)
+
     def engine_core_pids(self, name: str) -> list[int]:
         """Pids of engine ``name``'s EngineCore process(es) (scheduler and model; vLLM titles
         them ``VLLM::EngineCore...``), without its API server.

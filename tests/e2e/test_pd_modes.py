@@ -11,6 +11,7 @@ import concurrent.futures
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from router.stack import Stack
@@ -70,6 +71,25 @@ def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bo
     assert all(o.finish_reason == "length" for o in got)
     assert _mismatches(got, reference.chats) == []
     _assert_prompts_came_over_nixl(stack, before, len(got))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_responses_api_goes_through_p_where_the_mode_splits_it(
+    stack: Stack, reference: Reference, stream: bool
+) -> None:
+    """``/v1/responses`` is disaggregated in pull and pipelined mode: D takes the prompt over
+    NIXL. In push and push-sequential D serves it alone (router/pd/plans.py says why)."""
+    body = {"model": MODEL, "input": reference.prompts[-1], "max_output_tokens": 4}
+    before = stack.engine_metrics("decode-0")
+    r = httpx.post(f"{stack.router_url}/v1/responses", json=body | {"stream": stream}, timeout=120)
+    assert r.status_code == 200, r.text
+    after = stack.engine_metrics("decode-0")
+    from_p = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
+    computed = h.delta(after, before, BY_SOURCE, source="local_compute")
+    if stack.mode.value in ("pull", "pipelined"):
+        assert from_p > 0 and computed <= 1, (from_p, computed)
+    else:
+        assert from_p == 0 and computed > 0, (from_p, computed)
 
 
 def _assert_prompts_came_over_nixl(stack: Stack, before: Metrics, requests: int) -> None:

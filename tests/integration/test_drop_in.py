@@ -183,7 +183,26 @@ async def test_responses_api_is_disaggregated_in_pull_mode(
     assert metric(ctx, "pdrouter_disagg_decisions_total", decision="pull") == 1
 
 
-@pytest.mark.parametrize("mode", ["push", "push-sequential", "pipelined"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_responses_api_is_disaggregated_in_pipelined_mode(
+    cluster: Cluster, client: httpx.AsyncClient, stream: bool
+) -> None:
+    ids = {"engine_id": "e", "kv_host": "h", "kv_port": 1}
+    url, ctx = await cluster.router("pipelined", prefill_extra=ids, decode_extra=ids)
+    body = {"model": "tiny", "input": "hello there", "max_output_tokens": 5, "stream": stream}
+    r = await client.post(url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    (p_leg,), (d_leg,) = cluster.prefill[0].received, cluster.decode[0].received
+    assert p_leg.path == d_leg.path == "/v1/responses"
+    assert p_leg.body["max_output_tokens"] == 1 and p_leg.body["store"] is False
+    assert {k: v for k, v in d_leg.body.items() if k != "kv_transfer_params"} == body
+    # Each leg names the other engine; the connector pairs them by the one transfer id.
+    assert p_leg.kv["transfer_id"] == d_leg.kv["transfer_id"]
+    assert p_leg.kv["do_remote_decode"] is True and d_leg.kv["do_remote_prefill"] is True
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="pipelined") == 1
+
+
+@pytest.mark.parametrize("mode", ["push", "push-sequential"])
 async def test_responses_api_goes_to_d_alone_in_push_modes(
     cluster: Cluster, client: httpx.AsyncClient, mode: str
 ) -> None:

@@ -237,3 +237,53 @@ async def test_a_busy_prefill_sends_new_requests_to_d_alone(
     assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
     assert len(cluster.prefill[0].received) == 2
     assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 2
+
+
+async def test_d_takes_no_prompt_while_its_own_backlog_is_as_long_as_p_s(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Join the shorter queue: with P running one leg and D computing one prompt alone, the
+    next request goes to P; with P at two legs, D (one prompt) takes the one after."""
+    url, ctx = await cluster.router("pull", model={"disagg_max_prefill_queue": 1})
+    p_gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
+    first = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.prefill[0].received) == 1)
+    d_gate = cluster.decode[0].behaviour.gate = asyncio.Event()
+    alone = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.decode[0].received) == 1)  # D computes it alone
+    third = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.prefill[0].received) == 2)  # to P, not to D
+    fourth = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.decode[0].received) == 2)
+    assert "kv_transfer_params" not in cluster.decode[0].received[1].body
+    assert len(cluster.prefill[0].received) == 2  # the fourth went to D alone
+    p_gate.set()
+    d_gate.set()
+    for task in (first, alone, third, fourth):
+        assert (await task).status_code == 200
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_busy") == 2
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="pull") == 2
+    pool = ctx.registry.get("tiny")
+    assert pool is not None and pool.decode[0].prefilling == 0
+
+
+async def test_a_failed_d_alone_leg_leaves_no_backlog_behind(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """D's backlog count ends with its leg, however it ends: after a D-alone leg failed,
+    D takes the next request that finds P busy."""
+    url, ctx = await cluster.router("pull", model={"disagg_max_prefill_queue": 1})
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    p_gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
+    held = asyncio.create_task(client.post(url + "/v1/completions", json=PROMPT))
+    await eventually(lambda: len(cluster.prefill[0].received) == 1)
+    cluster.decode[0].behaviour.status = 400  # the engine's own answer: no retry, no breaker
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 400 and pool.decode[0].prefilling == 0
+    cluster.decode[0].behaviour.status = 200
+    assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    assert len(cluster.prefill[0].received) == 1  # both went to D alone
+    p_gate.set()
+    assert (await held).status_code == 200
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_busy") == 2
