@@ -21,7 +21,7 @@ from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError, UpstreamStatus, UpstreamTimeout
 from router.http1 import Http1Response
 from router.metrics import Metrics
-from router.pd.usage import MARKER, Patch
+from router.pd.usage import MARKER, Patch, prompt_cached_tokens
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 
 __all__ = ["ENGINE_ERROR_EVENT", "DecodeLeg", "LegRunner", "PrefillResult", "Send"]
@@ -243,7 +243,7 @@ class LegRunner:
                 instance=inst.url,
                 code="kv_transfer_params_missing",
             )
-        return PrefillResult(params, self._clock(), _cached_tokens(doc))
+        return PrefillResult(params, self._clock(), prompt_cached_tokens(doc))
 
     async def _prefill_call(
         self,
@@ -357,10 +357,3 @@ def _json(content: bytes) -> dict[str, Any]:
 def _kv_params(doc: dict[str, Any]) -> dict[str, Any] | None:
     params = doc.get("kv_transfer_params")
     return params if isinstance(params, dict) and params else None
-
-
-def _cached_tokens(doc: dict[str, Any]) -> int | None:
-    usage = doc.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) else None
