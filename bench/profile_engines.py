@@ -174,7 +174,7 @@ def _print_cpu(mode: str, point: sb.Point, used: Counter[str], wall: float, top:
         print(f"| {process} | all | {100 * seconds / wall:.0f}% |")
         threads = [(k, v) for k, v in used.items() if k.split(" ", 1)[0] == process]
         for key, secs in sorted(threads, key=lambda kv: -kv[1])[:top]:
-            if secs / wall >= 0.01:
+            if secs / wall >= 0.01 and key.split(" ", 1)[1] != "all":
                 print(f"| {process} | {key.split(' ', 1)[1]} | {100 * secs / wall:.0f}% |")
 
 

@@ -30,8 +30,9 @@ from router.errors import (
     sse_error_event,
 )
 from router.metrics import Metrics
-from router.pd.dispatch import Dispatch, Dispatcher
+from router.pd.dispatch import Dispatcher
 from router.pd.legs import DecodeLeg
+from router.pd.opened import Dispatch
 from router.registry import ModelPool
 from router.tracing import Tracing
 

@@ -19,7 +19,6 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from router.client_request import ClientRequest
@@ -28,105 +27,21 @@ from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Reservation
-from router.errors import Fault, NoHealthyEngine, UpstreamError, UpstreamStatus
+from router.errors import NoHealthyEngine, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
+from router.pd.opened import Dispatch
 from router.pd.plans import Decision, Pair, Plan, decide, plans
+from router.pd.routing import Route, prefill_busy, routing_key
 from router.pd.settle import Settler, cancel_task, discard_decode
 from router.pd.turns import TurnPlan, Turns
-from router.pd.usage import MARKER, Patch, with_cached_tokens
 from router.registry import ModelPool
 from router.tracing import Tracing
 
 __all__ = ["Dispatch", "Dispatcher"]
 
 log = logging.getLogger("pd_router.dispatch")
-
-_PREFIX_KEY_CHARS = 256
-# The decisions whose D counts the transferred KV as cached (router/pd/usage.py).
-_USAGE_FROM_PREFILL = frozenset({Decision.PUSH, Decision.PUSH_SEQUENTIAL, Decision.PIPELINED})
-
-
-@dataclass(eq=False)
-class Dispatch:
-    """An opened request: D's first bytes are in; the caller forwards the rest of ``leg``."""
-
-    reservation: Reservation
-    leg: DecodeLeg
-    decision: Decision
-    request_id: str
-    prefill_task: asyncio.Task[PrefillResult] | None = None  # P still running at open
-    prefill_error: UpstreamError | None = None  # P failed after D's first bytes
-    prefill: str | None = None  # P's URL (None: D alone)
-    prefill_result: PrefillResult | None = None  # P's, when it finished before D opened
-
-    @functools.cached_property
-    def usage_patch(self) -> Patch | None:
-        """The rewrite of D's ``cached_tokens`` to P's, where D counts the transfer as
-        cached (None: D's usage is right as it is); built once per dispatch."""
-        if self.decision not in _USAGE_FROM_PREFILL:
-            return None
-
-        async def patch(chunk: bytes) -> bytes:
-            cached = await self.prefill_cached_tokens()
-            return chunk if cached is None else with_cached_tokens(chunk, cached)
-
-        return patch
-
-    async def first_bytes(self) -> bytes:
-        """D's first bytes for the client (``leg.first``, its usage rewritten where needed)."""
-        patch = self.usage_patch
-        first = self.leg.first
-        return await patch(first) if patch is not None and MARKER in first else first
-
-    async def prefill_cached_tokens(self) -> int | None:
-        """P's prefix-cache hits; None where P failed or did not report them. Waits for a
-        P leg still running (it is bounded by the prefill timeout)."""
-        if self.prefill_result is None and self.prefill_task is not None:
-            await asyncio.wait({self.prefill_task})
-            task = self.prefill_task
-            if not task.cancelled() and task.exception() is None:
-                self.prefill_result = task.result()
-        return None if self.prefill_result is None else self.prefill_result.cached_tokens
-
-    @property
-    def verdict(self) -> Fault | None:
-        """What the request's end says about D: the leg's verdict, except that a D
-        stream cut because its P failed says nothing about D."""
-        if self.prefill_error is not None and self.leg.verdict not in (None, Fault.ANSWER):
-            return Fault.NONE
-        return self.leg.verdict
-
-
-def _routing_key(creq: ClientRequest) -> str:
-    """A conversation's stable start, at most ``_PREFIX_KEY_CHARS`` characters: for chat,
-    the messages up to its first user message (the same at every turn while the history
-    only grows); else the start of the Responses-API input or of the prompt."""
-    body = creq.body
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        opening = []
-        for message in messages:
-            opening.append(str(message)[:_PREFIX_KEY_CHARS])
-            if isinstance(message, dict) and message.get("role") == "user":
-                break
-        return "\x1f".join(opening)[:_PREFIX_KEY_CHARS]
-    for field in ("input", "prompt"):
-        if field in body:
-            value = body[field]
-            head = value[:_PREFIX_KEY_CHARS] if isinstance(value, (str, list)) else value
-            return str(head)[:_PREFIX_KEY_CHARS]
-    return ""
-
-
-@dataclass(frozen=True, slots=True)
-class _Route:
-    """What instance selection goes by: ``key`` for the prefix-hash policy, ``session``
-    for session affinity (either may be None)."""
-
-    key: str | None
-    session: str | None
 
 
 class Dispatcher:
@@ -173,15 +88,13 @@ class Dispatcher:
 
     async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
         cfg = pool.config
-        decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, _prefill_busy(pool))
+        decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
         # Built at most once, and only if the policy or the session fallback needs it.
-        prefix = functools.cache(lambda: _routing_key(creq))
-        route = _Route(
-            prefix() if pool.key_needed else None, pool.session_key(creq.session, prefix)
-        )
+        prefix = functools.cache(lambda: routing_key(creq))
+        route = Route(prefix() if pool.key_needed else None, pool.session_key(creq.session, prefix))
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
@@ -220,7 +133,7 @@ class Dispatcher:
         pool: ModelPool,
         creq: ClientRequest,
         decision: Decision,
-        route: _Route,
+        route: Route,
         avoid: frozenset[Instance],
     ) -> Dispatch:
         if decision.uses_prefill and not candidates(pool.prefill):
@@ -472,20 +385,6 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
         str(exc.__cause__ or exc.code),
         "yes" if retry else "no",
     )
-
-
-def _prefill_busy(pool: ModelPool) -> bool:
-    """Every routable P runs ``disagg_max_prefill_queue`` legs or more, and a routable D has
-    fewer prompts of its own still to compute than the least busy P: D would start this one
-    sooner (join the shorter queue; a D-alone prompt also skips the transfer). False when
-    off, or when no P is routable: that is refused, not served elsewhere."""
-    limit = pool.config.disagg_max_prefill_queue
-    usable = candidates(pool.prefill) if limit else []
-    if not usable:
-        return False
-    queue = min(p.in_flight for p in usable)
-    decode = candidates(pool.decode)
-    return queue >= limit and bool(decode) and min(d.prefilling for d in decode) < queue
 
 
 def _all(pool: ModelPool) -> list[Instance]:
