@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import resource
 import signal
 import sys
@@ -204,9 +205,20 @@ def _missing_stack() -> int:
     return 2
 
 
+# What a shell reports for a writer stopped by SIGPIPE (128 + 13).
+_EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()  # a reader that left (``| head``) shows here, not at exit
+    except BrokenPipeError:
+        # Python's documented remedy: point stdout at /dev/null so that the flush at exit
+        # does not fail again and print a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
     return result
 
 

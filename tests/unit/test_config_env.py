@@ -190,6 +190,27 @@ def test_shipped_example_validates_in_a_clean_environment() -> None:
     assert "model 'llama': mode push, 2 prefill, 2 decode (128 slots)" in out.stdout
 
 
+def test_a_reader_that_leaves_gets_no_traceback() -> None:
+    """``pd-router check-config FILE | head -1``: the pipe's reader is gone before the
+    command writes (its end closed before the start), so every write fails."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "router", "check-config", str(EXAMPLE)],
+            cwd=ROOT,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert out.returncode == 141, out.stderr
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_without_variables(
     path: Path, monkeypatch: pytest.MonkeyPatch
