@@ -284,6 +284,23 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
     return out
 
 
+def _profiler(
+    args: argparse.Namespace, target: Target, conc: int, proc: subprocess.Popen[bytes] | None
+) -> subprocess.Popen[bytes] | None:
+    """py-spy on the router for the length of the load (``--profile DIR``): raw stacks, one
+    file per target, concurrency and round, for ``bench/profile_diff.py``."""
+    if args.profile is None or proc is None:
+        return None
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"{target.name}-c{conc}-*.txt")))
+    path = out / f"{target.name}-c{conc}-{n}.txt"
+    argv = [spy, "record", "--pid", str(proc.pid), "--rate", str(args.profile_rate)]
+    argv += ["--nonblocking", "--subprocesses", "--format", "raw", "--output", str(path)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) -> Sample:
     proc = None
     if target.argv is not None:
@@ -314,9 +331,13 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
     ]
     if args.client_cpus:
         lg = ["taskset", "-c", args.client_cpus, *lg]
+    spy = _profiler(args, target, conc, proc)
     try:
         done = subprocess.run(lg, capture_output=True, timeout=duration + args.warmup + 120)
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            spy.wait(timeout=60)
         peak = sampler.stop() if sampler else float("nan")
         cpu1 = _cpu_s(proc.pid) if proc else float("nan")
         if proc:
@@ -419,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--baseline-root", help="another checkout of this repo; targets 'pull@base' etc. run it"
     )
     p.add_argument("--json", help="also write the raw samples here")
+    p.add_argument("--profile", help="py-spy every router run into this folder (raw stacks)")
+    p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.targets = args.targets.split(",")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 import time
@@ -92,9 +91,10 @@ class Dispatcher:
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
-        # Built at most once, and only if the policy or the session fallback needs it.
-        prefix = functools.cache(lambda: routing_key(creq))
-        route = Route(prefix() if pool.key_needed else None, pool.session_key(creq.session, prefix))
+        # The key is built at most once, and only if the policy or the session fallback needs it.
+        key = routing_key(creq) if pool.key_needed else None
+        session = pool.session_key(creq.session, lambda: key or routing_key(creq))
+        route = Route(key, session)
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
