@@ -18,14 +18,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-
-def _read(path: Path) -> Counter[str]:
-    stacks: Counter[str] = Counter()
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if count.isdigit():
-            stacks[stack] += int(count)
-    return stacks
+from stacks import read_stacks
 
 
 def _frame(frame: str) -> str:
@@ -42,7 +35,10 @@ def _functions(stacks: Counter[str]) -> tuple[Counter[str], Counter[str]]:
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
     for stack, count in stacks.items():
-        frames = [_frame(f) for f in stack.split(";")]
+        # py-spy --subprocesses roots each stack at "process PID:..." (a new PID every run).
+        frames = [_frame(f) for f in stack.split(";") if not f.startswith("process ")]
+        if not frames:
+            continue
         for frame in set(frames):
             inclusive[frame] += count
         own[frames[-1]] += count
@@ -52,7 +48,7 @@ def _functions(stacks: Counter[str]) -> tuple[Counter[str], Counter[str]]:
 def _side(folder: Path, target: str, requests: int, rate: int) -> tuple[dict[str, float], ...]:
     stacks: Counter[str] = Counter()
     for path in sorted(folder.glob(f"{target}-c*-*.txt")):
-        stacks.update(_read(path))
+        stacks.update(read_stacks(path))
     inclusive, own = _functions(stacks)
     per_request = 1e6 / rate / requests  # microseconds of CPU per sample, per request
     return (

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 
 import serve_bench as sb  # the stacks and the client of bench/serve_bench.py
+from stacks import py_spy, read_stacks
 
 from router.stack import Stack
 from router.stack.model import ensure_model
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             files = {f.stem.replace("_", "/", 1): f for f in sorted(folder.glob("*-*.txt"))}
             _print(folder.name, sb.Point(args.input, args.qps), files, args.top, args.rate)
         return 0
-    if args.cpu_only:
-        pass
-    elif shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+    if not args.cpu_only and py_spy() is None:
         print("py-spy not found: pip install py-spy", file=sys.stderr)
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="pdr-profile-"))
@@ -114,7 +112,7 @@ def _profile(
 ) -> dict[str, Path]:
     """py-spy on every engine process for the length of one bench run: ``label -> raw file``."""
     out.mkdir(parents=True, exist_ok=True)
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    spy = py_spy() or "py-spy"  # main() has refused to start without it
     recorders, files = [], {}
     for spec in [] if args.cpu_only else stack.engines:
         for pid in stack.engine_pids(spec.name):
@@ -201,19 +199,10 @@ def activity(stack: str) -> str:
     return "other"
 
 
-def _read(path: Path) -> Counter[str]:
-    stacks: Counter[str] = Counter()
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if count.isdigit():
-            stacks[stack] += int(count)
-    return stacks
-
-
 def _print(mode: str, point: sb.Point, profiles: dict[str, Path], top: int, rate: int) -> None:
     """Per process, the time of each activity as a share of one core over the profile: a
     thread sampled busy all along is 100%, so a process's row adds up to its thread count."""
-    stacks = {label: _read(path) for label, path in sorted(profiles.items())}
+    stacks = {label: read_stacks(path) for label, path in sorted(profiles.items())}
     # The profile's length: the samples of the process sampled longest per thread, taken as
     # the single-threaded one with the most samples (vLLM's resource tracker, an idle API
     # thread): every thread gets ``rate`` samples a second with --idle.

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from stacks import py_spy
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -291,7 +292,9 @@ def _profiler(
     file per target, concurrency and round, for ``bench/profile_diff.py``."""
     if args.profile is None or proc is None:
         return None
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    spy = py_spy()
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob(f"{target.name}-c{conc}-*.txt")))

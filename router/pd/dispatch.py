@@ -38,7 +38,7 @@ from router.pd.turns import TurnPlan, Turns
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["Dispatch", "Dispatcher"]
+__all__ = ["Dispatcher"]
 
 log = logging.getLogger("pd_router.dispatch")
 

@@ -271,7 +271,7 @@ def _responses_stream_summary(text: str) -> dict[str, Any]:
         kind = doc["type"] if lines.get("event") == doc["type"] else f"bad {lines}"
         if kind == "response.output_text.delta":
             texts += doc["delta"]
-        if not types or kind != types[-1] or kind != "response.output_text.delta":
+        if kind != "response.output_text.delta" or types[-1:] != [kind]:
             types.append(kind)
         if doc["type"] == "response.completed":
             final = normalize(doc["response"])
