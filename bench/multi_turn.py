@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/multi_turn.py --mode push --conversations 4 --turns 6 --repeats 2
     .venv/bin/python bench/multi_turn.py --mode pull --variants off,on,return --repeats 2
+    .venv/bin/python bench/multi_turn.py --mode pipelined --variants off,on,return --repeats 2
 
 N conversations of M turns go through the router one request at a time (the TTFT of a turn is
 then its own, not a queue's). Each turn resends the whole history (an opening of
@@ -12,13 +13,15 @@ Variants, each on a fresh 1P1D stack (``router.stack``; P on core 0, D on core 1
 * ``off``: prefix caching off on both engines: every turn computes and moves the whole history;
 * ``on``: prefix caching on both and the session header (affinity keeps a conversation on its
   P and D; on 1P1D there is one of each, so this measures what caching gives a session);
-* ``return`` (pull only): prefix caching off, as on a P that lost the conversation, and KV
-  that flows back on (vLLM's ``bidirectional_kv_xfer``, the router's ``kv_return``): P reads
-  the history D kept from the last turn instead of recomputing it.
+* ``return`` (pull and pipelined): prefix caching off, as on a P that lost the conversation,
+  and KV that flows back on (the router's ``kv_return``; in pull mode vLLM's
+  ``bidirectional_kv_xfer``, in pipelined this project's connector): P reads the history D
+  kept from the last turn instead of recomputing it.
 
-vLLM 0.32 hands D's kept blocks back only in non-streaming answers, so a run with ``return``
-sends every variant's turns non-streamed with ``--tokens`` (default 2 then, 16 otherwise) and
-prints their latency, which is TTFT plus ``--tokens - 1`` decode steps, in place of TTFT.
+vLLM 0.32 hands D's kept blocks back only in non-streaming answers, so a pull run with
+``return`` sends every variant's turns non-streamed with ``--tokens`` (default 2 then, 16
+otherwise) and prints their latency, which is TTFT plus ``--tokens - 1`` decode steps, in
+place of TTFT. This project's connector keeps streamed turns too: pipelined runs stream.
 
 Runs alternate ``off``, ``on``, ``off``, ... ``--repeats`` times; printed per turn index: the
 median over repeats of the mean TTFT, the ratio on/off, and the KV bytes D received (NIXL
@@ -91,10 +94,17 @@ def _turn(client: httpx.Client, url: str, messages: list[dict], session: str, ar
 PerTurn = dict[int, tuple[list[float], list[float], list[float]]]
 
 
+# KV bytes P read back from D: NixlConnector counts its READs; this project's connector the
+# bytes P received.
+BACK = {"pull": "vllm:nixl_bytes_transferred_sum", "pipelined": "vllm:pdr_bytes_received_total"}
+
+
 def _moved(stack: Stack, node: str, metric: str) -> tuple[float, float]:
-    """KV bytes so far: received by D, and read back by P (pull with KV that flows back)."""
-    back = stack.engine_metrics("prefill-0").total("vllm:nixl_bytes_transferred_sum")
-    return stack.engine_metrics(node).total(metric), back if stack.kv_return else 0.0
+    """KV bytes so far: received by D, and read back by P (KV that flows back)."""
+    if not stack.kv_return:
+        return stack.engine_metrics(node).total(metric), 0.0
+    back = stack.engine_metrics("prefill-0").total(BACK[stack.mode.value])
+    return stack.engine_metrics(node).total(metric), back
 
 
 def run_variant(args: argparse.Namespace, variant: str) -> PerTurn:
@@ -180,7 +190,7 @@ def main() -> None:
     )
     ap.add_argument("--mode", choices=list(BYTES), default="push")
     ap.add_argument("--model", default="tiny", help="stack model variant (tiny, bench)")
-    ap.add_argument("--variants", default="off,on", help="off, on, return (pull only)")
+    ap.add_argument("--variants", default="off,on", help="off, on, return (pull, pipelined)")
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--history", type=int, default=1500, help="opening words (~tokens)")
@@ -192,9 +202,9 @@ def main() -> None:
     variants = args.variants.split(",")
     if "off" not in variants or not set(variants) <= {"off", "on", "return"}:
         ap.error("--variants: off and any of on, return")
-    if "return" in variants and args.mode != "pull":
-        ap.error("the return variant needs --mode pull (vLLM's bidirectional_kv_xfer)")
-    args.stream = "return" not in variants
+    if "return" in variants and args.mode not in BACK:
+        ap.error("the return variant needs --mode pull or pipelined")
+    args.stream = "return" not in variants or args.mode == "pipelined"
     args.tokens = args.tokens or (16 if args.stream else 2)
     runs: dict[str, list[PerTurn]] = {v: [] for v in variants}
     for _ in range(args.repeats):

@@ -14,7 +14,11 @@ Load it on both engines with::
 ``backends`` (default ``["UCX"]``), ``model_id`` (name compared in the handshake; default: the
 model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
 step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
-``layer`` in device memory).
+``layer`` in device memory), ``keep_ttl_s`` (D: how long a finished turn asked to be kept,
+``kv_keep``, waits for the next turn's P, 300), ``pull_timeout_s`` (a kept turn's ASK to PULL
+and PULL to last WRITE, 5), ``reuse_timeout_s`` (P: how long a request waits for a kept
+turn's D to answer before computing everything, 3). P needs vLLM's
+``"kv_load_failure_policy": "recompute"`` for a failed pull to be recomputed, not failed.
 
 vLLM builds one instance with ``role=SCHEDULER`` in the engine-core process and one with
 ``role=WORKER`` in every worker process; each builds only its own half.
@@ -30,10 +34,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
 from connector.metadata import CONNECTOR_VERSION, StepMeta, agent_name
+from connector.reuse import KeptAnswer
 from connector.scheduler import SchedulerSide
 from connector.transport import RealNixlAgent
 from connector.worker import Timeouts, WorkerSide
@@ -41,7 +47,7 @@ from connector.worker import Timeouts, WorkerSide
 if TYPE_CHECKING:
     from connector.prom import PipelinedStats
 
-__all__ = ["PipelinedMetadata", "PipelinedPushConnector"]
+__all__ = ["PipelinedMetadata", "PipelinedPushConnector", "ReuseAnswers"]
 
 
 class PipelinedMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -49,6 +55,19 @@ class PipelinedMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, step: StepMeta) -> None:
         self.step = step
+
+
+class ReuseAnswers(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Kept turns' answers to P's questions, by request id, as vLLM carries them from the
+    workers to the scheduler (only rank 0 asks, so merging ranks is a union)."""
+
+    def __init__(self, answers: dict[str, KeptAnswer]) -> None:
+        self.answers = answers
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, ReuseAnswers):
+            self.answers = {**self.answers, **other.answers}
+        return self
 
 
 class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
@@ -66,7 +85,9 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
-                vllm_config.cache_config.block_size, float(extra.get("idle_sleep_s", 0.001))
+                vllm_config.cache_config.block_size,
+                float(extra.get("idle_sleep_s", 0.001)),
+                reuse_timeout_s=float(extra.get("reuse_timeout_s", 3.0)),
             )
         else:
             self._worker = _build_worker(vllm_config, self._kv_transfer_config, extra)
@@ -106,6 +127,13 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().invalid_blocks()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        answers = self._w().take_answers()
+        return ReuseAnswers(answers) if answers else None
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
@@ -138,6 +166,9 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         self._s().on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, ReuseAnswers):
+            self._s().on_answers(meta.answers)
         self._s().update_connector_output(
             set(connector_output.finished_sending or ()),
             set(connector_output.finished_recving or ()),
@@ -219,6 +250,8 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
         "recv_s": "receive_timeout_s",
         "write_s": "write_timeout_s",
         "idle_wait_s": "idle_wait_s",
+        "keep_s": "keep_ttl_s",
+        "pull_s": "pull_timeout_s",
     }
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
     write_batch = str(extra.get("write_batch", "auto"))

@@ -32,6 +32,8 @@ class Timeouts:
     write_s: float = 30.0  # P: a WRITE still in progress
     memory_s: float = 300.0  # how long an early REG or ABORT for an unknown tid is kept
     idle_wait_s: float = 0.002  # see WorkerSide._idle_wait; 0 turns it off
+    keep_s: float = 300.0  # D: how long a finished turn is kept for a next P's ASK
+    pull_s: float = 5.0  # a kept turn's ASK answered to PULL, and the PULL to its last W
 
 
 class WorkerContext:

@@ -19,6 +19,18 @@ kind          direction  meaning
 ``FAIL``      P -> D     P gave up on ``tid`` (abort, error, timeout, unknown tid)
 ``ABORT``     D -> P     D gave up on ``tid`` (client gone, timeout): stop writing, free
 ============  =========  ==================================================================
+
+KV that flows back (a finished turn kept on D for the conversation's next P; ``tid`` = the
+*kept* turn's transfer id). The roles turn round: D writes, P receives, with ``W``/``DONE``/
+``FAIL``/``ABORT`` meaning what they mean above:
+
+============  =========  ==================================================================
+``ASK``       P -> D     what do you hold for ``tid``? (the entry is taken: used once)
+``HELD``      D -> P     ``tokens`` (how many tokens' KV) and ``hashes`` (the chained block
+                         hashes of their ids, ``connector.reuse.prefix_hashes``)
+``PULL``      P -> D     WRITE kept blocks ``start``.. into P's ``blocks``, then ``DONE``;
+                         no ``blocks``: not wanted, free them
+============  =========  ==================================================================
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from connector.address import NixlAddress
 __all__ = [
     "CONNECTOR_VERSION",
     "Compat",
+    "KeepSpec",
     "Kind",
     "Message",
     "RecvSpec",
@@ -45,7 +58,8 @@ __all__ = [
 
 # Version history (bump on any change to messages, their fields or their meaning):
 #   1: HELLO/REFUSE/REG/W/DONE/FAIL/ABORT; JSON body after the b"PDR" prefix.
-CONNECTOR_VERSION = 1
+#   2: ASK/HELD/PULL (kept turns).
+CONNECTOR_VERSION = 2
 
 _PREFIX = b"PDR"
 
@@ -60,6 +74,9 @@ class Kind(enum.StrEnum):
     DONE = "DONE"
     FAIL = "FAIL"
     ABORT = "ABORT"
+    ASK = "ASK"
+    HELD = "HELD"
+    PULL = "PULL"
     # Never sent: ``decode``'s kind for a message of another wire version, so the receiver can
     # refuse that peer instead of misreading it.
     VERSION = "VERSION"
@@ -157,7 +174,11 @@ class SendSpec:
 
 @dataclass(slots=True)
 class RecvSpec:
-    """D side: blocks of ``req_id`` that P must fill, from logical block ``start_block`` on."""
+    """Blocks of ``req_id`` that the peer must fill, from logical block ``start_block`` on.
+
+    D: P fills them with the prompt's KV (``REG``). ``pull`` (P): a kept turn's D fills them
+    with its KV of ``num_tokens`` more tokens (``PULL``; ``tid`` is the kept turn's).
+    """
 
     req_id: str
     tid: str
@@ -165,6 +186,20 @@ class RecvSpec:
     start_block: int
     block_ids: list[int]
     num_tokens: int
+    pull: bool = False
+
+
+@dataclass(slots=True)
+class KeepSpec:
+    """D side: a finished request whose blocks stay for a next turn's P (``tid`` is its
+    transfer id): ``block_ids`` hold the KV of its first ``num_tokens`` tokens, whose chained
+    hashes (``connector.reuse.prefix_hashes``) are ``hashes``."""
+
+    req_id: str
+    tid: str
+    block_ids: list[int]
+    num_tokens: int
+    hashes: list[str]
 
 
 @dataclass(slots=True)
@@ -174,12 +209,26 @@ class StepMeta:
     ``fail_sends`` (P: request aborted or errored; notify D, stop, free) and ``abort_recvs``
     (D: request aborted while waiting; notify P, report the receive finished) map
     ``req_id -> (tid, peer)`` so the worker can act even for requests it never saw.
+    ``keeps`` (D: finished turns to keep), ``asks`` (P: ``req_id -> (kept tid, D)``, what
+    does D hold) and ``releases`` (P: ``kept tid -> D``, not wanted after all) are the kept
+    turns' (see the second table above).
     """
 
     sends: list[SendSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     fail_sends: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
     abort_recvs: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
+    keeps: list[KeepSpec] = field(default_factory=list)
+    asks: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
+    releases: dict[str, NixlAddress] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.sends or self.recvs or self.fail_sends or self.abort_recvs)
+        return not (
+            self.sends
+            or self.recvs
+            or self.fail_sends
+            or self.abort_recvs
+            or self.keeps
+            or self.asks
+            or self.releases
+        )

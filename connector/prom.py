@@ -3,7 +3,9 @@
 Exported series (label ``engine`` etc. as vLLM sets them):
 
 * ``vllm:pdr_bytes_written_total``, ``vllm:pdr_writes_total`` (P)
-* ``vllm:pdr_bytes_received_total``, ``vllm:pdr_requests_received_total`` (D)
+* ``vllm:pdr_bytes_received_total``, ``vllm:pdr_requests_received_total`` (D; P for kept turns)
+* ``vllm:pdr_turns_kept_total``, ``vllm:pdr_kept_expired_total`` (D),
+  ``vllm:pdr_tokens_pulled_total`` (P): kept turns (``connector.returns``)
 * ``vllm:pdr_writes_per_request`` (histogram, P), ``vllm:pdr_request_write_seconds`` (histogram,
   first WRITE posted to last completed, P), ``vllm:pdr_handshake_seconds`` (histogram, both)
 * ``vllm:pdr_failures_total{kind=...}`` (both; kinds in ``stats.FAILURE_KINDS``)
@@ -62,6 +64,13 @@ class PipelinedPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 ("num_writes", "vllm:pdr_writes", "NIXL WRITEs posted (one per layer and chunk)"),
                 ("bytes_received", "vllm:pdr_bytes_received", "KV bytes received from prefill"),
                 ("requests_received", "vllm:pdr_requests_received", "Completed KV receives"),
+                ("turns_kept", "vllm:pdr_turns_kept", "Finished turns kept for a next prefill"),
+                ("kept_expired", "vllm:pdr_kept_expired", "Kept turns no prefill asked for"),
+                (
+                    "tokens_pulled",
+                    "vllm:pdr_tokens_pulled",
+                    "Prompt tokens read from a kept turn instead of computed",
+                ),
             )
         }
         self._hists = {

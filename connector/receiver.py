@@ -8,6 +8,11 @@ Every receive the scheduler hands over is reported exactly once, successful or f
 P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also sends ``ABORT`` so P
 stops writing). A request vLLM aborted while it waited is reported finished, not failed (vLLM has
 already ended it), after an ``ABORT`` to P.
+
+P pulling a kept turn (``RecvSpec.pull``) is a receive too, with ``PULL`` for ``REG`` and the
+kept turn's D writing. A pull that fails is reported finished, with its blocks among the
+load errors (``invalid_blocks``): vLLM computes from the first of them on (with
+``kv_load_failure_policy: recompute``), so a lost kept turn costs only the time it saved.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Receiver:
         self._ctx = ctx
         self._recvs: dict[str, _Recv] = {}
         self._by_tid: dict[str, _Recv] = {}
+        self._invalid: set[int] = set()  # blocks of failed pulls, not yet reported
 
     @property
     def busy(self) -> bool:
@@ -70,7 +76,9 @@ class Receiver:
             self._ctx.notice(link.name, encode(Kind.ABORT, tid, reason="aborted"))
             return
         if not recv.finished:
-            self._fail(recv, "decode_abort", "decode request aborted", notify=True)
+            self._fail(
+                recv, "decode_abort", "decode request aborted", notify=True, load_error=False
+            )
         recv.failed = False  # an abort is not a load failure: vLLM has already ended it
 
     # -- messages and links ---------------------------------------------------------------------
@@ -108,10 +116,11 @@ class Receiver:
         finished: set[str] = set()
         failed: set[str] = set()
         now = self._ctx.clock()
-        recv_s = self._ctx.t.recv_s
+        t = self._ctx.t
         for recv in list(self._recvs.values()):
-            if not recv.finished and now - recv.started > recv_s:
-                self._fail(recv, "recv_timeout", f"no KV from P in {recv_s}s", notify=True)
+            limit = t.pull_s if recv.spec.pull else t.recv_s
+            if not recv.finished and now - recv.started > limit:
+                self._fail(recv, "recv_timeout", f"no KV from the peer in {limit}s", notify=True)
             if recv.finished:
                 finished.add(recv.spec.req_id)
                 if recv.failed:
@@ -119,6 +128,11 @@ class Receiver:
                 self._recvs.pop(recv.spec.req_id, None)
                 self._by_tid.pop(recv.spec.tid, None)
         return finished, failed
+
+    def invalid_blocks(self) -> set[int]:
+        """Blocks of pulls that failed since the last call (vLLM recomputes them)."""
+        out, self._invalid = self._invalid, set()
+        return out
 
     def shutdown(self) -> None:
         """Fail every receive and ABORT it, so each P stops writing and frees its blocks."""
@@ -133,8 +147,9 @@ class Receiver:
             return
         if link.state is LinkState.READY:
             spec = recv.spec
+            kind = Kind.PULL if spec.pull else Kind.REG
             self._ctx.notice(
-                link.name, encode(Kind.REG, spec.tid, start=spec.start_block, blocks=spec.block_ids)
+                link.name, encode(kind, spec.tid, start=spec.start_block, blocks=spec.block_ids)
             )
             recv.reg_sent = True
             log.debug(
@@ -160,12 +175,21 @@ class Receiver:
             segs = len(layout.layers[0].segments) if layout.layers else 0
             per_block = layout.block_bytes * segs * len(layout.layers)
             self._ctx.stats.received(len(recv.spec.block_ids) * per_block)
+        if recv.spec.pull:
+            self._ctx.stats.pulled(recv.spec.num_tokens)
 
-    def _fail(self, recv: _Recv, kind: str, reason: str, notify: bool) -> None:
-        """End ``recv`` as failed once; ``notify`` sends ABORT so P stops writing."""
+    def _fail(
+        self, recv: _Recv, kind: str, reason: str, notify: bool, load_error: bool = True
+    ) -> None:
+        """End ``recv`` as failed once; ``notify`` sends ABORT so the peer stops writing. A
+        failed pull is reported finished, its blocks as load errors (``load_error``)."""
         if recv.finished:
             return
         recv.finished = recv.failed = True
+        if recv.spec.pull:
+            recv.failed = False
+            if load_error:
+                self._invalid.update(recv.spec.block_ids)
         self._ctx.stats.failure(kind)
         log.warning(
             "pd-connector: receive %s (tid %s) failed: %s", recv.spec.req_id, recv.spec.tid, reason

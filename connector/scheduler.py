@@ -11,7 +11,12 @@ allocated the blocks, the plan hands them to the worker, which registers them wi
 is aborted while waiting, the plan tells the worker to notify P and finish the receive so vLLM frees
 the blocks at once.
 
-No networking happens here; the only channel to the workers is ``StepMeta``.
+Kept turns (``connector.reuse``): D keeps a finished request's blocks for the next turn's P
+when its params ask (``kv_keep``); P asks D what it holds before claiming any of it
+(``kv_reuse``), and PULLs the claimed blocks as an asynchronous load.
+
+No networking happens here; the channel to the workers is ``StepMeta``, and back from them
+(D's answers to P's questions) ``on_answers``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Protocol
 
 from connector.address import NixlAddress
 from connector.metadata import RecvSpec, SendSpec, StepMeta
+from connector.reuse import KeptAnswer, Lookups, keep_spec
 
 __all__ = ["SchedulerSide", "TransferParams"]
 
@@ -40,6 +46,8 @@ class _Request(Protocol):
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int
     status: Any
+    # Read only for kept turns (connector.reuse): prompt_token_ids, all_token_ids,
+    # num_computed_tokens.
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +57,7 @@ class TransferParams:
     tid: str
     peer: NixlAddress
     is_prefill: bool  # True: this engine is P for the request; False: D
+    keep: bool = False  # D: keep the blocks of a normal finish for the next turn's P
 
     @classmethod
     def parse(cls, req_id: str, params: dict[str, Any] | None) -> TransferParams | None:
@@ -65,7 +74,8 @@ class TransferParams:
                 params,
             )
             return None
-        return cls(str(tid), peer, bool(params.get("do_remote_decode")))
+        is_prefill = bool(params.get("do_remote_decode"))
+        return cls(str(tid), peer, is_prefill, not is_prefill and params.get("kv_keep") is True)
 
 
 @dataclass(slots=True)
@@ -109,15 +119,25 @@ class SchedulerSide:
         block_size: int,
         idle_sleep_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
+        *,
+        reuse_timeout_s: float = 3.0,
+        keep_idle_sleep_s: float = 0.005,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``reuse_timeout_s``: how long P waits for D's answer about a kept turn.
+        ``keep_idle_sleep_s``: the nap of an empty step while D only keeps turns."""
         self._block_size = block_size
         self._idle_sleep_s = idle_sleep_s
+        self._keep_idle_sleep_s = keep_idle_sleep_s
         self._sleep = sleep
         self._xfers: dict[str, TransferParams] = {}  # every live pipelined request
         self._sends: dict[str, _SendTrack] = {}
         self._recv_started: set[str] = set()  # D: registration planned (or nothing to receive)
         self._recv_waiting: set[str] = set()  # D: worker owns a receive not yet reported
         self._awaiting_send: set[str] = set()  # P: blocks held until finished_sending
+        self._kept: set[str] = set()  # D: finished turns kept, until finished_sending
+        self._pulls: dict[str, tuple[str, NixlAddress]] = {}  # P: kept tid and D, until received
+        self._lookups = Lookups(block_size, reuse_timeout_s, clock)
         self._step = StepMeta()
 
     # -- vLLM hooks ---------------------------------------------------------------------------
@@ -130,11 +150,16 @@ class SchedulerSide:
         self._xfers[request.request_id] = xfer
         if xfer.is_prefill:
             self._sends[request.request_id] = _SendTrack(xfer, request.num_prompt_tokens)
+            self._lookups.start(request.request_id, request.kv_transfer_params or {}, self._step)
 
     def get_num_new_matched_tokens(
         self, request: _Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """D: the rest of the prompt comes from P, asynchronously. Side-effect free."""
+    ) -> tuple[int | None, bool]:
+        """D: the rest of the prompt comes from P, asynchronously. P: what a kept turn's D
+        holds of the prompt (None until D answered). Side-effect free."""
+        reuse = self._lookups.matched(request, num_computed_tokens)
+        if reuse is not None:
+            return reuse
         xfer = self._xfers.get(request.request_id)
         if xfer is None or xfer.is_prefill or request.request_id in self._recv_started:
             return 0, False
@@ -145,8 +170,12 @@ class SchedulerSide:
         self, request: _Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """D: plan the registration of the blocks just allocated (first call only).
-        P: a request resumed after preemption must write everything again."""
+        P: PULL the blocks claimed from a kept turn (first call only); a request resumed
+        after preemption must write everything again."""
         req_id = request.request_id
+        pull = self._lookups.allocated(request, block_ids, num_external_tokens, self._step)
+        if pull is not None:
+            self._pulls[req_id] = (pull.tid, pull.peer)
         track = self._sends.get(req_id)
         if track is not None:
             track.written, track.final = 0, False
@@ -183,11 +212,13 @@ class SchedulerSide:
             self._idle_sleep_s > 0
             and step.is_empty()
             and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-            and (self._recv_waiting or self._awaiting_send)
         ):
             # An empty step only waits for a peer; vLLM would run the next one at once and
             # spin the engine-core process, which on small hosts slows the other engine.
-            self._sleep(self._idle_sleep_s)
+            if self._recv_waiting or self._awaiting_send or self._pulls or self._lookups.pending:
+                self._sleep(self._idle_sleep_s)
+            elif self._kept:  # only waiting for a P that may come: a longer nap
+                self._sleep(self._keep_idle_sleep_s)
         return step
 
     def request_finished(
@@ -199,6 +230,7 @@ class SchedulerSide:
         xfer = self._xfers.pop(req_id, None)
         if xfer is None:
             return False, None
+        ok = getattr(request.status, "name", str(request.status)) in _OK_FINISH
         if not xfer.is_prefill:
             started = req_id in self._recv_started
             self._recv_started.discard(req_id)
@@ -206,9 +238,14 @@ class SchedulerSide:
                 # Aborted while waiting for KV (or before allocation): tell P; the worker
                 # finishes the receive so vLLM frees the blocks now.
                 self._step.abort_recvs[req_id] = (xfer.tid, xfer.peer)
-            return False, None
+                return False, None
+            return self._keep(request, xfer, block_ids) if ok and xfer.keep else (False, None)
+        self._lookups.finished(req_id, self._step)
+        pull = self._pulls.pop(req_id, None)
+        if pull is not None:  # aborted while pulling a kept turn: stop D
+            self._step.abort_recvs[req_id] = pull
         track = self._sends.pop(req_id)
-        if getattr(request.status, "name", str(request.status)) in _OK_FINISH and track.final:
+        if ok and track.final:
             self._awaiting_send.add(req_id)
             return True, {"transfer_id": xfer.tid, "transfer_mode": "pipelined"}
         self._step.fail_sends[req_id] = (xfer.tid, xfer.peer)
@@ -223,13 +260,32 @@ class SchedulerSide:
     ) -> None:
         """Forget transfers the workers reported done (vLLM frees their blocks itself)."""
         self._awaiting_send -= finished_sending
+        self._kept -= finished_sending
         self._recv_waiting -= finished_recving
+        for req_id in finished_recving:
+            self._pulls.pop(req_id, None)
+
+    def on_answers(self, answers: dict[str, KeptAnswer]) -> None:
+        """P: kept turns' D answered (the workers' ``ReuseAnswers``)."""
+        self._lookups.on_answers(answers)
 
     def has_pending_work(self) -> bool:
-        """Keep the engine stepping while P holds blocks for D or a notice is still unsent."""
-        return bool(self._awaiting_send or not self._step.is_empty())
+        """Keep the engine stepping while P holds blocks for D, D keeps a turn (a P's ASK
+        or PULL needs D's worker), or a notice is still unsent."""
+        return bool(self._awaiting_send or self._kept or not self._step.is_empty())
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _keep(
+        self, request: _Request, xfer: TransferParams, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """D: hold a normally finished turn's blocks for the next turn's P."""
+        spec = keep_spec(request, xfer.tid, block_ids, self._block_size)
+        if spec is None:
+            return False, None
+        self._step.keeps.append(spec)
+        self._kept.add(request.request_id)
+        return True, None
 
     def _plan_sends(self, so: Any) -> list[SendSpec]:
         specs: list[SendSpec] = []

@@ -24,7 +24,16 @@ FAILURE_KINDS = (
     "peer_fail",
 )
 
-_SUMS = ("bytes_written", "num_writes", "bytes_received", "requests_sent", "requests_received")
+_SUMS = (
+    "bytes_written",
+    "num_writes",
+    "bytes_received",
+    "requests_sent",
+    "requests_received",
+    "turns_kept",  # D: finished turns kept for a next P (connector.returns)
+    "kept_expired",  # D: kept turns nobody asked for within keep_ttl_s
+    "tokens_pulled",  # P: prompt tokens whose KV came from a kept turn, not computed
+)
 _LISTS = ("writes_per_request", "write_seconds", "handshake_seconds")
 
 
@@ -76,6 +85,15 @@ class WorkerStats:
     def received(self, nbytes: int) -> None:
         self._data["requests_received"] += 1
         self._data["bytes_received"] += nbytes
+
+    def kept(self) -> None:
+        self._data["turns_kept"] += 1
+
+    def kept_expired(self) -> None:
+        self._data["kept_expired"] += 1
+
+    def pulled(self, tokens: int) -> None:
+        self._data["tokens_pulled"] += tokens
 
     def handshake(self, seconds: float) -> None:
         self._data["handshake_seconds"].append(seconds)

@@ -14,8 +14,10 @@ writing and releases its blocks once in-flight WRITEs drain. A peer that never a
 by the handshake, registration, receive and write timeouts.
 
 ``WorkerSide`` is the facade vLLM's hooks call. P's transfers live in ``sender.Sender``, D's in
-``receiver.Receiver`` (an engine uses one of them, but either role's messages are handled); what
-both use is a ``context.WorkerContext``. This module does only what joins them: registration,
+``receiver.Receiver`` (an engine uses one of them, but either role's messages are handled); kept
+turns (KV that flows back from D to the next turn's P) in ``returns.Keeper`` (D) and
+``returns.Asker`` (P), with P's pulls in the receiver; what all use is a
+``context.WorkerContext``. This module does only what joins them: registration,
 dispatching each notification by kind, link changes, the idle wait and shutdown.
 
 All methods run on the worker's model-runner thread; nothing here is thread-safe by design.
@@ -32,9 +34,11 @@ from typing import Any
 
 from connector.context import Timeouts, WorkerContext
 from connector.layout import CacheLayout
-from connector.metadata import Compat, Kind, Message, StepMeta, decode
+from connector.metadata import Compat, Kind, Message, StepMeta, decode, encode
 from connector.peers import Link, LinkState, PeerTable
 from connector.receiver import Receiver
+from connector.returns import Asker, Keeper
+from connector.reuse import KeptAnswer
 from connector.sender import Sender
 from connector.stats import WorkerStats
 from connector.transport import NixlAgent
@@ -70,6 +74,8 @@ class WorkerSide:
         self._sender = Sender(self._ctx)
         self._write_per_layer = write_per_layer  # applied once the cache's memory is known
         self._receiver = Receiver(self._ctx)
+        self._keeper = Keeper(self._ctx)
+        self._asker = Asker(self._ctx)
         self._sleep = sleep
         self._forward_seen = False  # since the last get_finished
         self._address = {"engine_id": engine_id, "host": host, "port": port}  # for our HELLO
@@ -130,6 +136,13 @@ class WorkerSide:
             self._sender.prefill_failed(req_id, tid, peer)
         for req_id, (tid, peer) in step.abort_recvs.items():
             self._receiver.decode_aborted(req_id, tid, peer)
+        for keep in step.keeps:
+            self._keeper.keep(keep)
+        for req_id, (tid, peer) in step.asks.items():
+            self._asker.ask(req_id, tid, peer)
+        for tid, peer in step.releases.items():
+            link = self.peers.ensure(peer)
+            self._ctx.notice(link.name, encode(Kind.PULL, tid, blocks=[]))
         self._poll()
 
     def save_layer(self, layer_name: str) -> None:
@@ -158,12 +171,21 @@ class WorkerSide:
         if not self._forward_seen:
             self._idle_wait()
         self._forward_seen = False
-        return self._sender.collect(), *self._receiver.collect()
+        return self._sender.collect() | self._keeper.collect(), *self._receiver.collect()
+
+    def take_answers(self) -> dict[str, KeptAnswer]:
+        """Kept turns' answers to this rank's ASKs since the last call, by request id."""
+        return self._asker.take_answers()
+
+    def invalid_blocks(self) -> set[int]:
+        """Blocks whose pull from a kept turn failed since the last call."""
+        return self._receiver.invalid_blocks()
 
     def shutdown(self) -> None:
         """Fail every transfer (telling each peer), send what can be sent, close the agent."""
         self._sender.shutdown()
         self._receiver.shutdown()
+        self._keeper.shutdown()
         self._ctx.flush_notices()
         self._ctx.agent.close()
 
@@ -179,7 +201,8 @@ class WorkerSide:
         notification arrives, so it adds no latency to a transfer that makes progress.
         """
         wait_s = self._ctx.t.idle_wait_s
-        if wait_s <= 0 or not (self._receiver.busy or self._sender.busy):
+        busy = self._receiver.busy or self._sender.busy or self._keeper.busy or self._asker.busy
+        if wait_s <= 0 or not busy:
             return
         for _ in range(max(1, int(wait_s / 0.0001))):
             self._sleep(0.0001)
@@ -218,20 +241,32 @@ class WorkerSide:
         match msg.kind:
             case Kind.REG:
                 self._sender.on_reg(peer, msg.tid, msg.body)
+            case Kind.ABORT if self._keeper.knows(msg.tid):
+                self._keeper.on_abort(msg.tid)
             case Kind.ABORT:
                 self._sender.on_abort(msg.tid)
             case Kind.W:
                 self._receiver.on_write(msg.tid)
             case Kind.DONE:
                 self._receiver.on_done(msg.tid, msg.body)
+            case Kind.FAIL if self._asker.knows(msg.tid):
+                self._asker.on_fail(msg.tid)
             case Kind.FAIL:
                 self._receiver.on_fail(msg.tid, str(msg.body.get("reason", "")))
+            case Kind.ASK:
+                self._keeper.on_ask(peer, msg.tid)
+            case Kind.HELD:
+                self._asker.on_held(msg.tid, msg.body)
+            case Kind.PULL:
+                self._keeper.on_pull(peer, msg.tid, msg.body)
 
     def _on_link_settled(self, link: Link) -> None:
         if link.state is LinkState.READY:
             self.stats.handshake(link.handshake_s)
         self._receiver.on_link_settled(link)
         self._sender.on_link_settled(link)
+        self._keeper.on_link_settled(link)
+        self._asker.on_link_settled(link)
 
 
 def _layer_key(name: str) -> tuple[int, str]:

@@ -188,14 +188,17 @@ class SessionConfig(_Strict):
 
 
 class KvReturnConfig(_Strict):
-    """KV that flows back (router/pd/kv_return.py): in pull mode, D keeps a finished turn's
-    blocks and the conversation's next P reads them instead of recomputing the history
-    (vLLM's ``bidirectional_kv_xfer``; both engines must run with it). Off by default: with
-    it on, vLLM's D holds every finished request's blocks until a P reads them or its
-    ``decoder_kv_blocks_ttl`` ends, which costs D capacity.
+    """KV that flows back (router/pd/kv_return.py): D keeps a finished turn's blocks and the
+    conversation's next P reads them instead of recomputing the history. In pull mode with
+    vLLM's ``bidirectional_kv_xfer`` (both engines must run with it; vLLM's D then holds
+    every finished request's blocks until a P reads them or its ``decoder_kv_blocks_ttl``
+    ends, which costs D capacity); in pipelined mode with this project's connector, which
+    keeps only the turns the router asks it to (``connector/reuse.py``), streamed or not.
+    Off by default.
 
     ``ttl_seconds`` must stay below the engines' ``decoder_kv_blocks_ttl`` (vLLM's default
-    480): the router never hands P blocks D may already have freed. A turn reuses at most
+    480) or the connector's ``keep_ttl_s`` (300): the router never hands P blocks D may
+    already have freed. In pull mode a turn reuses at most
     ``max_entries`` kept turns (least recently kept dropped first), and only turns whose
     verified common prefix with the new prompt is at least ``min_tokens`` long (vLLM's
     ``kv_recompute_threshold`` is the same idea, on P)."""
@@ -237,10 +240,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
-        if self.kv_return.enabled and self.mode is not Mode.PULL:
+        if self.kv_return.enabled and self.mode not in (Mode.PULL, Mode.PIPELINED):
             raise ValueError(
-                f"kv_return needs mode 'pull', not {self.mode.value!r}: vLLM 0.32's "
-                "bidirectional KV transfer exists in NixlConnector only"
+                f"kv_return needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "
+                "vLLM 0.32's bidirectional KV transfer exists in NixlConnector only, and "
+                "this project's connector has its own"
             )
         if self.discovery is not None:
             if self.mode.uses_prefill and not self.discovery.kubernetes.prefill_selector:

@@ -224,6 +224,8 @@ class RelayResponse(Response):
         await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
         self._complete = not more
+        if not more:
+            dispatch.ended_cleanly()
         await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0
         if not more:
@@ -232,6 +234,7 @@ class RelayResponse(Response):
         def before_last() -> None:
             self._stream_stats(dispatch)  # counted before the client sees the end
             self._complete = True
+            dispatch.ended_cleanly()
 
         try:
             with self._tracing.span("stream"):

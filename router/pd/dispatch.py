@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -162,9 +163,9 @@ class Dispatcher:
             pair = Pair(creq, ids, p, reservation.instance)
             self._tracing.set(pdrouter__prefill=p.url)
             plan = self._plans[decision]
-            if plan.concurrent(pair):
-                return await self._concurrent(pool, plan, pair, decision, reservation)
             turn = self._turns.plan(pool, creq)
+            if plan.concurrent(pair):
+                return await self._concurrent(pool, plan, pair, decision, reservation, turn)
             return await self._sequential(pool, plan, pair, decision, reservation, turn)
         except BaseException as exc:
             if isinstance(exc, UpstreamError):
@@ -220,12 +221,27 @@ class Dispatcher:
             return await self._prefill(pool, plan, pair, params)
 
     async def _concurrent(
-        self, pool: ModelPool, plan: Plan, pair: Pair, decision: Decision, res: Reservation
+        self,
+        pool: ModelPool,
+        plan: Plan,
+        pair: Pair,
+        decision: Decision,
+        res: Reservation,
+        turn: TurnPlan | None = None,
     ) -> Dispatch:
         """Both legs at once. If P fails first, D is closed and P's error surfaces;
-        if D answers first, P keeps running and is watched (see :meth:`_watch_prefill`)."""
+        if D answers first, P keeps running and is watched (see :meth:`_watch_prefill`).
+        With a ``turn`` (pipelined, router/pd/turns.py), P is handed the conversation's
+        kept turn and D keeps this one once its answer ends cleanly."""
         p_params = plan.prefill_params(pair)
-        d_body = kp.decode_body(pair.creq.body, plan.decode_params(pair, None))
+        d_params = plan.decode_params(pair, None)
+        on_clean_end = None
+        if turn is not None:
+            p_params = {**p_params, **(self._turns.offer(pool, turn) or {})}
+            d_params = {**d_params, "kv_keep": True}
+            tid, d = pair.ids.transfer_id, pair.decode
+            on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)
+        d_body = kp.decode_body(pair.creq.body, d_params)
         p_task = asyncio.create_task(self._prefill(pool, plan, pair, p_params))
         d_task = asyncio.create_task(self._decode(pool, pair.decode, pair.creq, d_body, pair.ids))
         try:
@@ -257,7 +273,15 @@ class Dispatcher:
             del p_task, d_task
             p_error, done = None, set()
             raise
-        opened = Dispatch(res, leg, decision, pair.ids.request_id, p_task, prefill=pair.prefill.url)
+        opened = Dispatch(
+            res,
+            leg,
+            decision,
+            pair.ids.request_id,
+            p_task,
+            prefill=pair.prefill.url,
+            on_clean_end=on_clean_end,
+        )
         if not p_task.done():
             p_task.add_done_callback(lambda t: self._watch_prefill(opened, plan, pair, t))
         elif p_task.exception() is None:

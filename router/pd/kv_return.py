@@ -1,4 +1,12 @@
-"""KV that flows back: a conversation's finished turn stays on D for its next P (pull mode).
+"""KV that flows back: a conversation's finished turn stays on D for its next P.
+
+Pipelined mode (this project's connector, ``connector/reuse.py``): D's leg asks D to keep the
+turn (``kv_keep``); once its answer has ended cleanly, streamed or not, the entry is the
+turn's transfer id and D's NIXL address. The next turn's P gets them (``kv_reuse``), asks D
+what it holds and checks it by block hashes of token ids itself, so the router checks
+nothing but that D is the same engine, still in rotation.
+
+Pull mode (vLLM's ``NixlConnector``):
 
 vLLM 0.32's ``NixlConnector`` with ``bidirectional_kv_xfer`` on both engines: D keeps a
 finished request's blocks, and its non-streaming response carries ``kv_transfer_params`` that
@@ -47,6 +55,7 @@ class Reuse(enum.StrEnum):
     MISMATCH = "mismatch"  # the history was edited: too short a common prefix
     EXPIRED = "expired"  # taken after its TTL
     UNAVAILABLE = "unavailable"  # D gone or unhealthy, or its block size unknown
+    OFFERED = "offered"  # pipelined: handed to P, which checks it (connector/reuse.py)
 
 
 @dataclass(frozen=True, slots=True)

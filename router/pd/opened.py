@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.engines.ledger import Reservation
@@ -31,6 +32,7 @@ class Dispatch:
     prefill_error: UpstreamError | None = None  # P failed after D's first bytes
     prefill: str | None = None  # P's URL (None: D alone)
     prefill_result: PrefillResult | None = None  # P's, when it finished before D opened
+    on_clean_end: Callable[[], None] | None = None  # see ended_cleanly
 
     @functools.cached_property
     def usage_patch(self) -> Patch | None:
@@ -60,6 +62,14 @@ class Dispatch:
             if not task.cancelled() and task.exception() is None:
                 self.prefill_result = task.result()
         return None if self.prefill_result is None else self.prefill_result.cached_tokens
+
+    def ended_cleanly(self) -> None:
+        """Called by whoever relays D's answer once it has read D's end and before the
+        client gets it: runs ``on_clean_end`` (at most once) if the end is clean. Before
+        the client, so that its next request finds what that records (a kept turn)."""
+        callback, self.on_clean_end = self.on_clean_end, None
+        if callback is not None and self.verdict is None and self.leg.status == 200:
+            callback()
 
     @property
     def verdict(self) -> Fault | None:

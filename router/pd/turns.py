@@ -1,7 +1,12 @@
-"""The pull legs of a conversation's turn with KV that flows back (router/pd/kv_return.py).
+"""The legs of a conversation's turn with KV that flows back (router/pd/kv_return.py).
 
-One :class:`Turns` per dispatcher. For a request that qualifies (pull mode, ``kv_return``
-on, a client session id, completions or chat, one choice):
+One :class:`Turns` per dispatcher. For a request that qualifies (pull or pipelined mode,
+``kv_return`` on, a client session id, completions or chat, one choice).
+
+Pipelined: P's params name the session's kept turn, if any (:meth:`Turns.offer`); D's ask D
+to keep this one, which is recorded once D's answer has ended cleanly (:meth:`Turns.kept`).
+
+Pull:
 
 * before P: the session's kept turn, if any, is checked against the new prompt's token ids
   (P's ``/tokenize``) and becomes P's ``kv_transfer_params`` where it matches;
@@ -19,6 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from connector.address import NixlAddress
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
@@ -61,13 +67,39 @@ class Turns:
 
     def plan(self, pool: ModelPool, creq: ClientRequest) -> TurnPlan | None:
         """None when the request does not qualify (see module doc)."""
-        if not pool.config.kv_return.enabled or pool.mode is not Mode.PULL:
+        if not pool.config.kv_return.enabled or pool.mode not in (Mode.PULL, Mode.PIPELINED):
             return None
         if creq.session is None or creq.n != 1 or creq.num_prompts != 1:
             return None
         if creq.endpoint not in (Endpoint.COMPLETIONS, Endpoint.CHAT):
             return None
-        return TurnPlan(creq.session, keep=not creq.stream)
+        # vLLM's D keeps no streamed turn (its params come with the body); ours keeps any.
+        return TurnPlan(creq.session, keep=pool.mode is Mode.PIPELINED or not creq.stream)
+
+    def offer(self, pool: ModelPool, turn: TurnPlan) -> dict[str, Any] | None:
+        """Pipelined: the ``kv_reuse`` params that hand P the session's kept turn (taken:
+        used at most once), if its D is still in rotation as the same engine."""
+        taken = pool.kv_returns.take(turn.session)
+        if taken is None:
+            return None
+        if isinstance(taken, Reuse):
+            self._count(pool, taken)
+            return None
+        d = next((i for i in pool.decode if i.url == taken.decode_url), None)
+        address = NixlAddress.from_params(taken.params)
+        if d is None or d.healthy is False or d.nixl is None or d.nixl != address:
+            self._count(pool, Reuse.UNAVAILABLE)  # gone, unhealthy or restarted
+            return None
+        self._count(pool, Reuse.OFFERED)
+        return {"kv_reuse": dict(taken.params)}
+
+    def kept(self, pool: ModelPool, turn: TurnPlan, transfer_id: str, d: Instance) -> None:
+        """Pipelined: D answered the turn cleanly and keeps it (``kv_keep``) for the next."""
+        if d.nixl is None:
+            return
+        params = {"transfer_id": transfer_id, **d.nixl.as_params()}
+        pool.kv_returns.keep(pool.config.kv_return, turn.session, params, (), d.url)
+        self._count(pool, Reuse.KEPT)
 
     async def prepare(
         self, pool: ModelPool, creq: ClientRequest, p: Instance, turn: TurnPlan

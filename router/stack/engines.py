@@ -118,6 +118,10 @@ def kv_transfer_config(spec: EngineSpec) -> str | None:
         config["engine_id"] = spec.engine_id
     if spec.connector == PIPELINED_CONNECTOR:
         config["kv_connector_module_path"] = "connector"
+        if spec.role == "prefill":
+            # A kept turn's pull that fails is recomputed, not the request failed (P loads
+            # nothing else; vLLM's default is "fail").
+            config["kv_load_failure_policy"] = "recompute"
         config["kv_connector_extra_config"] = {
             "side_channel_host": LOCALHOST,
             "side_channel_port": spec.kv_port,

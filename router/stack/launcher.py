@@ -104,9 +104,10 @@ class Stack:
         scheduler and API server take time from the other's forward). ``connector_extra``: more
         ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
         what the engines compute in (default: the model's, ``serving_dtype``). ``kv_return``
-        (pull mode): both engines run vLLM's ``bidirectional_kv_xfer`` and the router hands a
-        conversation's kept turn to its next P (router/pd/kv_return.py). ``model_overrides``:
-        keys merged into the router config's model entry (e.g.
+        (pull or pipelined mode): D keeps a conversation's finished turn and the router hands it
+        to its next P (router/pd/kv_return.py); in pull mode both engines run vLLM's
+        ``bidirectional_kv_xfer``, in pipelined this project's connector keeps it.
+        ``model_overrides``: keys merged into the router config's model entry (e.g.
         ``{"disagg_max_prefill_queue": 2}``). ``prefix_caching``: on in every engine (vLLM's
         default for serving; the tests keep it off so that every prompt is computed and moved)."""
         self.mode = eng.Mode(mode)
@@ -121,12 +122,14 @@ class Stack:
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
         self.connector_extra = dict(connector_extra or {})
-        if kv_return and self.mode is not eng.Mode.PULL:
-            raise StackError(f"kv_return needs mode pull, not {self.mode.value}")
+        if kv_return and self.mode not in (eng.Mode.PULL, eng.Mode.PIPELINED):
+            raise StackError(f"kv_return needs mode pull or pipelined, not {self.mode.value}")
         self.kv_return = kv_return
         self.model_overrides = dict(model_overrides or {})
         self.prefix_caching = prefix_caching
-        if kv_return:
+        if kv_return and self.mode is eng.Mode.PIPELINED:  # this project's connector
+            self.connector_extra = {"keep_ttl_s": KV_RETURN_ENGINE_TTL_S, **self.connector_extra}
+        elif kv_return:  # vLLM's NixlConnector
             self.connector_extra |= {
                 "bidirectional_kv_xfer": True,
                 "decoder_kv_blocks_ttl": KV_RETURN_ENGINE_TTL_S,

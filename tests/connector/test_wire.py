@@ -19,20 +19,24 @@ def test_roundtrip_keeps_kind_tid_and_body() -> None:
     assert msg.kind is Kind.REG
 
 
-def test_encoding_is_the_version_1_wire_format() -> None:
-    """The kinds are an enum in code, plain strings on the wire (unchanged since version 1)."""
-    assert CONNECTOR_VERSION == 1
+def test_encoding_is_the_version_2_wire_format() -> None:
+    """The kinds are an enum in code, plain strings on the wire (version 2 added the kept
+    turns' ASK/HELD/PULL to version 1's)."""
+    assert CONNECTOR_VERSION == 2
     assert encode(Kind.REG, "t1", start=2, blocks=[5, 6]) == (
-        b'PDR{"v":1,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
+        b'PDR{"v":2,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
     )
     assert encode(Kind.DONE, "t1", writes=3, tokens=10) == (
-        b'PDR{"v":1,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
+        b'PDR{"v":2,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
     )
-    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":1,"t":"REFUSE","tid":"","reason":"x"}'
-    wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT"}
+    assert encode(Kind.HELD, "t1", tokens=5, hashes=["ab"]) == (
+        b'PDR{"v":2,"t":"HELD","tid":"t1","tokens":5,"hashes":["ab"]}'
+    )
+    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":2,"t":"REFUSE","tid":"","reason":"x"}'
+    wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT", "ASK", "HELD", "PULL"}
     assert {k.value for k in Kind} == wire | {"VERSION"}
     for kind in wire:
-        raw = b'PDR{"v":1,"t":"%s","tid":"t"}' % kind.encode()
+        raw = b'PDR{"v":2,"t":"%s","tid":"t"}' % kind.encode()
         assert decode(raw) == decode(encode(Kind(kind), "t"))
         assert decode(raw).kind is Kind(kind)  # type: ignore[union-attr]
 
@@ -40,7 +44,7 @@ def test_encoding_is_the_version_1_wire_format() -> None:
 def test_foreign_notifications_are_ignored() -> None:
     assert decode(b"HB:req-1") is None
     assert decode(b"PDRnot json") is None
-    assert decode(b'PDR{"v":1,"t":"NEW","tid":"x"}') is None  # no handler for it
+    assert decode(b'PDR{"v":2,"t":"NEW","tid":"x"}') is None  # no handler for it
 
 
 def test_other_version_is_reported_not_parsed() -> None:

@@ -229,6 +229,31 @@ def chat_top2(client: openai.OpenAI, model: str, messages: Sequence[dict[str, st
     return Reply(choice.message.content or "", token_ids(choice), top2)
 
 
+def chat_top2_streamed(
+    client: openai.OpenAI, model: str, messages: Sequence[dict[str, str]]
+) -> Reply:
+    """``chat_top2``, streamed: the text, token ids and top-2 log-probabilities of every
+    chunk, joined."""
+    msgs: Any = list(messages)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        **GREEDY,
+    )
+    text, ids, top2 = [], [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            ids.extend(token_ids(choice))
+            for t in (choice.logprobs.content if choice.logprobs else None) or []:
+                top2.append((t.top_logprobs[0].logprob, t.top_logprobs[1].logprob))
+    return Reply("".join(text), tuple(ids), tuple(top2))
+
+
 NEAR_TIE = 0.1  # nats between the two best tokens: where KV computed elsewhere may flip it
 
 

@@ -1,17 +1,20 @@
-"""KV that flows back, on real engines (pull mode, vLLM's ``bidirectional_kv_xfer`` on both):
-a conversation whose history holds the model's own replies, one non-streaming turn after the
-other with the session in ``x-session-id``. Prefix caching is off, as on a P whose cache lost
-the conversation (or another P): from the second turn on, P takes the history it would
-recompute from D over NIXL instead, at least the previous turn's whole prompt, and computes
-only the rest. The answers equal the aggregated engine's (which recomputes every history) up to
-near-ties: the reply's KV now comes from D's decode steps, not from a prefill, and rounds
-differently, as it would in any prefix cache (``helpers.first_disagreement``).
+"""KV that flows back, on real engines: a conversation whose history holds the model's own
+replies, one turn after the other with the session in ``x-session-id``. In pull mode (vLLM's
+``bidirectional_kv_xfer`` on both engines) the turns are not streamed (vLLM keeps only
+those); in pipelined mode (this project's connector) they are streamed. Prefix caching is
+off, as on a P whose cache lost the conversation (or another P): from the second turn on, P
+takes the history it would recompute from D over NIXL instead, at least the previous turn's
+whole prompt, and computes only the rest. The answers equal the aggregated engine's (which
+recomputes every history) up to near-ties: the reply's KV now comes from D's decode steps,
+not from a prefill, and rounds differently, as it would in any prefix cache
+(``helpers.first_disagreement``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import openai
 import pytest
 
 from router.stack import Stack
@@ -21,12 +24,20 @@ from tests.e2e.conftest import MODEL, Reference, feed_back
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+FINISHED = "vllm:request_success_total"
 KV_RETURN = "pdrouter_kv_return_total"
 
 
-@pytest.fixture(scope="module")
-def stack(reference: Reference) -> Iterator[Stack]:
-    with Stack(variant=h.FAST, mode="pull", kv_return=True) as st:
+# How each mode's turns are asked (see the module doc).
+ASK: dict[str, Callable[[openai.OpenAI, str, list[dict[str, str]]], h.Reply]] = {
+    "pull": h.chat_top2,
+    "pipelined": h.chat_top2_streamed,
+}
+
+
+@pytest.fixture(scope="module", params=list(ASK))
+def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
+    with Stack(variant=h.FAST, mode=request.param, kv_return=True) as st:
         h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
         yield st
 
@@ -36,10 +47,16 @@ def test_next_turn_reads_the_history_from_d(stack: Stack, reference: Reference) 
         default_headers={"x-session-id": "long-talk"}
     )
     rows: list[tuple[int, float, float, int]] = []  # turn, P computed, P from D, prompt tokens
+    ask = ASK[stack.mode.value]
 
     def say(messages: list[dict[str, str]]) -> h.Reply:
         before = stack.engine_metrics("prefill-0")
-        reply = h.chat_top2(client, MODEL, messages)
+        reply = ask(client, MODEL, messages)
+        # In pipelined mode D's answer may end before P's own has been counted.
+        h.wait_until(
+            lambda: (h.delta(stack.engine_metrics("prefill-0"), before, FINISHED) >= 1, "P"),
+            timeout_s=10,
+        )
         after = h.settled(lambda: stack.engine_metrics("prefill-0"), BY_SOURCE)
         computed = h.delta(after, before, BY_SOURCE, source="local_compute")
         from_d = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
@@ -57,12 +74,17 @@ def test_next_turn_reads_the_history_from_d(stack: Stack, reference: Reference) 
             print(f"turn {turn}: a near-tie went the other way; later turns not compared")
             break
     assert rows[0][2] == 0  # nothing kept yet
+    # Pull: the router compares token ids; pipelined: P compares hashes of 16 (reuse.py).
+    grain = 16 if stack.mode.value == "pipelined" else 1
     for turn, _computed, from_d, _prompt in rows[1:]:
         previous_prompt = rows[turn - 1][3]
-        assert from_d >= previous_prompt, rows  # at least the last turn's prompt, from D
+        assert from_d >= previous_prompt // grain * grain, rows  # the last turn's prompt
+    if stack.mode.value == "pipelined":  # the connector's own count of what P read
+        pulled = stack.engine_metrics("prefill-0").total("vllm:pdr_tokens_pulled_total")
+        assert pulled == sum(row[2] for row in rows)
     router = stack.router_metrics()
-    reused = router.total(KV_RETURN, result="reused") + router.total(KV_RETURN, result="partial")
-    assert reused == len(rows) - 1
+    results = ("reused", "partial", "offered")  # pipelined: offered, P checks it
+    assert sum(router.total(KV_RETURN, result=r) for r in results) == len(rows) - 1
     assert router.total(KV_RETURN, result="mismatch") == 0
 
 
@@ -75,8 +97,11 @@ def test_an_edited_history_is_recomputed(stack: Stack, reference: Reference) -> 
     first = [{"role": "user", "content": "A long talk. " + "context " * 600}]
     h.chat(client, MODEL, first, stream=False)
     edited = [{"role": "user", "content": "A long talk. " + "other " * 600}]
+    fresh = h.chat(h.client_for(stack.router_url), MODEL, edited, stream=False)  # no session
     before = stack.engine_metrics("prefill-0")
-    h.chat(client, MODEL, edited, stream=False)
+    again = h.chat(client, MODEL, edited, stream=False)
     after = h.settled(lambda: stack.engine_metrics("prefill-0"), BY_SOURCE)
     assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") == 0
-    assert stack.router_metrics().total(KV_RETURN, result="mismatch") >= 1
+    assert again.token_ids == fresh.token_ids
+    if stack.mode.value == "pull":  # the router compares token ids; in pipelined, P does
+        assert stack.router_metrics().total(KV_RETURN, result="mismatch") >= 1

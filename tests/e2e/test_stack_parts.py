@@ -185,3 +185,17 @@ def test_the_connector_settings_reach_the_pipelined_engines() -> None:
     for spec in stack._plan():
         extra = json.loads(eng.kv_transfer_config(spec) or "{}")["kv_connector_extra_config"]
         assert extra["write_batch"] == "layer" and extra["side_channel_port"] == spec.kv_port
+
+
+def test_pipelined_kept_turns_reach_d_s_ttl_p_s_recompute_and_the_router() -> None:
+    """With kv_return, D keeps turns for longer than the router hands them out, and a P
+    whose pull fails recomputes (vLLM's default would fail the request)."""
+    stack = Stack("pipelined", kv_return=True)
+    p, d = stack._plan()
+    p_cfg, d_cfg = (json.loads(eng.kv_transfer_config(s) or "{}") for s in (p, d))
+    assert p_cfg["kv_load_failure_policy"] == "recompute" and "kv_load_failure_policy" not in d_cfg
+    engine_ttl = d_cfg["kv_connector_extra_config"]["keep_ttl_s"]
+    stack.router_port = 1
+    router_ttl = stack.router_config()["models"][0]["kv_return"]["ttl_seconds"]
+    assert 0 < router_ttl < engine_ttl
+    assert "bidirectional_kv_xfer" not in d_cfg["kv_connector_extra_config"]

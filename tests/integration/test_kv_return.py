@@ -11,9 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
+from connector.address import NixlAddress
 from router.app import create_app
 from router.config import ConfigError, parse_config
 from tests.conftest import Cluster, metric
+from tests.fakes.servers import serve
 
 HISTORY = [{"role": "user", "content": "Tell me about routers. " * 8}]
 REPLY = "t0 t1 t2 t3 "  # what the fake D answers with its default four tokens
@@ -196,8 +198,131 @@ async def test_without_a_session_nothing_is_kept(
     assert _result(ctx, "kept") == 0
 
 
-@pytest.mark.parametrize("mode", ["push", "push-sequential", "pipelined"])
-def test_kv_return_is_a_pull_mode_setting(cluster: Cluster, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["push", "push-sequential", "aggregated"])
+def test_kv_return_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: str) -> None:
     cfg = cluster.config(mode, **KV_RETURN)
-    with pytest.raises(ConfigError, match="kv_return needs mode 'pull'"):
+    with pytest.raises(ConfigError, match="kv_return needs mode 'pull' or 'pipelined'"):
         create_app(parse_config(cfg))
+
+
+# -- pipelined: this project's connector keeps the turn; P checks it itself --------------------
+
+
+async def _pipelined(cluster: Cluster, **model: Any) -> tuple[str, Any]:
+    cfg = {"kv_return": {"enabled": True, **model}}
+    return await cluster.router(
+        "pipelined",
+        model=cfg,
+        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
+    )
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, messages: list[dict[str, str]], session: str | None
+) -> str:
+    headers = {"x-session-id": session} if session else {}
+    body = _chat(messages, stream=True)
+    r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    return r.text
+
+
+async def test_pipelined_streamed_turns_hand_p_the_previous_turn_kept_on_d(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _pipelined(cluster)
+    await _stream(client, url, HISTORY, "conv-1")
+    (p1,), (d1,) = cluster.prefill[0].received, cluster.decode[0].received
+    assert d1.kv["kv_keep"] is True and "kv_reuse" not in p1.kv
+    assert _result(ctx, "kept") == 1
+
+    await _stream(client, url, _next_turn(), "conv-1")
+    p2, d2 = cluster.prefill[0].received[-1], cluster.decode[0].received[-1]
+    # P is told where the last turn is kept: its transfer id and D's NIXL address.
+    assert p2.kv["kv_reuse"] == {
+        "transfer_id": d1.kv["transfer_id"],
+        "remote_engine_id": "D",
+        "remote_host": "10.0.0.2",
+        "remote_port": 7002,
+    }
+    assert p2.kv["transfer_id"] == d2.kv["transfer_id"] != d1.kv["transfer_id"]
+    assert d2.kv["kv_keep"] is True
+    assert _result(ctx, "offered") == 1
+
+    # Each kept turn is handed out once: the third turn gets the second's, not the first's.
+    await _stream(client, url, [*_next_turn(), {"role": "user", "content": "More?"}], "conv-1")
+    assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == d2.kv["transfer_id"]
+
+
+async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """A client sends its next turn as soon as the last one ends: the kept turn must be
+    recorded by the time the router sends the answer's last bytes, streamed or not (not when
+    it closes D's leg afterwards, which races the next turn)."""
+    cfg = cluster.config(
+        "pipelined",
+        model={"kv_return": {"enabled": True}},
+        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
+    )
+    app = create_app(parse_config(cfg))
+    kept_at_end: list[float] = []
+
+    async def spy(scope: Any, receive: Any, send: Any) -> None:
+        async def watch(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                kept_at_end.append(_result(app.state.ctx, "kept"))
+            await send(message)
+
+        await app(scope, receive, watch)
+
+    url = await cluster.stack.enter_async_context(serve(spy))
+    headers = {"x-session-id": "conv-1"}
+    for body in (_chat(HISTORY, stream=True), _chat(HISTORY)):
+        r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200
+    assert kept_at_end == [1, 2]
+
+
+async def test_pipelined_requests_without_a_session_keep_nothing(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _pipelined(cluster)
+    await _stream(client, url, HISTORY, None)
+    await _stream(client, url, _next_turn(), None)
+    assert all("kv_keep" not in r.kv for r in cluster.decode[0].received)
+    assert all("kv_reuse" not in r.kv for r in cluster.prefill[0].received)
+    assert _result(ctx, "kept") == 0
+
+
+async def test_pipelined_keeps_no_turn_whose_stream_broke(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _pipelined(cluster)
+    cluster.decode[0].behaviour.drop_after = 2  # D's stream ends mid-answer
+    r = await client.post(
+        url + "/v1/chat/completions",
+        json=_chat(HISTORY, stream=True),
+        headers={"x-session-id": "conv-1"},
+    )
+    assert r.status_code == 200 and '"error"' in r.text  # the cut stream, reported in-band
+    cluster.decode[0].behaviour.drop_after = None
+    await _stream(client, url, _next_turn(), "conv-1")
+    assert "kv_reuse" not in cluster.prefill[0].received[-1].kv
+    assert _result(ctx, "kept") == 1  # the second turn only
+
+
+async def test_pipelined_offers_no_turn_kept_on_a_d_that_is_another_engine_now(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _pipelined(cluster, ttl_seconds=60)
+    await _stream(client, url, HISTORY, "conv-1")
+    pool = ctx.registry.get("tiny")
+    # D restarted under a new engine id (as a reload would configure it): its KV is gone.
+    pool.decode[0].configure_nixl(NixlAddress("D-2", "10.0.0.2", 7002), None)
+    await _stream(client, url, _next_turn(), "conv-1")
+    assert "kv_reuse" not in cluster.prefill[0].received[-1].kv
+    assert cluster.prefill[0].received[-1].kv["remote_engine_id"] == "D-2"
+    assert _result(ctx, "unavailable") == 1

@@ -1,0 +1,259 @@
+"""Kept turns on the worker side: D's ``Keeper`` and P's ``Asker`` (see ``connector.reuse``).
+
+Flow for one kept turn ``tid`` (the finished turn's transfer id)::
+
+    D scheduler: request finished normally with kv_keep -> KeepSpec -> D worker keeps it
+    next turn's P scheduler: ASK planned ------ ASK(tid) --------------------------> D worker
+    D worker: the entry is taken (used once) <- HELD(tid, tokens, hashes) ---------- D worker
+    P scheduler compares hashes, claims a prefix; PULL(tid, start, blocks) -------> D worker
+    D worker: one WRITE per layer (+ W), DONE(tid, writes) -----------------------> P receiver
+    D's WRITEs complete -> finished_sending -> vLLM frees D's blocks
+
+An entry that nobody asks for is dropped at ``keep_s``; one asked for but never pulled (P
+declined with an empty PULL, or vanished) at ``pull_s`` after the ASK. Every way out reports
+the request's blocks free exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from connector.address import NixlAddress
+from connector.context import WorkerContext
+from connector.layout import block_runs, write_descs
+from connector.metadata import KeepSpec, Kind, encode
+from connector.peers import Link, LinkState
+from connector.reuse import KeptAnswer
+
+__all__ = ["Asker", "Keeper"]
+
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@dataclass(slots=True)
+class _Kept:
+    spec: KeepSpec
+    expires_at: float
+    asked_at: float | None = None
+    link: str | None = None  # the P that pulls
+    pull: tuple[int, list[int]] | None = None  # P's (first logical block, block ids)
+    written: bool = False
+    handles: list[tuple[object, float]] = field(default_factory=list)
+    done: bool = False  # nothing more will be written: free once the handles drain
+
+
+class Keeper:
+    """D: the finished turns this rank keeps, by tid; their only owner."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        self._kept: dict[str, _Kept] = {}
+
+    @property
+    def busy(self) -> bool:
+        """True while a P is being served (an ASK answered, WRITEs in flight)."""
+        return any(
+            (k.asked_at is not None and not k.done) or k.handles for k in self._kept.values()
+        )
+
+    def knows(self, tid: str) -> bool:
+        return tid in self._kept
+
+    def keep(self, spec: KeepSpec) -> None:
+        """The scheduler kept a finished turn's blocks."""
+        self._kept[spec.tid] = _Kept(spec, self._ctx.clock() + self._ctx.t.keep_s)
+        self._ctx.stats.kept()
+
+    def on_ask(self, peer: str, tid: str) -> None:
+        """P asks what ``tid`` holds: HELD (taking the entry) or FAIL."""
+        kept = self._kept.get(tid)
+        now = self._ctx.clock()
+        if kept is None or kept.asked_at is not None or kept.done or now >= kept.expires_at:
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
+            return
+        kept.asked_at = now
+        spec = kept.spec
+        self._ctx.notice(peer, encode(Kind.HELD, tid, tokens=spec.num_tokens, hashes=spec.hashes))
+
+    def on_pull(self, peer: str, tid: str, body: dict[str, Any]) -> None:
+        """P's PULL: write the kept blocks it names (none: it declined them)."""
+        kept = self._kept.get(tid)
+        if kept is None or kept.done or kept.pull is not None:
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
+            return
+        blocks = [int(b) for b in body.get("blocks") or ()]
+        if not blocks:
+            kept.done = True
+            return
+        kept.link, kept.pull = peer, (int(body.get("start", 0)), blocks)
+        self._write(kept)
+
+    def on_abort(self, tid: str) -> None:
+        """P gave up (its request aborted): write nothing more."""
+        kept = self._kept.get(tid)
+        if kept is not None:
+            kept.done = True
+
+    def on_link_settled(self, link: Link) -> None:
+        for kept in list(self._kept.values()):
+            if kept.link == link.name and not kept.written:
+                self._write(kept)
+
+    def collect(self) -> set[str]:
+        """Request ids whose blocks can be freed now (reported once); forgets them."""
+        now = self._ctx.clock()
+        pull_s = self._ctx.t.pull_s
+        free: set[str] = set()
+        for tid, kept in list(self._kept.items()):
+            self._check_handles(kept, now)
+            if kept.asked_at is None and now >= kept.expires_at:
+                kept.done = True
+                self._ctx.stats.kept_expired()
+            elif kept.pull is None and kept.asked_at is not None and now - kept.asked_at > pull_s:
+                kept.done = True  # asked, never pulled: P vanished
+            if kept.done and not kept.handles:
+                free.add(kept.spec.req_id)
+                del self._kept[tid]
+        return free
+
+    def shutdown(self) -> None:
+        for kept in self._kept.values():
+            if kept.link is not None and not kept.done:
+                self._ctx.notice(
+                    kept.link, encode(Kind.FAIL, kept.spec.tid, reason="D shutting down")
+                )
+            kept.done = True
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _write(self, kept: _Kept) -> None:
+        """One WRITE per layer of the pulled blocks, then DONE; or FAIL."""
+        assert kept.link is not None and kept.pull is not None
+        link = self._ctx.peers.get(kept.link)
+        layout = self._ctx.layout
+        if link is None or layout is None or link.state is not LinkState.READY:
+            if link is None or link.settled:
+                self._fail(kept, "no link to the pulling P")
+            return  # on_link_settled retries
+        if link.layout is None:
+            self._fail(kept, "P sent no KV layout")
+            return
+        kept.written = True
+        start, dst = kept.pull
+        src = kept.spec.block_ids[start : start + len(dst)]
+        runs = block_runs(src, dst[: len(src)])
+        now = self._ctx.clock()
+        for layer in range(len(layout.layers)):
+            local, remote = write_descs(layout, link.layout, layer, runs)
+            try:
+                handle = self._ctx.agent.post_write(
+                    link.name, local, remote, layout.mem_type, encode(Kind.W, kept.spec.tid)
+                )
+            except Exception as exc:
+                self._fail(kept, f"posting WRITE failed: {exc}")
+                return
+            kept.handles.append((handle, now))
+            self._ctx.stats.wrote(sum(d[1] for d in local))
+        self._ctx.notice(link.name, encode(Kind.DONE, kept.spec.tid, writes=len(kept.handles)))
+        kept.done = True
+
+    def _fail(self, kept: _Kept, reason: str) -> None:
+        log.warning("pd-connector: kept turn %s not sent: %s", kept.spec.tid, reason)
+        self._ctx.stats.failure("write_error")
+        if kept.link is not None:
+            self._ctx.notice(kept.link, encode(Kind.FAIL, kept.spec.tid, reason=reason))
+        kept.done = True
+
+    def _check_handles(self, kept: _Kept, now: float) -> None:
+        pending: list[tuple[object, float]] = []
+        for handle, posted in kept.handles:
+            try:
+                state = self._ctx.agent.xfer_state(handle)
+            except Exception:  # an agent that cannot tell is treated like a failed WRITE
+                state = "ERR"
+            if state == "PROC" and now - posted <= self._ctx.t.write_s:
+                pending.append((handle, posted))
+                continue
+            try:
+                self._ctx.agent.release(handle)
+            except Exception as exc:  # releasing a stuck WRITE may fail; nothing else to do
+                log.debug("pd-connector: release failed: %s", exc)
+            if state != "DONE" and kept.link is not None:  # P still counts W notices
+                self._ctx.notice(kept.link, encode(Kind.FAIL, kept.spec.tid, reason="WRITE failed"))
+        kept.handles = pending
+
+
+class Asker:
+    """P: the questions this rank asked kept turns' D, by tid; their only owner. Rank 0 asks
+    (every rank's D holds the same turn); each rank pulls its own KV shard."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        self._asks: dict[str, _Ask] = {}
+        self._answers: dict[str, KeptAnswer] = {}
+
+    def knows(self, tid: str) -> bool:
+        return tid in self._asks
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._asks)
+
+    def ask(self, req_id: str, tid: str, peer: NixlAddress) -> None:
+        if self._ctx.rank != 0:
+            return
+        link = self._ctx.peers.ensure(peer)
+        self._asks[tid] = _Ask(req_id, link.name, self._ctx.clock())
+        self._try_ask(tid)
+
+    def on_held(self, tid: str, body: dict[str, Any]) -> None:
+        ask = self._asks.pop(tid, None)
+        if ask is None:
+            return
+        hashes = body.get("hashes")
+        tokens = body.get("tokens")
+        answer: KeptAnswer = None
+        if isinstance(tokens, int) and isinstance(hashes, list):
+            answer = (tokens, [str(h) for h in hashes])
+        self._answers[ask.req_id] = answer
+
+    def on_fail(self, tid: str) -> None:
+        ask = self._asks.pop(tid, None)
+        if ask is not None:
+            self._answers[ask.req_id] = None
+
+    def on_link_settled(self, link: Link) -> None:
+        for tid, ask in list(self._asks.items()):
+            if ask.link == link.name:
+                self._try_ask(tid)
+
+    def take_answers(self) -> dict[str, KeptAnswer]:
+        """D's answers since the last call, by request id; questions unanswered for
+        ``pull_s`` are answered None (the scheduler has long stopped waiting)."""
+        cutoff = self._ctx.clock() - self._ctx.t.pull_s
+        for tid in [t for t, a in self._asks.items() if a.started < cutoff]:
+            self.on_fail(tid)
+        answers, self._answers = self._answers, {}
+        return answers
+
+    def _try_ask(self, tid: str) -> None:
+        ask = self._asks[tid]
+        link = self._ctx.peers.get(ask.link)
+        if ask.sent or link is None:
+            return
+        if link.state is LinkState.READY:
+            self._ctx.notice(ask.link, encode(Kind.ASK, tid))
+            ask.sent = True
+        elif link.settled:
+            self.on_fail(tid)
+
+
+@dataclass(slots=True)
+class _Ask:
+    req_id: str
+    link: str
+    started: float
+    sent: bool = False
