@@ -1,15 +1,16 @@
-"""What a kept turn costs an idle D (pipelined mode, KV that flows back). Not a test.
+"""What holding a kept turn costs an idle D (KV that flows back). Not a test.
 
     .venv/bin/python bench/kept_turns_idle.py --seconds 20 --repeats 2
 
-This project's connector keeps D stepping while it holds a finished turn for the next P (its
-worker must answer P's ASK and PULL), napping ``keep_idle_sleep_s`` per empty step. On one
-1P1D stack (``Stack("pipelined", kv_return=True)``, D keeping a turn ``--seconds`` + 2 s) the
-script measures, each over ``--seconds`` of no traffic, the CPU time (user + system, from
-``/proc``, every thread) of D's and P's processes: ``idle`` (nothing kept) and ``kept`` (after
-a turn with a session id: D holds it), then waits for D to drop it. Printed: % of one core per
-engine and window, and kept/idle for D. The windows alternate within one run, ``--repeats``
-times.
+A D that keeps a finished turn for the next turn's P holds its blocks after the request
+finished (vLLM's delayed free), and vLLM steps an engine as long as a finished request's
+blocks await its connector, requests or not. Per mode, on one 1P1D stack each (``pull``:
+vLLM's ``NixlConnector`` with ``bidirectional_kv_xfer``; ``pipelined``: this project's
+connector; D keeping a turn ``--seconds`` + 2 s), the script measures over ``--seconds`` of no
+traffic the CPU time (user + system, from ``/proc``, every thread) of P's and D's processes:
+``idle`` (nothing kept) and ``kept`` (after one non-streamed turn with a session id: D holds
+it), then waits for D to drop it; ``--repeats`` times, alternating. Printed: % of one core
+per engine and window, and kept/idle for D.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import httpx
 from router.stack import Stack
 
 HISTORY = [{"role": "user", "content": "A long talk. " + "context " * 300}]
+# The engines' own names for how long D keeps a turn.
+TTL_KEY = {"pull": "decoder_kv_blocks_ttl", "pipelined": "keep_ttl_s"}
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -51,50 +54,50 @@ def _window(stack: Stack, seconds: float) -> dict[str, float]:
     return {n: 100 * (_cpu_seconds(stack.engine_pids(n)) - before[n]) / wall for n in names}
 
 
-def _turn(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> str:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+def _turn(client: httpx.Client, url: str, model: str, messages: list[dict[str, str]]) -> None:
+    body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0}
     r = client.post(url + "/v1/chat/completions", json=body, headers={"x-session-id": "s"})
     r.raise_for_status()
-    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def run(mode: str, seconds: float, repeats: int) -> dict[str, list[dict[str, float]]]:
+    rows: dict[str, list[dict[str, float]]] = {"idle": [], "kept": []}
+    keep_s = int(seconds) + 2
+    with (
+        open(os.devnull, "w") as log,
+        Stack(mode, kv_return=True, connector_extra={TTL_KEY[mode]: keep_s}, log=log) as stack,
+        httpx.Client(timeout=120) as client,
+    ):
+        url, model = stack.router_url, stack.model_name
+        warm = {"model": model, "prompt": "warm", "max_tokens": 2}
+        client.post(url + "/v1/completions", json=warm).raise_for_status()
+        for _ in range(repeats):
+            rows["idle"].append(_window(stack, seconds))
+            _turn(client, url, model, HISTORY)  # D keeps it
+            rows["kept"].append(_window(stack, seconds))
+            time.sleep(keep_s - seconds + 2)  # D drops it (nobody asked)
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--modes", default="pull,pipelined")
     args = ap.parse_args()
-    rows: dict[str, list[dict[str, float]]] = {"idle": [], "kept": []}
-    keep_s = args.seconds + 2
-    extra = {"keep_ttl_s": keep_s}
-    with (
-        open(os.devnull, "w") as log,
-        Stack("pipelined", kv_return=True, connector_extra=extra, log=log) as stack,
-    ):
-        url = stack.router_url
-        with httpx.Client(timeout=120) as client:
-            client.post(
-                url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 2}
-            ).raise_for_status()
-            for _ in range(args.repeats):
-                rows["idle"].append(_window(stack, args.seconds))
-                _turn(client, url, HISTORY)  # D keeps it
-                rows["kept"].append(_window(stack, args.seconds))
-                time.sleep(keep_s - args.seconds + 1)  # D drops it (nobody asked)
-            d = stack.engine_metrics("decode-0")
-            kept = d.total("vllm:pdr_turns_kept_total")
-            expired = d.total("vllm:pdr_kept_expired_total")
+    results = {m: run(m, args.seconds, args.repeats) for m in args.modes.split(",")}
     print(f"\n% of one core over {args.seconds:.0f} s without requests, mean of {args.repeats}")
-    print("| window | prefill-0 | decode-0 |")
-    print("|---|---|---|")
-    for name, windows in rows.items():
-        p = statistics.fmean(w["prefill-0"] for w in windows)
-        d = statistics.fmean(w["decode-0"] for w in windows)
-        print(f"| {name} | {p:.1f} | {d:.1f} |")
-    idle = statistics.fmean(w["decode-0"] for w in rows["idle"])
-    held = statistics.fmean(w["decode-0"] for w in rows["kept"])
-    print(
-        f"D kept/idle: {held / max(idle, 0.01):.1f}x; turns kept {kept:.0f}, expired {expired:.0f}"
-    )
+    print("| mode | window | prefill-0 | decode-0 |")
+    print("|---|---|---|---|")
+    for mode, rows in results.items():
+        for name, windows in rows.items():
+            p = statistics.fmean(w["prefill-0"] for w in windows)
+            d = statistics.fmean(w["decode-0"] for w in windows)
+            print(f"| {mode} | {name} | {p:.1f} | {d:.1f} |")
+    for mode, rows in results.items():
+        idle = statistics.fmean(w["decode-0"] for w in rows["idle"])
+        held = statistics.fmean(w["decode-0"] for w in rows["kept"])
+        print(f"{mode}: D kept/idle {held / max(idle, 0.01):.1f}x")
     return 0
 
 

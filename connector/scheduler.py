@@ -121,14 +121,11 @@ class SchedulerSide:
         sleep: Callable[[float], None] = time.sleep,
         *,
         reuse_timeout_s: float = 3.0,
-        keep_idle_sleep_s: float = 0.005,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``reuse_timeout_s``: how long P waits for D's answer about a kept turn.
-        ``keep_idle_sleep_s``: the nap of an empty step while D only keeps turns."""
+        """``reuse_timeout_s``: how long P waits for D's answer about a kept turn."""
         self._block_size = block_size
         self._idle_sleep_s = idle_sleep_s
-        self._keep_idle_sleep_s = keep_idle_sleep_s
         self._sleep = sleep
         self._xfers: dict[str, TransferParams] = {}  # every live pipelined request
         self._sends: dict[str, _SendTrack] = {}
@@ -208,17 +205,16 @@ class SchedulerSide:
         step, self._step = self._step, StepMeta()
         if self._sends:
             step.sends.extend(self._plan_sends(scheduler_output))
+        waiting = self._recv_waiting or self._awaiting_send or self._pulls or self._lookups.pending
         if (
             self._idle_sleep_s > 0
+            and waiting
             and step.is_empty()
             and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         ):
             # An empty step only waits for a peer; vLLM would run the next one at once and
             # spin the engine-core process, which on small hosts slows the other engine.
-            if self._recv_waiting or self._awaiting_send or self._pulls or self._lookups.pending:
-                self._sleep(self._idle_sleep_s)
-            elif self._kept:  # only waiting for a P that may come: a longer nap
-                self._sleep(self._keep_idle_sleep_s)
+            self._sleep(self._idle_sleep_s)
         return step
 
     def request_finished(
@@ -270,9 +266,12 @@ class SchedulerSide:
         self._lookups.on_answers(answers)
 
     def has_pending_work(self) -> bool:
-        """Keep the engine stepping while P holds blocks for D, D keeps a turn (a P's ASK
-        or PULL needs D's worker), or a notice is still unsent."""
-        return bool(self._awaiting_send or self._kept or not self._step.is_empty())
+        """Keep the engine stepping while P holds blocks for D or a notice is still unsent.
+
+        Kept turns need no more: vLLM steps an engine while a finished request's blocks
+        await its connector (``Scheduler.has_finished_requests``), so D's worker answers a
+        P's ASK or PULL within a step."""
+        return bool(self._awaiting_send or not self._step.is_empty())
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -130,9 +130,10 @@ class Stack:
         if kv_return and self.mode is eng.Mode.PIPELINED:  # this project's connector
             self.connector_extra = {"keep_ttl_s": KV_RETURN_ENGINE_TTL_S, **self.connector_extra}
         elif kv_return:  # vLLM's NixlConnector
-            self.connector_extra |= {
+            self.connector_extra = {
                 "bidirectional_kv_xfer": True,
                 "decoder_kv_blocks_ttl": KV_RETURN_ENGINE_TTL_S,
+                **self.connector_extra,
             }
         self.dtype = dtype or tiny_model.serving_dtype(variant)
         self.startup_timeout_s = startup_timeout_s
