@@ -25,7 +25,10 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from router.engines.affinity import Placement
+from router.engines.instance import Role
 from router.errors import Outcome
+from router.pd.kv_return import Reuse
 
 if TYPE_CHECKING:
     from router.registry import ModelPool
@@ -202,7 +205,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._pools: Callable[[], Iterable[ModelPool]] | None = None
-        self._zeroed: set[tuple[str, str, tuple[str, ...]]] = set()
+        self._zeroed: set[tuple[str, str, tuple[str, ...], tuple[bool, bool]]] = set()
         self._worker_state = WorkerStateGauges(r) if multiprocess else None
         self._scrape = r
         if multiprocess:
@@ -278,7 +281,7 @@ class Metrics:
         self.kv_returns = Counter(
             "pdrouter_kv_return",
             "Finished turns kept on D for the next P, and what became of them "
-            "(kept, reused, partial, mismatch, expired, unavailable)",
+            "(kept, reused, partial, mismatch, expired, unavailable, offered)",
             ["model", "result"],
             registry=r,
         )
@@ -321,10 +324,13 @@ class Metrics:
         series, so ``rate()`` in a dashboard or an alert ratio gets no data instead of 0.
         At scrape time, so models added by a reload or discovery get theirs too."""
         for pool in self._pools() if self._pools is not None else ():
-            key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill))
+            cfg = pool.config
+            flags = (cfg.sessions.enabled, cfg.kv_return.enabled)
+            key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill), flags)
             if key in self._zeroed:
                 continue
             self._zeroed.add(key)
+            self._zero_turns(pool)
             for outcome in Outcome:
                 self.requests.labels(pool.name, pool.mode.value, outcome)
             self.retries.labels(pool.name)
@@ -333,6 +339,18 @@ class Metrics:
                 self.disconnects.labels(pool.name, phase)
             for p in pool.prefill:
                 self.kv_params_missing.labels(pool.name, p.url)
+
+    def _zero_turns(self, pool: ModelPool) -> None:
+        """Session placements and kept turns, where the model has them on."""
+        if pool.config.sessions.enabled:
+            roles = (Role.PREFILL, Role.DECODE) if pool.mode.uses_prefill else (Role.DECODE,)
+            for role in roles:
+                for placement in Placement:
+                    self.session_routes.labels(pool.name, role.value, placement.value)
+        if pool.config.kv_return.enabled:
+            for result in Reuse:
+                self.kv_returns.labels(pool.name, result.value)
+            self.kv_returns_kept.labels(pool.name)
 
     def render(self) -> bytes:
         self._zero_series()

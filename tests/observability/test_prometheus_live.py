@@ -59,10 +59,10 @@ async def load(url: str, clients: int = 3) -> AsyncIterator[list[int]]:
         await asyncio.gather(*tasks)
 
 
-async def _router(cluster: Cluster, **overrides: Any) -> tuple[str, AppContext]:
+async def _router(cluster: Cluster, mode: str = "push", **overrides: Any) -> tuple[str, AppContext]:
     for e in cluster.decode:
         e.behaviour.tokens, e.behaviour.token_delay = 4, 0.01
-    return await cluster.router("push", health_checks=True, **overrides)
+    return await cluster.router(mode, health_checks=True, **overrides)
 
 
 def _jobs(router_url: str, cluster: Cluster) -> dict[str, list[tuple[str, dict[str, str]]]]:
@@ -88,7 +88,14 @@ def _active(alerts: list[dict[str, Any]], name: str, **labels: str) -> bool:
 async def test_router_panels_return_data_and_no_alert_goes_off_while_healthy(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    url, _ = await _router(cluster)
+    # Pipelined with KV that flows back: the kept-turn panels have series too.
+    url, _ = await _router(
+        cluster,
+        "pipelined",
+        model={"kv_return": {"enabled": True}},
+        prefill_extra={"engine_id": "P", "kv_host": "127.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "127.0.0.1", "kv_port": 7002},
+    )
     async with prometheus(tmp_path, _jobs(url, cluster)) as prom, load(url) as statuses:
         await prom.targets_up(3)
         queries = dashboard_queries(engines=False)
