@@ -19,9 +19,9 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import httpx
+from stacks import thread_cpu_seconds  # bench/stacks.py: run as bench/kept_turns_idle.py
 
 from router.stack import Stack
 
@@ -31,17 +31,7 @@ TTL_KEY = {"pull": "decoder_kv_blocks_ttl", "pipelined": "keep_ttl_s"}
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue  # the thread ended
-            utime, stime = (int(x) for x in stat.split(") ")[1].split()[11:13])
-            total += (utime + stime) / tick
-    return total
+    return sum(seconds for pid in pids for _, seconds in thread_cpu_seconds(pid))
 
 
 def _window(stack: Stack, seconds: float) -> dict[str, float]:

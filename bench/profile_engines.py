@@ -20,7 +20,6 @@ under ``--out`` for flame graphs (``inferno-flamegraph`` or speedscope read them
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import serve_bench as sb  # the stacks and the client of bench/serve_bench.py
-from stacks import py_spy, read_stacks
+from stacks import py_spy, read_stacks, thread_cpu_seconds
 
 from router.stack import Stack
 from router.stack.model import ensure_model
@@ -137,20 +136,13 @@ def _profile(
 def _cpu_seconds(stack: Stack) -> Counter[str]:
     """CPU seconds (user + system) so far of every thread of every engine process, by
     ``engine/process thread-name``: what the threads cost, not how long they were sampled."""
-    tick = os.sysconf("SC_CLK_TCK")
     used: Counter[str] = Counter()
     groups = [(spec.name, stack.engine_pids(spec.name)) for spec in stack.engines]
     for group, pids in [*groups, ("router", stack.router_pids())]:
         for pid in pids:
             process = _process_name(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    stat = (task / "stat").read_text()
-                except OSError:
-                    continue  # the thread ended
-                comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.split(") ")[1]
-                utime, stime = (int(x) for x in fields.split()[11:13])
-                used[f"{group}/{process} {comm}"] += (utime + stime) / tick
+            for comm, seconds in thread_cpu_seconds(pid):
+                used[f"{group}/{process} {comm}"] += seconds
     # The load generator (``vllm bench serve``, a child of this script, waited for); without
     # --cpu-only the py-spy recorders are children too and count here.
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
