@@ -34,6 +34,7 @@ class Timeouts:
     idle_wait_s: float = 0.002  # see WorkerSide._idle_wait; 0 turns it off
     keep_s: float = 300.0  # D: how long a finished turn is kept for a next P's ASK
     pull_s: float = 5.0  # a kept turn's ASK answered to PULL, and the PULL to its last W
+    early_ask_s: float = 1.0  # D: an ASK for a turn not kept (yet) waits this long for it
 
 
 class WorkerContext:

@@ -11,7 +11,10 @@ Flow for one kept turn ``tid`` (the finished turn's transfer id)::
 
 An entry that nobody asks for is dropped at ``keep_s``; one asked for but never pulled (P
 declined with an empty PULL, or vanished) at ``pull_s`` after the ASK. Every way out reports
-the request's blocks free exactly once.
+the request's blocks free exactly once. An ASK can arrive before the turn's ``KeepSpec``: the
+router records a turn as its answer's last bytes go out, and vLLM hands the worker a finished
+request's plan a step or two later (one more with asynchronous scheduling); such an ASK waits
+up to ``early_ask_s`` for it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Keeper:
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
         self._kept: dict[str, _Kept] = {}
+        self._early: dict[str, tuple[str, float]] = {}  # tid -> (P agent, asked at)
 
     @property
     def busy(self) -> bool:
@@ -66,12 +70,18 @@ class Keeper:
         """The scheduler kept a finished turn's blocks."""
         self._kept[spec.tid] = _Kept(spec, self._ctx.clock() + self._ctx.t.keep_s)
         self._ctx.stats.kept()
+        early = self._early.pop(spec.tid, None)
+        if early is not None:
+            self.on_ask(early[0], spec.tid)
 
     def on_ask(self, peer: str, tid: str) -> None:
         """P asks what ``tid`` holds: HELD (taking the entry) or FAIL."""
         kept = self._kept.get(tid)
         now = self._ctx.clock()
-        if kept is None or kept.asked_at is not None or kept.done or now >= kept.expires_at:
+        if kept is None:
+            self._early[tid] = (peer, now)  # its KeepSpec may be a step behind
+            return
+        if kept.asked_at is not None or kept.done or now >= kept.expires_at:
             self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
             return
         kept.asked_at = now
@@ -106,6 +116,10 @@ class Keeper:
         """Request ids whose blocks can be freed now (reported once); forgets them."""
         now = self._ctx.clock()
         pull_s = self._ctx.t.pull_s
+        for tid, (peer, at) in list(self._early.items()):
+            if now - at > self._ctx.t.early_ask_s:
+                del self._early[tid]
+                self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
         free: set[str] = set()
         for tid, kept in list(self._kept.items()):
             self._check_handles(kept, now)

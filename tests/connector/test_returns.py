@@ -216,6 +216,25 @@ def test_p_asks_d_answers_p_pulls_and_d_frees_after_its_writes() -> None:
     assert stats is not None and stats["tokens_pulled"] == 6
 
 
+def test_an_ask_ahead_of_the_keep_is_answered_once_it_arrives_or_refused_later() -> None:
+    """The router records a turn as its answer ends; vLLM hands D's worker the finished
+    request's plan a step or two later, so P's ASK may come first."""
+    _, clock, p, d = sides()
+    idle(d)
+    ask(p)
+    settle(p, d)
+    assert p.worker.take_answers() == {}  # waiting, not refused
+    keep(d)
+    settle(p, d)
+    assert p.worker.take_answers() == {"p2": (40, prefix_hashes(TURN))}
+    p.worker.bind(StepMeta(asks={"p3": ("t-never", D_ADDR)}))  # never kept
+    settle(p, d)
+    assert p.worker.take_answers() == {}
+    clock.advance(1.5)  # past early_ask_s: refused
+    settle(p, d)
+    assert p.worker.take_answers() == {"p3": None}
+
+
 def test_a_kept_turn_is_used_once() -> None:
     _, _, p, d = sides()
     keep(d)
