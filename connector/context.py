@@ -80,6 +80,22 @@ class WorkerContext:
                 log.warning("pd-connector: dropped notice to unreachable %s", agent)
         self._notices = keep
 
+    def xfer_state(self, handle: object) -> str:
+        """A posted WRITE's state (``PROC``, ``DONE``, ``ERR``); an agent that cannot tell
+        counts as a failed WRITE."""
+        try:
+            return self.agent.xfer_state(handle)
+        except Exception:
+            return "ERR"
+
+    def release(self, handle: object) -> None:
+        """Release a WRITE's handle; releasing a stuck WRITE may fail, and nothing else can
+        be done about it then."""
+        try:
+            self.agent.release(handle)
+        except Exception as exc:
+            log.debug("pd-connector: release failed: %s", exc)
+
     def _send_notif(self, agent: str, raw: bytes) -> bool:
         try:
             self.agent.send_notif(agent, raw)

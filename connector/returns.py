@@ -184,17 +184,11 @@ class Keeper:
     def _check_handles(self, kept: _Kept, now: float) -> None:
         pending: list[tuple[object, float]] = []
         for handle, posted in kept.handles:
-            try:
-                state = self._ctx.agent.xfer_state(handle)
-            except Exception:  # an agent that cannot tell is treated like a failed WRITE
-                state = "ERR"
+            state = self._ctx.xfer_state(handle)
             if state == "PROC" and now - posted <= self._ctx.t.write_s:
                 pending.append((handle, posted))
                 continue
-            try:
-                self._ctx.agent.release(handle)
-            except Exception as exc:  # releasing a stuck WRITE may fail; nothing else to do
-                log.debug("pd-connector: release failed: %s", exc)
+            self._ctx.release(handle)
             if state != "DONE" and kept.link is not None:  # P still counts W notices
                 self._ctx.notice(kept.link, encode(Kind.FAIL, kept.spec.tid, reason="WRITE failed"))
         kept.handles = pending

@@ -291,11 +291,11 @@ class Sender:
     def _check_handles(self, send: _Send, now: float) -> None:
         pending: list[tuple[object, float]] = []
         for handle, posted in send.handles:
-            state = self._xfer_state(handle)
+            state = self._ctx.xfer_state(handle)
             if state == "PROC" and now - posted <= self._ctx.t.write_s:
                 pending.append((handle, posted))
                 continue
-            self._release(handle)
+            self._ctx.release(handle)
             if state == "PROC":
                 self._fail(send, "write_timeout", "WRITE did not complete in time")
             elif state == "ERR":
@@ -319,18 +319,6 @@ class Sender:
         self._sends.pop(send.req_id, None)
         self._by_tid.pop(send.tid, None)
         self._finished_reqs.discard(send.req_id)
-
-    def _xfer_state(self, handle: object) -> str:
-        try:
-            return self._ctx.agent.xfer_state(handle)
-        except Exception:  # an agent that cannot tell is treated like a failed WRITE
-            return "ERR"
-
-    def _release(self, handle: object) -> None:
-        try:
-            self._ctx.agent.release(handle)
-        except Exception as exc:  # releasing a stuck WRITE may fail; nothing else to do
-            log.debug("pd-connector: release failed: %s", exc)
 
 
 def _pair_blocks(
