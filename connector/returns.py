@@ -228,9 +228,12 @@ class Asker:
             answer = (tokens, [str(h) for h in hashes])
         self._answers[ask.req_id] = answer
 
-    def on_fail(self, tid: str) -> None:
+    def on_fail(self, tid: str, reason: str) -> None:
+        """D refused, or no answer can come: the request computes everything."""
         ask = self._asks.pop(tid, None)
         if ask is not None:
+            log.info("pd-connector: kept turn %s not read: %s", tid, reason)
+            self._ctx.stats.kept_missed()
             self._answers[ask.req_id] = None
 
     def on_link_settled(self, link: Link) -> None:
@@ -243,7 +246,7 @@ class Asker:
         ``pull_s`` are answered None (the scheduler has long stopped waiting)."""
         cutoff = self._ctx.clock() - self._ctx.t.pull_s
         for tid in [t for t, a in self._asks.items() if a.started < cutoff]:
-            self.on_fail(tid)
+            self.on_fail(tid, "no answer from D in time")
         answers, self._answers = self._answers, {}
         return answers
 
@@ -256,7 +259,7 @@ class Asker:
             self._ctx.notice(ask.link, encode(Kind.ASK, tid))
             ask.sent = True
         elif link.settled:
-            self.on_fail(tid)
+            self.on_fail(tid, f"no link to D ({link.state.value})")
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ _SUMS = (
     "turns_kept",  # D: finished turns kept for a next P (connector.returns)
     "kept_expired",  # D: kept turns nobody asked for within keep_ttl_s
     "tokens_pulled",  # P: prompt tokens whose KV came from a kept turn, not computed
+    "kept_missed",  # P: kept turns D refused or did not answer (P computed those tokens)
 )
 _LISTS = ("writes_per_request", "write_seconds", "handshake_seconds")
 
@@ -91,6 +92,9 @@ class WorkerStats:
 
     def kept_expired(self) -> None:
         self._data["kept_expired"] += 1
+
+    def kept_missed(self) -> None:
+        self._data["kept_missed"] += 1
 
     def pulled(self, tokens: int) -> None:
         self._data["tokens_pulled"] += tokens

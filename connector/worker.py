@@ -250,7 +250,7 @@ class WorkerSide:
             case Kind.DONE:
                 self._receiver.on_done(msg.tid, msg.body)
             case Kind.FAIL if self._asker.knows(msg.tid):
-                self._asker.on_fail(msg.tid)
+                self._asker.on_fail(msg.tid, str(msg.body.get("reason", "")))
             case Kind.FAIL:
                 self._receiver.on_fail(msg.tid, str(msg.body.get("reason", "")))
             case Kind.ASK:

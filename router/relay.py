@@ -31,7 +31,7 @@ from router.errors import (
 )
 from router.metrics import Metrics
 from router.pd.dispatch import Dispatcher
-from router.pd.legs import DecodeLeg
+from router.pd.legs import DecodeLeg, ends_answer
 from router.pd.opened import Dispatch
 from router.registry import ModelPool
 from router.tracing import Tracing
@@ -226,7 +226,10 @@ class RelayResponse(Response):
         self._complete = not more
         if not more:
             dispatch.ended_cleanly()
-        await send({"type": "http.response.body", "body": first, "more_body": more})
+        # A whole short answer in D's first read: its [DONE] waits for D's end (forward).
+        head = first if more and ends_answer(b"", first) else b""
+        if not head:
+            await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0
         if not more:
             return
@@ -238,7 +241,7 @@ class RelayResponse(Response):
 
         try:
             with self._tracing.span("stream"):
-                await leg.forward(send, before_last, dispatch.usage_patch)
+                await leg.forward(send, before_last, dispatch.usage_patch, head)
                 self._tracing.set(pdrouter__chunks=leg.chunks)
         except UpstreamError as exc:
             self._stream_stats(dispatch)

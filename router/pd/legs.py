@@ -24,13 +24,35 @@ from router.metrics import Metrics
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens
 from router.upstream import UpstreamClient, UpstreamStream, map_errors
 
-__all__ = ["ENGINE_ERROR_EVENT", "DecodeLeg", "LegRunner", "PrefillResult", "Send"]
+__all__ = [
+    "ENGINE_ERROR_EVENT",
+    "SSE_DONE",
+    "DecodeLeg",
+    "LegRunner",
+    "PrefillResult",
+    "Send",
+    "ends_answer",
+]
 
 _MAX_ERROR_BODY = 64 * 1024
 # How vLLM reports a failure after a streaming response has started (the JSON of
 # an error response as one SSE event). Generated text cannot contain it: inside
 # the JSON of a token event its quotes are escaped.
 ENGINE_ERROR_EVENT = b'data: {"error"'
+# The last event of an OpenAI stream. A client stops reading there, before the HTTP end that
+# follows; the router must have recorded the answer's end by then (``DecodeLeg.forward``).
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def ends_answer(prev: bytes, chunk: bytes) -> bool:
+    """True if a stream's bytes, read so far as ``prev`` then ``chunk``, end with its terminal
+    event (:data:`SSE_DONE`) at an event's start. Generated text cannot end a read so: its
+    event's JSON holds no raw newline."""
+    if not chunk.endswith(b"]\n\n"):  # the fast path: a token's event ends with "}"
+        return False
+    n = len(SSE_DONE)
+    tail = (prev[-n:] + chunk)[-(n + 1) :]
+    return tail.endswith(SSE_DONE) and (len(tail) == n or tail[0] == ord("\n"))
 
 
 @contextlib.asynccontextmanager
@@ -119,16 +141,25 @@ class DecodeLeg:
             instance.at_engine += 1
 
     async def forward(
-        self, send: Send, before_last: Callable[[], None], patch: Patch | None = None
+        self,
+        send: Send,
+        before_last: Callable[[], None],
+        patch: Patch | None = None,
+        head: bytes = b"",
     ) -> None:
         """Send the rest of D's body to the client as ASGI body messages, chunk by chunk
         as read (no buffering); ``before_last()`` runs just before the last message (whose
-        ``more_body`` is False). ``patch`` rewrites the chunks that hold usage's
-        ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's stream
-        breaks; ``verdict`` then holds its fault."""
+        ``more_body`` is False). That message holds D's terminal ``[DONE]`` event, where a
+        client stops reading (not D's HTTP end, which may come in a read of its own), and
+        ``head``: bytes not yet sent that come first (D's first bytes, when they already
+        end the answer: see :func:`ends_answer`). ``patch`` rewrites the chunks that hold
+        usage's ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's
+        stream breaks before ``[DONE]``; ``verdict`` then holds its fault."""
         assert self.rest is not None, "a complete body has nothing left to forward"
         error_event = ENGINE_ERROR_EVENT in self.first
-        last = b""
+        # D's terminal event is held until D's end is read: the client stops at it.
+        held = head
+        last, prev = b"", self.first
         clock, stream = self._clock, self.stream
         count, worst, now = 1, 0.0, clock()
         try:
@@ -143,12 +174,20 @@ class DecodeLeg:
                     if patch is not None and MARKER in chunk:
                         chunk = await patch(chunk)
                     if stream.ended:
-                        last = chunk  # D's last bytes came with its end: one write for both
+                        last = held + chunk  # D's last bytes came with its end: one write
                         break
+                    if held or ends_answer(prev, chunk):
+                        held += chunk
+                        continue
+                    prev = chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                else:
+                    last = held
         except UpstreamError as exc:
-            self.verdict = exc.fault
-            raise
+            if not held:
+                self.verdict = exc.fault
+                raise
+            last = held  # the answer was whole ([DONE] read); only D's HTTP end broke
         finally:
             self.chunks, self.worst_gap = count, worst
             self._mark_ended()

@@ -233,6 +233,8 @@ def test_an_ask_ahead_of_the_keep_is_answered_once_it_arrives_or_refused_later()
     clock.advance(1.5)  # past early_ask_s: refused
     settle(p, d)
     assert p.worker.take_answers() == {"p3": None}
+    stats = p.worker.stats.take()
+    assert stats is not None and stats["kept_missed"] == 1  # p3 only: p2 was answered
 
 
 def test_a_kept_turn_is_used_once() -> None:
@@ -244,6 +246,8 @@ def test_a_kept_turn_is_used_once() -> None:
     ask(p, "p3")
     settle(p, d)
     assert p.worker.take_answers() == {"p3": None}
+    stats = p.worker.stats.take()
+    assert stats is not None and stats["kept_missed"] == 1
     fails = [decode(raw) for _, raw in d.agent.sent]
     assert any(m is not None and m.kind is Kind.FAIL and m.tid == "t1" for m in fails)
 

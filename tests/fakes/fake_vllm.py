@@ -59,6 +59,8 @@ class Behaviour:
     kv_peer: str | None = None
     poison: str | None = None  # a prompt containing this gets a 500 (a bad prompt)
     gate: asyncio.Event | None = None  # hold every answer until the test sets it
+    # D: after [DONE], hold the HTTP end of the stream until set (``holding_end`` says when)
+    end_gate: asyncio.Event | None = None
     # usage.prompt_tokens_details.cached_tokens (None: no details, as vLLM by default)
     cached_tokens: int | None = None
     # Pull D with vLLM's bidirectional_kv_xfer: a finished non-streaming answer carries the
@@ -110,6 +112,7 @@ class FakeEngine:
         self.active = 0  # generate requests currently open
         self.peak = 0  # most generate requests open at once
         self.health_checks = 0
+        self.holding_end = asyncio.Event()  # see Behaviour.end_gate
 
     # -- ASGI ----------------------------------------------------------------
 
@@ -284,6 +287,9 @@ class FakeEngine:
             }
             await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
         await _chunk(send, b"data: [DONE]\n\n")
+        if b.end_gate is not None:
+            self.holding_end.set()
+            await b.end_gate.wait()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -6,6 +6,7 @@ gives it (no params, no token ids it did not ask for)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -284,6 +285,45 @@ async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
         r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
         assert r.status_code == 200
     assert kept_at_end == [1, 2]
+
+
+async def test_pipelined_turn_is_kept_before_the_client_reads_done(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """A streaming client stops at D's ``[DONE]`` event and sends its next turn, without
+    waiting for the HTTP end, which may come in a read of its own: the turn must be kept
+    before ``[DONE]`` leaves. D holds its end here; the router holds ``[DONE]`` for it."""
+    cfg = cluster.config(
+        "pipelined",
+        model={"kv_return": {"enabled": True}},
+        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
+    )
+    app = create_app(parse_config(cfg))
+    kept_at_done: list[float] = []
+    done_sent = asyncio.Event()
+
+    async def spy(scope: Any, receive: Any, send: Any) -> None:
+        async def watch(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and b"[DONE]" in message["body"]:
+                kept_at_done.append(_result(app.state.ctx, "kept"))
+                done_sent.set()
+            await send(message)
+
+        await app(scope, receive, watch)
+
+    url = await cluster.stack.enter_async_context(serve(spy))
+    d = cluster.decode[0]
+    d.behaviour.end_gate = end = asyncio.Event()
+    turn = asyncio.create_task(_stream(client, url, HISTORY, "conv-1"))
+    await d.holding_end.wait()
+    # Correct: nothing comes while D holds its end. A router that sent [DONE] on does so
+    # within milliseconds, with the turn not yet kept (0 in kept_at_done).
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done_sent.wait(), 0.5)
+    end.set()
+    await turn
+    assert kept_at_done == [1]
 
 
 async def test_pipelined_requests_without_a_session_keep_nothing(
