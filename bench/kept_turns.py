@@ -11,7 +11,8 @@ only those). After each turn the script waits for P to count it, then reads from
 ``vllm:prompt_tokens_by_source_total`` how many prompt tokens came from D. A turn *reads its
 kept turn* when that is at least the previous turn's prompt (rounded down to the 16-token
 spans P compares in pipelined mode). Printed: per turn index, the turns that read it, then
-the total with the router's and the connector's counts of kept, offered and missed turns.
+the total with the router's and the connector's counts of kept, offered and missed turns, and
+the router's count of requests by outcome (a client that closes at ``[DONE]`` is a success).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.stack.metrics import Metrics, scrape
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FINISHED = "vllm:request_success_total"
 KV_RETURN = "pdrouter_kv_return_total"
+OUTCOMES = ("success", "client_disconnect", "upstream_error")
 MAX_TOKENS = 16
 
 
@@ -110,6 +112,8 @@ def main() -> None:
     print(f"all   {sum(total)} of {len(total)} ({100 * sum(total) / max(1, len(total)):.0f}%)")
     counts = {r: int(router.total(KV_RETURN, result=r)) for r in ("kept", "offered", "reused")}
     print("router:", ", ".join(f"{k} {v}" for k, v in counts.items()))
+    outcomes = {o: int(router.total("pdrouter_requests_total", outcome=o)) for o in OUTCOMES}
+    print("router, requests by outcome:", ", ".join(f"{k} {v}" for k, v in outcomes.items()))
     if args.mode == "pipelined":
         print("P: kept turns missed", int(p.total("vllm:pdr_kept_missed_total")))
 

@@ -55,6 +55,9 @@ def _last_prefill_kv(cluster: Cluster) -> dict[str, Any]:
     return cluster.prefill[0].received[-1].kv
 
 
+OUTCOMES = ("success", "client_disconnect")
+
+
 def _result(ctx: Any, result: str) -> float:
     return metric(ctx, "pdrouter_kv_return_total", model="tiny", result=result)
 
@@ -290,9 +293,10 @@ async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
 async def test_pipelined_turn_is_kept_before_the_client_reads_done(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    """A streaming client stops at D's ``[DONE]`` event and sends its next turn, without
-    waiting for the HTTP end, which may come in a read of its own: the turn must be kept
-    before ``[DONE]`` leaves. D holds its end here; the router holds ``[DONE]`` for it."""
+    """A streaming client stops at D's ``[DONE]`` event and closes, without waiting for the
+    HTTP end, which may come in a read of its own: the turn must be kept before ``[DONE]``
+    leaves, and the request is a success, not a disconnect. D holds its end here; the
+    router holds ``[DONE]`` for it."""
     cfg = cluster.config(
         "pipelined",
         model={"kv_return": {"enabled": True}},
@@ -300,22 +304,32 @@ async def test_pipelined_turn_is_kept_before_the_client_reads_done(
         decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
     )
     app = create_app(parse_config(cfg))
+    ctx = app.state.ctx
     kept_at_done: list[float] = []
     done_sent = asyncio.Event()
 
     async def spy(scope: Any, receive: Any, send: Any) -> None:
         async def watch(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body" and b"[DONE]" in message["body"]:
-                kept_at_done.append(_result(app.state.ctx, "kept"))
+                kept_at_done.append(_result(ctx, "kept"))
                 done_sent.set()
             await send(message)
 
         await app(scope, receive, watch)
 
+    async def until_done() -> None:  # as the openai SDK reads a stream
+        body, headers = _chat(HISTORY, stream=True), {"x-session-id": "conv-1"}
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+
     url = await cluster.stack.enter_async_context(serve(spy))
     d = cluster.decode[0]
     d.behaviour.end_gate = end = asyncio.Event()
-    turn = asyncio.create_task(_stream(client, url, HISTORY, "conv-1"))
+    turn = asyncio.create_task(until_done())
     await d.holding_end.wait()
     # Correct: nothing comes while D holds its end. A router that sent [DONE] on does so
     # within milliseconds, with the turn not yet kept (0 in kept_at_done).
@@ -324,6 +338,13 @@ async def test_pipelined_turn_is_kept_before_the_client_reads_done(
     end.set()
     await turn
     assert kept_at_done == [1]
+    # The router counts the request just after its last bytes: wait for the count, if slow.
+    for _ in range(200):
+        outcomes = {o: metric(ctx, "pdrouter_requests_total", outcome=o) for o in OUTCOMES}
+        if any(outcomes.values()):
+            break
+        await asyncio.sleep(0.01)
+    assert outcomes == {"success": 1, "client_disconnect": 0}
 
 
 async def test_pipelined_requests_without_a_session_keep_nothing(
