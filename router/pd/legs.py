@@ -176,7 +176,8 @@ class DecodeLeg:
                     if stream.ended:
                         last = held + chunk  # D's last bytes came with its end: one write
                         break
-                    if held or ends_answer(prev, chunk):
+                    # A token's event ends with "}": one test per token, no call.
+                    if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
                         held += chunk
                         continue
                     prev = chunk
