@@ -212,14 +212,22 @@ def test_kv_return_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: s
 # -- pipelined: this project's connector keeps the turn; P checks it itself --------------------
 
 
+# Pipelined mode with kv_return on: the engines' NIXL identities as the router needs them.
+PIPELINED: dict[str, Any] = {
+    "prefill_extra": {"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+    "decode_extra": {"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
+}
+
+
 async def _pipelined(cluster: Cluster, **model: Any) -> tuple[str, Any]:
     cfg = {"kv_return": {"enabled": True, **model}}
-    return await cluster.router(
-        "pipelined",
-        model=cfg,
-        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
-        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
-    )
+    return await cluster.router("pipelined", model=cfg, **PIPELINED)
+
+
+def _pipelined_app(cluster: Cluster) -> Any:
+    """The router app itself, for a test that wraps it in an ASGI spy."""
+    cfg = cluster.config("pipelined", model={"kv_return": {"enabled": True}}, **PIPELINED)
+    return create_app(parse_config(cfg))
 
 
 async def _stream(
@@ -265,13 +273,7 @@ async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
     """A client sends its next turn as soon as the last one ends: the kept turn must be
     recorded by the time the router sends the answer's last bytes, streamed or not (not when
     it closes D's leg afterwards, which races the next turn)."""
-    cfg = cluster.config(
-        "pipelined",
-        model={"kv_return": {"enabled": True}},
-        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
-        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
-    )
-    app = create_app(parse_config(cfg))
+    app = _pipelined_app(cluster)
     kept_at_end: list[float] = []
 
     async def spy(scope: Any, receive: Any, send: Any) -> None:
@@ -297,13 +299,7 @@ async def test_pipelined_turn_is_kept_before_the_client_reads_done(
     HTTP end, which may come in a read of its own: the turn must be kept before ``[DONE]``
     leaves, and the request is a success, not a disconnect. D holds its end here; the
     router holds ``[DONE]`` for it."""
-    cfg = cluster.config(
-        "pipelined",
-        model={"kv_return": {"enabled": True}},
-        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
-        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
-    )
-    app = create_app(parse_config(cfg))
+    app = _pipelined_app(cluster)
     ctx = app.state.ctx
     kept_at_done: list[float] = []
     done_sent = asyncio.Event()
