@@ -18,14 +18,13 @@ the router's count of requests by outcome (a client that closes at ``[DONE]`` is
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from typing import Any
 
 import openai
 
 from router.stack import Stack
 from router.stack.metrics import Metrics, scrape
+from tests.e2e import helpers as h
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FINISHED = "vllm:request_success_total"
@@ -47,21 +46,11 @@ def _ask(client: openai.OpenAI, model: str, messages: list[dict[str, str]], stre
     return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
 
 
-def _settled(scrape_p: Callable[[], Metrics], before: Metrics) -> Metrics:
+def _settled(p_url: str, before: Metrics) -> Metrics:
     """P's metrics once it has counted one more finished request and its tokens stopped moving
     (in pipelined mode D's answer may end before P's request does)."""
-    deadline = time.monotonic() + 15
-    now = scrape_p()
-    while now.total(FINISHED) <= before.total(FINISHED) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = scrape_p()
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        later = scrape_p()
-        if later.total(BY_SOURCE) == now.total(BY_SOURCE):
-            return later
-        now = later
-    return now
+    h.wait_until(lambda: (h.delta(scrape(p_url), before, FINISHED) >= 1, "P"), timeout_s=15)
+    return h.settled(lambda: scrape(p_url), BY_SOURCE)
 
 
 def _conversation(stack: Stack, c: int, turns: int, hits: list[list[bool]]) -> None:
@@ -74,13 +63,9 @@ def _conversation(stack: Stack, c: int, turns: int, hits: list[list[bool]]) -> N
     for t in range(turns):
         before = scrape(p_url)
         reply = _ask(client, stack.model_name, messages, stream=stack.mode.value == "pipelined")
-        after = _settled(lambda: scrape(p_url), before)
-        from_d = after.total(BY_SOURCE, source="external_kv_transfer") - before.total(
-            BY_SOURCE, source="external_kv_transfer"
-        )
-        computed = after.total(BY_SOURCE, source="local_compute") - before.total(
-            BY_SOURCE, source="local_compute"
-        )
+        after = _settled(p_url, before)
+        from_d = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
+        computed = h.delta(after, before, BY_SOURCE, source="local_compute")
         if t > 0:
             hits[t].append(from_d >= last_prompt // grain * grain)
         last_prompt = int(from_d + computed)
