@@ -17,6 +17,11 @@ from router.app import AppContext, create_app
 from router.config import parse_config
 from tests.fakes.fake_vllm import FakeEngine, KvBus
 from tests.fakes.servers import serve
+from tests.suites import SuiteClock
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SuiteClock(), "pd-router-suite-clock")
 
 
 @dataclass

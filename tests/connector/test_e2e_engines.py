@@ -50,9 +50,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
     # A small token budget forces chunked prefill, so a long prompt is pushed chunk by chunk.
-    with engine_pair(
-        tmp_path_factory.mktemp("pd"), extra={"receive_timeout_s": 30}, engine_args=CHUNKED
-    ) as engines:
+    # write_batch "layer": each layer's WRITE posted from its own save_kv_layer hook, the path
+    # a KV cache in device memory takes; the stacks of tests/e2e run the DRAM default ("step").
+    extra = {"receive_timeout_s": 30, "write_batch": "layer"}
+    with engine_pair(tmp_path_factory.mktemp("pd"), extra=extra, engine_args=CHUNKED) as engines:
         p, d = engines
         pipelined(p, d, "warm up")  # first request pays the NIXL handshake
         yield engines

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
-import pytest
 import torch
 
 from connector.address import NixlAddress
@@ -17,8 +16,9 @@ from connector.metadata import RecvSpec, SendSpec, StepMeta
 from router.stack.ports import pick_ports
 from tests.connector import nixl_proc
 from tests.connector.helpers import LAYERS
+from tests.needs import need_module
 
-pytest.importorskip("nixl")
+need_module("nixl")
 
 
 class Proc:

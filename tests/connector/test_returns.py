@@ -24,6 +24,7 @@ from tests.connector.helpers import (
     make_side,
     sched_output,
 )
+from tests.needs import need_module
 
 BS = 16
 TURN = list(range(100, 140))  # prompt and reply: 40 tokens held, in 3 blocks (16 + 16 + 8)
@@ -170,7 +171,7 @@ def test_p_aborted_while_waiting_for_d_declines_the_kept_turn() -> None:
 
 # -- workers -------------------------------------------------------------------------------------
 
-torch = pytest.importorskip("torch")  # real tensors below: needs the engine extra
+torch = need_module("torch")  # real tensors below: needs the engine extra
 
 
 def sides(timeouts: Timeouts | None = None) -> tuple[Fabric, Clock, Side, Side]:

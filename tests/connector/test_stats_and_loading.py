@@ -8,6 +8,7 @@ import pytest
 
 import connector
 from connector.stats import WorkerStats, empty_data, merge_data, reduce_data
+from tests.needs import need_module
 
 # Importing vLLM emits torch deprecation warnings that are not ours.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -43,7 +44,7 @@ def test_exports_resolve() -> None:
 
 
 def test_vllm_factory_loads_the_connector() -> None:
-    pytest.importorskip("vllm")
+    need_module("vllm")
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 
     from connector.prom import PipelinedStats

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from connector.address import NixlAddress
 from connector.layout import CacheLayout, block_runs, write_descs
 from connector.metadata import CONNECTOR_VERSION, Compat, Kind, decode, encode
 from router.pd.pipelined_params import decode_params, prefill_params
+from tests.needs import need_module
 
 
 def test_roundtrip_keeps_kind_tid_and_body() -> None:
@@ -67,7 +66,7 @@ def test_runs_merge_only_when_both_sides_are_consecutive() -> None:
 
 
 def test_cpu_layout_one_segment_and_descs() -> None:
-    torch = pytest.importorskip("torch")
+    torch = need_module("torch")
     t = torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16)
     lay = CacheLayout.from_tensors([t, t.clone()], 8, "DRAM")
     assert lay.block_bytes == lay.block_stride == 2 * 4 * 16 * 2
@@ -77,7 +76,7 @@ def test_cpu_layout_one_segment_and_descs() -> None:
 
 
 def test_kv_first_layout_has_two_segments() -> None:
-    torch = pytest.importorskip("torch")
+    torch = need_module("torch")
     t = torch.zeros(2, 8, 4, 16)
     lay = CacheLayout.from_tensors([t], 8, "DRAM")
     assert len(lay.layers[0].segments) == 2

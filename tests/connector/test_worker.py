@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.worker import Timeouts
 from tests.connector.fake_nixl import Fabric
@@ -17,8 +15,9 @@ from tests.connector.helpers import (
     idle,
     make_side,
 )
+from tests.needs import need_module
 
-torch = pytest.importorskip("torch")  # real tensors: needs the engine extra
+torch = need_module("torch")  # real tensors: needs the engine extra
 
 
 def pair(

@@ -20,8 +20,9 @@ from router.registry import ModelPool
 from tests.conftest import Cluster, eventually
 from tests.deploy.fake_kube import FakeKube
 from tests.fakes.servers import serve
+from tests.needs import need_module
 
-pytest.importorskip("kubernetes_asyncio")
+need_module("kubernetes_asyncio", "test extra")
 
 PROMPT = {"model": "tiny", "prompt": "hello", "max_tokens": 8}
 

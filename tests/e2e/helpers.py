@@ -196,7 +196,8 @@ def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[l
 
 def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -> Metrics:
     """``scrape()`` once the total of ``name`` is the same in two scrapes 0.2 s apart (an
-    engine counts a request's tokens as its answer goes out)."""
+    engine counts a request's tokens as its answer goes out); fails the test if it is still
+    moving after ``timeout_s``."""
     last = scrape()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -205,7 +206,7 @@ def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -
         if now.total(name) == last.total(name):
             return now
         last = now
-    return last
+    raise AssertionError(f"{name} still changing after {timeout_s} s")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from router.stack import Stack
+from router.stack.metrics import Metrics
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, Reference, feed_back
 
@@ -53,12 +54,7 @@ def test_next_turn_reads_the_history_from_d(stack: Stack, reference: Reference) 
     def say(messages: list[dict[str, str]]) -> h.Reply:
         before = stack.engine_metrics("prefill-0")
         reply = ask(client, MODEL, messages)
-        # In pipelined mode D's answer may end before P's own has been counted.
-        h.wait_until(
-            lambda: (h.delta(stack.engine_metrics("prefill-0"), before, FINISHED) >= 1, "P"),
-            timeout_s=10,
-        )
-        after = h.settled(lambda: stack.engine_metrics("prefill-0"), BY_SOURCE)
+        after = _p_counted(stack, before)
         computed = h.delta(after, before, BY_SOURCE, source="local_compute")
         from_d = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
         rows.append((len(rows), computed, from_d, int(computed + from_d)))
@@ -103,8 +99,22 @@ def test_an_edited_history_is_recomputed(stack: Stack, reference: Reference) -> 
     fresh = h.chat(h.client_for(stack.router_url), MODEL, edited, stream=False)  # no session
     before = stack.engine_metrics("prefill-0")
     again = h.chat(client, MODEL, edited, stream=False)
-    after = h.settled(lambda: stack.engine_metrics("prefill-0"), BY_SOURCE)
+    after = _p_counted(stack, before)
+    # P counted this request (it computed the prompt), and none of it came from D.
+    assert h.delta(after, before, BY_SOURCE, source="local_compute") > 0
     assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") == 0
     assert again.token_ids == fresh.token_ids
     if stack.mode.value == "pull":  # the router compares token ids; in pipelined, P does
         assert stack.router_metrics().total(KV_RETURN, result="mismatch") >= 1
+
+
+def _p_counted(stack: Stack, before: Metrics) -> Metrics:
+    """P's metrics once it has counted one more finished request and its prompt tokens by
+    source have settled: in pipelined mode D's answer may end before P's own is counted, and
+    a check that nothing came from D proves nothing before then."""
+    ok, what, _ = h.wait_until(
+        lambda: (h.delta(stack.engine_metrics("prefill-0"), before, FINISHED) >= 1, "P"),
+        timeout_s=10,
+    )
+    assert ok, f"P never counted the request ({what})"
+    return h.settled(lambda: stack.engine_metrics("prefill-0"), BY_SOURCE)

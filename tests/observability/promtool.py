@@ -7,8 +7,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
+
+from tests.needs import missing
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -20,7 +21,7 @@ def binary(name: str) -> str:
     """The path of ``name`` (``promtool``, ``prometheus``); skips the test without it."""
     path = shutil.which(name)
     if path is None:
-        pytest.skip(f"{name} not installed (Debian package prometheus; scripts/setup.sh)")
+        missing(f"{name} not installed (Debian package prometheus; scripts/setup.sh)")
     return path
 
 

@@ -1,0 +1,82 @@
+"""The run's order and its cost: fast suites first, engines last, a time table at the end.
+
+A broken change should fail in the first minutes, not after half an hour of engine start-ups:
+modules run by suite, cheapest first (unit, fuzz, deploy, integration, observability, the
+connector's in-process tests), and every module that starts real vLLM engines (a test marked
+``e2e``) last. The order inside a module, and so pytest's grouping of module-scoped and
+parametrised fixtures, is kept: modules move as a whole.
+
+The table printed at the end sums each suite's setup, call and teardown time, so a landing that
+makes CI slower shows where.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import PurePath
+
+import pytest
+
+__all__ = ["SuiteClock", "suite_of"]
+
+_RANK = {"unit": 0, "fuzz": 1, "deploy": 2, "integration": 3, "observability": 4, "connector": 5}
+_ENGINE_RANK = 10  # a module with an e2e test
+
+
+def suite_of(nodeid: str, engines: bool) -> str:
+    """``<suite>`` for ``tests/<suite>/...`` (``<suite>+engines`` for a module of engine tests
+    outside ``tests/e2e``)."""
+    parts = PurePath(nodeid.split("::", 1)[0]).parts
+    name = parts[1] if len(parts) > 2 and parts[0] == "tests" else parts[0]
+    return f"{name}+engines" if engines and name != "e2e" else name
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+class SuiteClock:
+    """A pytest plugin (registered by ``tests/conftest.py``): orders modules, times suites."""
+
+    def __init__(self) -> None:
+        self._suite: dict[str, str] = {}  # nodeid -> suite
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._tests: dict[str, int] = defaultdict(int)
+        self._started = time.monotonic()
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Modules as a whole, cheap suites first, engine modules last; otherwise stable."""
+        engines = {_module(i) for i in items if i.get_closest_marker("e2e")}
+        first: dict[str, int] = {}
+        for n, item in enumerate(items):
+            first.setdefault(_module(item), n)
+
+        def key(item: pytest.Item) -> tuple[int, int]:
+            module = _module(item)
+            rank = _ENGINE_RANK if module in engines else _RANK.get(suite_of(module, False), 6)
+            return rank, first[module]
+
+        items.sort(key=key)
+        self._suite = {i.nodeid: suite_of(i.nodeid, _module(i) in engines) for i in items}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        suite = self._suite.get(report.nodeid) or suite_of(report.nodeid, False)
+        self._seconds[suite] += report.duration
+        if report.when == "call":
+            self._tests[suite] += 1
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if not self._seconds:
+            return
+        tr = terminalreporter
+        tr.section("time per suite (setup + call + teardown)")
+        total = sum(self._seconds.values()) or 1.0
+        for suite, s in sorted(self._seconds.items(), key=lambda kv: -kv[1]):
+            tr.write_line(
+                f"{suite:<22} {self._tests[suite]:>5} tests {s:>8.1f} s {s / total:>6.1%}"
+            )
+        wall = time.monotonic() - self._started
+        tr.write_line(
+            f"{'whole run (wall)':<22} {sum(self._tests.values()):>5} tests {wall:>8.1f} s"
+        )
