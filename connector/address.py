@@ -17,7 +17,9 @@ __all__ = ["NixlAddress"]
 class NixlAddress:
     """An engine's KV ``engine_id`` and NIXL side channel (plus its parallel layout).
 
-    ``port`` is the base side-channel port: tensor-parallel rank ``r`` listens on ``port + r``.
+    ``port`` is the engine's side-channel port: its worker at ``metadata.WorkerRank`` index
+    ``pp_rank * tp_size + tp_rank`` listens on ``port + index`` (a data-parallel rank is an
+    engine of its own, with its own id and port: ``metadata.engine_address``).
     """
 
     engine_id: str

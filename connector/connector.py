@@ -19,6 +19,8 @@ step's layers together after its forward; ``auto``, the default: ``step`` for a 
 and PULL to last WRITE, 5), ``reuse_timeout_s`` (P: how long a request waits for a kept
 turn's D to answer before computing everything, 3). P needs vLLM's
 ``"kv_load_failure_policy": "recompute"`` for a failed pull to be recomputed, not failed.
+``readiness_gate`` (default true) is for negative controls only: false posts WRITEs without
+waiting for the device to write the KV (see ``connector.readiness``).
 
 vLLM builds one instance with ``role=SCHEDULER`` in the engine-core process and one with
 ``role=WORKER`` in every worker process; each builds only its own half.
@@ -26,6 +28,7 @@ vLLM builds one instance with ``role=SCHEDULER`` in the engine-core process and 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +41,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from connector.metadata import CONNECTOR_VERSION, StepMeta, agent_name
+from connector.metadata import CONNECTOR_VERSION, StepMeta, WorkerRank, engine_address
+from connector.readiness import HostReadiness
 from connector.reuse import KeptAnswer
 from connector.scheduler import SchedulerSide
 from connector.transport import RealNixlAgent
@@ -47,7 +51,13 @@ from connector.worker import Timeouts, WorkerSide
 if TYPE_CHECKING:
     from connector.prom import PipelinedStats
 
-__all__ = ["PipelinedMetadata", "PipelinedPushConnector", "ReuseAnswers"]
+__all__ = ["PINNED_LAYOUT", "PipelinedMetadata", "PipelinedPushConnector", "ReuseAnswers"]
+
+# The KV cache layout P and D ask vLLM for (see get_required_kvcache_layout).
+PINNED_LAYOUT = "LBHNC"
+
+# Under "vllm." so the lines land in the engine log with vLLM's format and level.
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class PipelinedMetadata(KVConnectorMetadata):  # type: ignore[misc]
@@ -90,17 +100,17 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
                 reuse_timeout_s=float(extra.get("reuse_timeout_s", 3.0)),
             )
         else:
-            self._worker = _build_worker(vllm_config, self._kv_transfer_config, extra)
+            self._worker = _build_worker(
+                vllm_config, self._kv_transfer_config, extra, kv_cache_config
+            )
 
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from vllm.platforms import current_platform
-
-        mem = current_platform.get_nixl_memory_type()
-        if mem is None:
-            mem = "DRAM" if current_platform.device_type == "cpu" else "VRAM"
-        self._w().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks, mem)
+        """Registers the cache; the memory type follows its device, checked against
+        ``kv_buffer_device``. ValueError (the engine does not start) for a layout or buffer
+        device this connector cannot write (see ``connector.layout``)."""
+        self._w().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -116,9 +126,13 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
+        """The layer's kernels are launched, maybe not run: the worker records a mark and
+        WRITEs the layer once it is ready (``connector.readiness``). Never blocks."""
         self._w().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
+        """The forward is launched: the worker closes the step behind one mark. Returns at
+        once; the step's WRITEs are posted by later hooks as the device catches up."""
         self._w().end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -191,7 +205,23 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return None
+        """``LBHNC`` (HND: layer-outer, blocks whole, heads outer inside a block), so P and D
+        resolve the same layout whatever their attention backends prefer; MLA too, as P and D
+        compare the layout's name. vLLM's engine core asks this once when it resolves the
+        layout (``resolve_kv_cache_layout``); ``VLLM_KV_CACHE_LAYOUT`` overrides it, and a
+        layout some backend cannot run is replaced by vLLM with a warning, so workers check
+        what they got (``register_kv_caches``) and the handshake compares it."""
+        if getattr(vllm_config, "model_config", None) is None:
+            return None
+        return PINNED_LAYOUT
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: P WRITEs layer by layer from ``save_kv_layer``, a Python hook that a full CUDA
+        graph's replay skips. vLLM then runs attention outside the graphs (``PIECEWISE``), so
+        each layer gets its hook and its mark. (A step that still misses a layer's hook has
+        that layer written behind the step's end mark; this keeps the overlap.)"""
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PipelinedStats:
@@ -222,28 +252,38 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         return self._worker
 
 
-def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> WorkerSide:
-    """One agent per worker rank, listening on the engine's base port + rank."""
-    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+def _build_worker(
+    vllm_config: Any, kv_config: Any, extra: dict[str, Any], kv_cache_config: Any
+) -> WorkerSide:
+    """One agent per worker, listening on its engine's side-channel port + its index (see
+    ``metadata.WorkerRank``, ``metadata.engine_address``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.distributed.parallel_state import (
+        get_pipeline_model_parallel_rank,
+        get_tensor_model_parallel_rank,
+    )
 
-    rank = get_tensor_model_parallel_rank()
+    parallel = vllm_config.parallel_config
+    rank = WorkerRank(
+        get_tensor_model_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        parallel.tensor_parallel_size,
+    )
     host = str(
         extra.get("side_channel_host") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
     )
-    port = int(
+    base_port = int(
         extra.get("side_channel_port") or os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")
     )
-    engine_id = str(kv_config.engine_id)
-    model = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    compat = {
-        "version": CONNECTOR_VERSION,
-        "model": str(extra.get("model_id") or model.model),
-        "block_size": vllm_config.cache_config.block_size,
-        "num_kv_heads": model.get_num_kv_heads(parallel),
-        "head_size": model.get_head_size(),
-        "tp_size": parallel.tensor_parallel_size,
-    }
+    engine_id, port = engine_address(
+        str(kv_config.engine_id),
+        base_port,
+        parallel.data_parallel_index,
+        parallel.data_parallel_size,
+        parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+    )
+    backends = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+    compat = compat_fields(vllm_config, kv_cache_config, backends, extra)
     keys = {
         "handshake_s": "handshake_timeout_s",
         "reg_s": "registration_timeout_s",
@@ -257,19 +297,56 @@ def _build_worker(vllm_config: Any, kv_config: Any, extra: dict[str, Any]) -> Wo
     write_batch = str(extra.get("write_batch", "auto"))
     if write_batch not in ("auto", "layer", "step"):
         raise ValueError(f"write_batch must be 'auto', 'layer' or 'step', not {write_batch!r}")
+    gate = extra.get("readiness_gate", True)
+    if not isinstance(gate, bool):
+        raise ValueError(f"readiness_gate must be true or false, not {gate!r}")
+    if not gate:
+        log.warning(
+            "pd-connector: readiness_gate is off: WRITEs are posted without waiting for the "
+            "device, and may read KV it has not written yet. For negative controls only."
+        )
     agent = RealNixlAgent(
-        agent_name(engine_id, rank),
-        port + rank,
+        rank.agent_name(engine_id),
+        port + rank.index,
         progress_delay_us=int(extra.get("progress_delay_us", 1000)),
         backends=tuple(extra.get("backends", ("UCX",))),
     )
     return WorkerSide(
         agent,
         engine_id=engine_id,
-        tp_rank=rank,
+        tp_rank=rank.tp_rank,
+        pp_rank=rank.pp_rank,
         host=host,
         port=port,
         compat_fields=compat,
+        kv_buffer_device=str(kv_config.kv_buffer_device),
         timeouts=timeouts,
         write_per_layer=None if write_batch == "auto" else write_batch == "layer",
+        readiness=None if gate else HostReadiness(),
     )
+
+
+def compat_fields(
+    vllm_config: Any, kv_cache_config: Any, attn_backends: list[str], extra: dict[str, Any]
+) -> dict[str, Any]:
+    """``Compat``'s fields that vLLM's config decides (those of the cache's tensors are read
+    at registration): what P and D must share for a block to be copied byte for byte."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or cache.kv_cache_layout
+    return {
+        "version": CONNECTOR_VERSION,
+        "model": str(extra.get("model_id") or model.model),
+        "block_size": cache.block_size,
+        "num_kv_heads": model.get_num_kv_heads(parallel),
+        "head_size": model.get_head_size(),
+        "tp_size": parallel.tensor_parallel_size,
+        "kv_layout": str(layout or ""),
+        "attn_backend": ",".join(attn_backends),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "use_mla": bool(model.use_mla),
+        "pp_size": parallel.pipeline_parallel_size,
+        "dp_size": parallel.data_parallel_size,
+        "dcp_size": parallel.decode_context_parallel_size,
+    }

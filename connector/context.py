@@ -15,6 +15,7 @@ from connector.layout import CacheLayout
 from connector.peers import PeerTable
 from connector.stats import WorkerStats
 from connector.transport import NixlAgent
+from connector.writer import BlockWriter
 
 __all__ = ["Timeouts", "WorkerContext"]
 
@@ -50,16 +51,22 @@ class WorkerContext:
         self.stats = WorkerStats()
         self.layout: CacheLayout | None = None  # ours; set by register_kv_caches
         self._peers: PeerTable | None = None
+        self._writer: BlockWriter | None = None
         self._notices: list[tuple[str, bytes, float]] = []  # (agent, message, give-up time)
 
-    def attach(self, layout: CacheLayout, peers: PeerTable) -> None:
+    def attach(self, layout: CacheLayout, peers: PeerTable, writer: BlockWriter) -> None:
         """Called once, by registration: the cache is registered and links can be made."""
-        self.layout, self._peers = layout, peers
+        self.layout, self._peers, self._writer = layout, peers, writer
 
     @property
     def peers(self) -> PeerTable:
         assert self._peers is not None, "register_kv_caches must run first"
         return self._peers
+
+    @property
+    def writer(self) -> BlockWriter:
+        assert self._writer is not None, "register_kv_caches must run first"
+        return self._writer
 
     def notice(self, agent: str, raw: bytes) -> None:
         """Send now if the peer is reachable, else keep trying until the handshake timeout."""

@@ -1,34 +1,53 @@
-"""Where each KV block of each layer lives in memory, and the WRITE descriptors between two caches.
+"""Where each KV block of each layer lives in memory, read from the tensors vLLM hands the worker.
 
-vLLM hands the worker one paged tensor per attention layer. The block dimension is either the
-first one (CPU backend: ``(num_blocks, 2, block_size, heads*head_dim)``, K and V inside a block,
-one *segment*) or the second one after a K/V dimension of 2 (CUDA flash-attention style:
-``(2, num_blocks, ...)``, two segments). Either way a block of a segment is ``block_bytes``
-contiguous bytes, ``block_stride`` bytes after the previous one.
+vLLM 0.32 allocates one buffer per KV-cache group and gives every attention layer a strided view
+of it, logically ``[B, H, N, C]`` (block, KV head, token slot, K then V of one head at one token);
+the physical order of the axes is the engine's KV cache layout (``vllm/v1/kv_cache_layout.py``),
+which places the layer axis ``L`` too. A block manager block may be split into kernel blocks,
+making the first axis ``num_blocks * r`` long.
+
+This connector copies a block of a layer as one contiguous piece of ``block_bytes`` bytes,
+``block_stride`` bytes after the previous block's. ``CacheLayout.from_tensors`` derives both from
+each view's shape *and* strides and refuses a view whose block is not one piece:
+
+* ``LBHNC`` (HND), ``LBNHC`` (NHD): layer-outer, blocks adjoin (``block_stride == block_bytes``);
+* ``BLHNC``, ``BLNHC``: block-outer, a block's piece is followed by the other layers' pieces of
+  that block (``block_stride`` is the whole packed block);
+* ``LHBNC``, ``BHLNC``: head-outer, a block is one piece per KV head, apart: refused, unless the
+  cache has one KV head (MLA's latent), where the piece is whole again.
+
+The bytes *inside* a piece are in the layout's order (HNC or NHC), so both engines must run the
+same layout: the handshake compares its name (``Compat.kv_layout``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from connector.transport import Desc
+from connector.transport import Blocks, Desc
 
-__all__ = ["CacheLayout", "LayerLayout", "block_runs", "write_descs"]
+__all__ = ["LAYOUT_ADVICE", "CacheLayout", "LayoutError", "memory_type", "storage_regions"]
+
+LAYOUT_ADVICE = (
+    "set VLLM_KV_CACHE_LAYOUT=LBHNC (alias HND; LBNHC/NHD, BLHNC, BLNHC work too) on both "
+    "engines, or choose an attention backend that supports it (--attention-backend)"
+)
 
 
-@dataclass(frozen=True, slots=True)
-class LayerLayout:
-    """One layer: base address of each segment (K and V, or one combined)."""
-
-    segments: tuple[int, ...]
+class LayoutError(ValueError):
+    """A KV cache view whose blocks are not one contiguous piece each (or not blocks at all)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
-    """The registered KV cache of one worker; D sends its own to P in HELLO."""
+    """The registered KV cache of one worker; each side sends its own to the peer in HELLO.
 
-    layers: tuple[LayerLayout, ...]
+    Block ``b`` of layer ``l`` is the ``block_bytes`` bytes at ``layers[l] + b * block_stride``.
+    """
+
+    layers: tuple[int, ...]  # address of block 0 of each layer, in layer order
     num_blocks: int
     block_bytes: int
     block_stride: int
@@ -37,7 +56,7 @@ class CacheLayout:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "layers": [list(layer.segments) for layer in self.layers],
+            "layers": list(self.layers),
             "num_blocks": self.num_blocks,
             "block_bytes": self.block_bytes,
             "block_stride": self.block_stride,
@@ -48,7 +67,7 @@ class CacheLayout:
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> CacheLayout:
         return cls(
-            tuple(LayerLayout(tuple(int(a) for a in seg)) for seg in obj["layers"]),
+            tuple(int(a) for a in obj["layers"]),
             int(obj["num_blocks"]),
             int(obj["block_bytes"]),
             int(obj["block_stride"]),
@@ -56,72 +75,111 @@ class CacheLayout:
             str(obj["mem_type"]),
         )
 
-    def is_dense(self) -> bool:
-        """Whether consecutive blocks of a segment are adjacent (runs can be one descriptor)."""
-        return self.block_stride == self.block_bytes
+    def block_rows(self) -> list[Blocks]:
+        """Every block of every layer, one strided row per layer: the list prepared once."""
+        return [
+            (base, self.block_bytes, self.device_id, self.block_stride, self.num_blocks)
+            for base in self.layers
+        ]
 
-    def regions(self) -> list[Desc]:
-        """Memory to register: every segment of every layer, whole."""
-        size = self.block_stride * self.num_blocks
-        return [(base, size, self.device_id) for layer in self.layers for base in layer.segments]
+    def indices(self, layer: int, blocks: Sequence[int]) -> list[int]:
+        """Positions of ``blocks`` of ``layer`` in ``block_rows``' list; ValueError for a block
+        or layer this cache does not have (a peer's bad block id must not address other
+        memory)."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer {layer} out of range (cache has {len(self.layers)})")
+        bad = [b for b in blocks if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} out of range (cache has {self.num_blocks})")
+        return [layer * self.num_blocks + b for b in blocks]
 
     @classmethod
-    def from_tensors(cls, tensors: list[Any], num_blocks: int, mem_type: str) -> CacheLayout:
-        """Derive the layout from the per-layer tensors (in layer order)."""
+    def from_tensors(cls, tensors: Sequence[Any], num_blocks: int, mem_type: str) -> CacheLayout:
+        """Derive the layout from the per-layer views (in layer order); ``LayoutError`` names
+        the shape and strides of a view that is not laid out as whole blocks."""
         first = tensors[0]
-        elem = first.element_size()
-        if first.shape[0] == num_blocks:
-            block_dim, nseg = 0, 1
-        elif first.shape[0] == 2 and first.shape[1] == num_blocks:
-            block_dim, nseg = 1, 2
-        else:
-            raise ValueError(
-                f"unsupported KV cache shape {tuple(first.shape)} for {num_blocks} blocks"
-            )
-        stride = first.stride(block_dim) * elem
-        block_bytes = stride if block_dim == 0 else _inner_bytes(first, block_dim)
-        layers = []
+        piece, stride = _geometry(first, num_blocks)
+        for t in tensors[1:]:
+            if (tuple(t.shape), tuple(t.stride()), t.dtype) != (
+                tuple(first.shape),
+                tuple(first.stride()),
+                first.dtype,
+            ):
+                raise LayoutError(
+                    f"layers differ: shape {tuple(t.shape)} strides {tuple(t.stride())} {t.dtype}"
+                    f" vs shape {tuple(first.shape)} strides {tuple(first.stride())}"
+                    f" {first.dtype}"
+                )
         for t in tensors:
-            if tuple(t.shape) != tuple(first.shape):
-                raise ValueError("all layers must share one KV cache shape")
-            seg_stride = t.stride(0) * elem if nseg == 2 else 0
-            layers.append(LayerLayout(tuple(t.data_ptr() + i * seg_stride for i in range(nseg))))
+            _check_inside_storage(t, num_blocks, piece, stride)
         device = max(first.get_device(), 0)
-        return cls(tuple(layers), num_blocks, block_bytes, stride, device, mem_type)
+        bases = tuple(int(t.data_ptr()) for t in tensors)
+        return cls(bases, num_blocks, piece, stride, device, mem_type)
 
 
-def _inner_bytes(tensor: Any, block_dim: int) -> int:
-    n = 1
-    for size in tensor.shape[block_dim + 1 :]:
-        n *= size
-    return int(n * tensor.element_size())
+def _geometry(t: Any, num_blocks: int) -> tuple[int, int]:
+    """(block_bytes, block_stride) of view ``t``: the first axis is the block axis (vLLM's
+    ``[B, H, N, C]``), ``r`` kernel blocks per block if it is ``num_blocks * r`` long; the other
+    axes, in stride order, must tile one contiguous piece."""
+    shape, strides, elem = tuple(t.shape), tuple(t.stride()), int(t.element_size())
+    where = f"shape {shape}, strides {strides} (elements of {elem} B)"
+    if not shape or num_blocks <= 0 or shape[0] % num_blocks:
+        raise LayoutError(f"{where}: the first axis is not {num_blocks} blocks")
+    ratio = shape[0] // num_blocks
+    inner = [(st, n) for n, st in zip(shape[1:], strides[1:], strict=True) if n > 1]
+    if ratio > 1:
+        inner.append((strides[0], ratio))  # kernel blocks of one block
+    piece = 1
+    for st, n in sorted(inner):
+        if st != piece:
+            raise LayoutError(
+                f"{where}: a block is not one contiguous piece (an axis of {n} is {st} elements"
+                f" apart where {piece} would be contiguous: head- or K/V-outer)"
+            )
+        piece *= n
+    stride = strides[0] * ratio
+    if num_blocks > 1 and stride < piece:
+        raise LayoutError(f"{where}: blocks overlap (stride {stride} < block {piece})")
+    return piece * elem, stride * elem
 
 
-def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """Merge ``src[i] -> dst[i]`` block pairs into ``(src_start, dst_start, count)`` runs where
-    both sides are consecutive, so a contiguous prompt becomes one descriptor per segment."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+def _check_inside_storage(t: Any, num_blocks: int, piece: int, stride: int) -> None:
+    storage = t.untyped_storage()
+    start, end = int(storage.data_ptr()), int(storage.data_ptr()) + int(storage.nbytes())
+    base = int(t.data_ptr())
+    if base < start or base + (num_blocks - 1) * stride + piece > end:
+        raise LayoutError(f"blocks of a view at {base:#x} reach outside its buffer")
 
 
-def write_descs(
-    local: CacheLayout, remote: CacheLayout, layer: int, runs: list[tuple[int, int, int]]
-) -> tuple[list[Desc], list[Desc]]:
-    """Descriptor lists for writing ``runs`` of one layer from ``local`` into ``remote``."""
-    src: list[Desc] = []
-    dst: list[Desc] = []
-    lseg, rseg = local.layers[layer].segments, remote.layers[layer].segments
-    if not (local.is_dense() and remote.is_dense()):
-        # Padded blocks: a run would also copy the padding between blocks; write one by one.
-        runs = [(s + i, d + i, 1) for s, d, n in runs for i in range(n)]
-    for lbase, rbase in zip(lseg, rseg, strict=True):
-        for s, d, n in runs:
-            length = (n - 1) * local.block_stride + local.block_bytes
-            src.append((lbase + s * local.block_stride, length, local.device_id))
-            dst.append((rbase + d * remote.block_stride, length, remote.device_id))
-    return src, dst
+def storage_regions(tensors: Sequence[Any]) -> list[Desc]:
+    """Memory to register: each distinct buffer under the views, whole, once (layers of one
+    KV-cache group share one)."""
+    seen: dict[int, Desc] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = int(storage.data_ptr())
+        seen.setdefault(ptr, (ptr, int(storage.nbytes()), max(t.get_device(), 0)))
+    return list(seen.values())
+
+
+def memory_type(device_type: str, kv_buffer_device: str | None) -> str:
+    """NIXL memory type of a KV cache on ``device_type`` (a torch device type), checked against
+    ``kv_buffer_device`` (vLLM's ``--kv-transfer-config``; None: follow the cache).
+
+    ``cpu`` + ``cpu`` is DRAM, an accelerator's own device type is VRAM. ``cpu`` for a cache in
+    device memory asks for host staging, which this connector does not do; an accelerator
+    device for a cache in host memory cannot be honoured: both raise ``ValueError``.
+    """
+    buffer = kv_buffer_device or device_type
+    if buffer == device_type:
+        return "DRAM" if device_type == "cpu" else "VRAM"
+    if buffer == "cpu":
+        raise ValueError(
+            f"kv_buffer_device 'cpu' with the KV cache on {device_type} means staging KV in host"
+            f' memory, which PipelinedPushConnector does not do: set "kv_buffer_device":'
+            f' "{device_type}" (or leave it out) to register the {device_type} KV cache itself'
+        )
+    raise ValueError(
+        f"kv_buffer_device {buffer!r} requires the KV cache on {buffer}, but it is on"
+        f' {device_type}: set "kv_buffer_device": "{device_type}" (or leave it out)'
+    )

@@ -9,8 +9,9 @@ Message kinds (``Kind``; ``tid`` = the router's ``transfer_id``):
 ============  =========  ==================================================================
 kind          direction  meaning
 ============  =========  ==================================================================
-``HELLO``     both       first message on a new agent pair: compatibility (``Compat``) and,
-                         from D, the registered KV layout P writes into
+``HELLO``     both       first message on a new agent pair: compatibility (``Compat``), the
+                         sender's address and its registered KV layout (``CacheLayout``:
+                         where the peer writes into it)
 ``REFUSE``    both       the peer's HELLO does not match; ``reason`` says which field
 ``REG``       D -> P     D's blocks for ``tid``: ``start`` (first logical block) and ``blocks``
 ``W``         P -> D     attached to every WRITE; delivered after that WRITE's data
@@ -51,6 +52,7 @@ __all__ = [
     "RecvSpec",
     "SendSpec",
     "StepMeta",
+    "WorkerRank",
     "agent_name",
     "decode",
     "encode",
@@ -59,7 +61,9 @@ __all__ = [
 # Version history (bump on any change to messages, their fields or their meaning):
 #   1: HELLO/REFUSE/REG/W/DONE/FAIL/ABORT; JSON body after the b"PDR" prefix.
 #   2: ASK/HELD/PULL (kept turns).
-CONNECTOR_VERSION = 2
+#   3: HELLO's Compat adds kv_layout, attn_backend, kv_cache_dtype, mem_type, use_mla, pp_size,
+#      dp_size, dcp_size; its layout is one base address per layer (a block is one piece).
+CONNECTOR_VERSION = 3
 
 _PREFIX = b"PDR"
 
@@ -82,32 +86,81 @@ class Kind(enum.StrEnum):
     VERSION = "VERSION"
 
 
-def agent_name(engine_id: str, tp_rank: int) -> str:
-    """Name of ``engine_id``'s NIXL agent for ``tp_rank`` (rank r talks to rank r).
+def agent_name(engine_id: str, tp_rank: int, pp_rank: int = 0) -> str:
+    """Name of ``engine_id``'s NIXL agent for a worker (a rank talks to the peer's same rank).
 
-    Deterministic, so a peer knows it from the engine id alone.
+    Deterministic, so a peer knows it from the engine id alone. Pipeline stage 0 keeps the
+    name it had before stages were named.
     """
-    return f"pdr-{engine_id}-tp{tp_rank}"
+    stage = f"-pp{pp_rank}" if pp_rank else ""
+    return f"pdr-{engine_id}{stage}-tp{tp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRank:
+    """A worker's place in its engine. P's worker talks to D's worker with the same place (both
+    engines run the same TP and PP sizes, which the handshake checks)."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def index(self) -> int:
+        """Position among the engine's workers (TP inner, as vLLM ranks them): the offset of
+        this worker's NIXL listener from the engine's side-channel port."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    def agent_name(self, engine_id: str) -> str:
+        return agent_name(engine_id, self.tp_rank, self.pp_rank)
+
+
+def engine_address(
+    engine_id: str, base_port: int, dp_index: int, dp_size: int, workers: int
+) -> tuple[str, int]:
+    """(engine id, side-channel port) of one data-parallel rank of an engine: each rank is an
+    engine of its own. vLLM already gives a rank's connector ``<engine_id>_dp<rank>`` (the
+    suffix is added here only where it is missing), and the ports of a rank's ``workers``
+    (TP x PP) workers follow the previous rank's."""
+    # vLLM runs a dense model's DP ranks as independent engines with a DP size of 1 but keeps
+    # the rank's index: the index alone says this is a DP rank.
+    if (dp_size > 1 or dp_index > 0) and not engine_id.endswith(f"_dp{dp_index}"):
+        engine_id = f"{engine_id}_dp{dp_index}"
+    return engine_id, base_port + dp_index * workers
 
 
 @dataclass(frozen=True, slots=True)
 class Compat:
-    """What two engines must agree on before KV blocks can be copied byte for byte."""
+    """What two engines must agree on before KV blocks can be copied byte for byte.
+
+    The fields after ``mem_type`` have defaults only for callers that build a worker by hand
+    (tests, checks); ``HELLO`` always carries every field, and a peer's HELLO with the same
+    ``version`` therefore does too.
+    """
 
     version: int
     model: str
-    dtype: str
+    dtype: str  # the KV cache tensors' torch dtype
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_size: int
     tp_size: int
-    block_bytes: int  # bytes of one block of one layer segment (K and V may be two segments)
+    block_bytes: int  # bytes of one block of one layer
+    mem_type: str  # NIXL memory type of the registered cache: DRAM or VRAM
+    kv_layout: str = ""  # vLLM's KVCacheLayout name: the byte order inside a block
+    attn_backend: str = ""  # the attention backends' names, sorted, comma-separated
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype (fp8 variants share a torch dtype)
+    use_mla: bool = False
+    pp_size: int = 1
+    dp_size: int = 1
+    dcp_size: int = 1
 
-    def mismatches(self, other: Compat) -> list[str]:
-        """Names and values of the fields that differ, for the error log."""
+    def mismatches(self, other: Compat, me: str = "local", peer: str = "peer") -> list[str]:
+        """The fields that differ with both values, each labelled by its engine (``me``,
+        ``peer``: their agent names), so the line reads the same in either engine's log."""
         mine, theirs = asdict(self), asdict(other)
-        return [f"{k}: local={mine[k]!r} peer={theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+        return [f"{k}: {me}={mine[k]!r} {peer}={theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
 
 
 @dataclass(frozen=True, slots=True)

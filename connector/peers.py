@@ -3,8 +3,12 @@
 A link to a peer rank goes CONNECTING -> READY, or ends FAILED (no metadata within the handshake
 timeout) or REFUSED (the peer's HELLO does not match ours, or it refused ours). Both sides fetch
 the other's agent metadata from its NIXL listener and push their own, then each sends HELLO as
-soon as it can reach the peer. A link is READY once the peer's HELLO has been checked; from D it
-also carries the KV layout that P writes into.
+soon as it can reach the peer. A link is READY once the peer's HELLO has been checked; it
+carries the peer's KV layout (what P writes into, or a kept turn's D writes into on P).
+
+A HELLO whose ``Compat`` differs (model, layout, attention backend, dtypes, memory type,
+parallel sizes...) is refused: this side logs the differing fields with both engines' values
+and sends them in ``REFUSE``, which the peer logs too.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 from connector.address import NixlAddress
 from connector.layout import CacheLayout
-from connector.metadata import Compat, Kind, Message, agent_name, encode
+from connector.metadata import Compat, Kind, Message, WorkerRank, encode
 from connector.transport import NixlAgent
 
 __all__ = ["Link", "LinkState", "PeerTable"]
@@ -63,14 +67,14 @@ class PeerTable:
     def __init__(
         self,
         agent: NixlAgent,
-        tp_rank: int,
+        rank: WorkerRank,
         hello: dict[str, Any],
         compat: Compat,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._agent = agent
-        self._rank = tp_rank
+        self._rank = rank
         self._hello = hello  # our HELLO body: compat, address, layout
         self._compat = compat
         self._timeout_s = timeout_s
@@ -82,7 +86,7 @@ class PeerTable:
 
     def ensure(self, addr: NixlAddress) -> Link:
         """The link to ``addr``'s rank, starting the metadata exchange on first use."""
-        name = agent_name(addr.engine_id, self._rank)
+        name = self._rank.agent_name(addr.engine_id)
         link = self._links.get(name)
         if link is not None and link.state is LinkState.FAILED:
             del self._links[name]  # a failed peer may have restarted: try again
@@ -144,7 +148,7 @@ class PeerTable:
 
     def _connect(self, link: Link) -> None:
         assert link.addr is not None
-        port = link.addr.port + self._rank
+        port = link.addr.port + self._rank.index
         try:
             self._agent.fetch_remote(link.name, link.addr.host, port)
             self._agent.send_local(link.addr.host, port)
@@ -154,15 +158,16 @@ class PeerTable:
     def _on_hello(self, link: Link, body: dict[str, Any]) -> None:
         try:
             peer = Compat(**body["compat"])
-        except (KeyError, TypeError) as exc:
+            layout = _peer_layout(peer, body.get("layout"))
+        except (KeyError, TypeError, ValueError) as exc:
             self._refuse(link, f"malformed HELLO: {exc}")
             return
-        bad = self._compat.mismatches(peer)
+        bad = self._compat.mismatches(peer, self._agent.name, link.name)
         if bad:
             self._refuse(link, "incompatible peer: " + "; ".join(bad))
             return
-        if body.get("layout") is not None:
-            link.layout = CacheLayout.from_wire(body["layout"])
+        if layout is not None:
+            link.layout = layout
         if link.addr is None and body.get("engine_id") is not None:
             self.ensure(NixlAddress(str(body["engine_id"]), str(body["host"]), int(body["port"])))
         if not link.hello_sent and self.can_notify(link.name):
@@ -187,3 +192,17 @@ class PeerTable:
             self._agent.send_notif(link.name, raw)
         except Exception as exc:
             log.warning("pd-connector: notification to %s failed: %s", link.name, exc)
+
+
+def _peer_layout(peer: Compat, wire: dict[str, Any] | None) -> CacheLayout | None:
+    """The layout in a peer's HELLO, if any; ValueError if it contradicts the peer's Compat."""
+    if wire is None:
+        return None
+    layout = CacheLayout.from_wire(wire)
+    if (len(layout.layers), layout.block_bytes, layout.mem_type) != (
+        peer.num_layers,
+        peer.block_bytes,
+        peer.mem_type,
+    ):
+        raise ValueError("the layout contradicts the compatibility fields")
+    return layout

@@ -172,8 +172,7 @@ class Receiver:
         )
         layout = self._ctx.layout
         if layout is not None:
-            segs = len(layout.layers[0].segments) if layout.layers else 0
-            per_block = layout.block_bytes * segs * len(layout.layers)
+            per_block = layout.block_bytes * len(layout.layers)
             self._ctx.stats.received(len(recv.spec.block_ids) * per_block)
         if recv.spec.pull:
             self._ctx.stats.pulled(recv.spec.num_tokens)

@@ -6,7 +6,8 @@ Flow for one kept turn ``tid`` (the finished turn's transfer id)::
     next turn's P scheduler: ASK planned ------ ASK(tid) --------------------------> D worker
     D worker: the entry is taken (used once) <- HELD(tid, tokens, hashes) ---------- D worker
     P scheduler compares hashes, claims a prefix; PULL(tid, start, blocks) -------> D worker
-    D worker: one WRITE per layer (+ W), DONE(tid, writes) -----------------------> P receiver
+    D worker, once the turn's readiness mark is ready: one WRITE per layer (+ W),
+        DONE(tid, writes) ------------------------------------------------------> P receiver
     D's WRITEs complete -> finished_sending -> vLLM frees D's blocks
 
 An entry that nobody asks for is dropped at ``keep_s``; one asked for but never pulled (P
@@ -25,9 +26,9 @@ from typing import Any
 
 from connector.address import NixlAddress
 from connector.context import WorkerContext
-from connector.layout import block_runs, write_descs
 from connector.metadata import KeepSpec, Kind, encode
 from connector.peers import Link, LinkState
+from connector.readiness import Mark
 from connector.reuse import KeptAnswer
 
 __all__ = ["Asker", "Keeper"]
@@ -39,6 +40,7 @@ log = logging.getLogger(f"vllm.{__name__}")
 @dataclass(slots=True)
 class _Kept:
     spec: KeepSpec
+    ready: Mark  # the device has finished every forward that may write these blocks
     expires_at: float
     asked_at: float | None = None
     link: str | None = None  # the P that pulls
@@ -66,9 +68,13 @@ class Keeper:
     def knows(self, tid: str) -> bool:
         return tid in self._kept
 
-    def keep(self, spec: KeepSpec) -> None:
-        """The scheduler kept a finished turn's blocks."""
-        self._kept[spec.tid] = _Kept(spec, self._ctx.clock() + self._ctx.t.keep_s)
+    def keep(self, spec: KeepSpec, ready: Mark) -> None:
+        """The scheduler kept a finished turn's blocks; ``ready``, recorded when the spec is
+        bound, follows every forward that can still write them. With asynchronous scheduling
+        vLLM schedules step N+1 before it sees step N's token end the request, and counts
+        N+1's token as computed, so N+1, still running on the device, writes KV that the turn
+        holds; it was launched before the step that carries this spec, hence before the mark."""
+        self._kept[spec.tid] = _Kept(spec, ready, self._ctx.clock() + self._ctx.t.keep_s)
         self._ctx.stats.kept()
         early = self._early.pop(spec.tid, None)
         if early is not None:
@@ -122,6 +128,8 @@ class Keeper:
                 self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
         free: set[str] = set()
         for tid, kept in list(self._kept.items()):
+            if kept.pull is not None and not kept.written and not kept.done:
+                self._write(kept)  # pulled while its mark was not ready yet
             self._check_handles(kept, now)
             if kept.asked_at is None and now >= kept.expires_at:
                 kept.done = True
@@ -155,22 +163,23 @@ class Keeper:
         if link.layout is None:
             self._fail(kept, "P sent no KV layout")
             return
+        if not kept.ready.ready():
+            return  # collect retries, without blocking
         kept.written = True
         start, dst = kept.pull
         src = kept.spec.block_ids[start : start + len(dst)]
-        runs = block_runs(src, dst[: len(src)])
+        dst = dst[: len(src)]
         now = self._ctx.clock()
+        writer = self._ctx.writer  # descriptor lists prepared once: only indices per WRITE
+        notif = encode(Kind.W, kept.spec.tid)
         for layer in range(len(layout.layers)):
-            local, remote = write_descs(layout, link.layout, layer, runs)
             try:
-                handle = self._ctx.agent.post_write(
-                    link.name, local, remote, layout.mem_type, encode(Kind.W, kept.spec.tid)
-                )
+                handle = writer.write(link.name, link.layout, layer, src, dst, notif)
             except Exception as exc:
                 self._fail(kept, f"posting WRITE failed: {exc}")
                 return
             kept.handles.append((handle, now))
-            self._ctx.stats.wrote(sum(d[1] for d in local))
+            self._ctx.stats.wrote(writer.bytes_of(len(src)))
         self._ctx.notice(link.name, encode(Kind.DONE, kept.spec.tid, writes=len(kept.handles)))
         kept.done = True
 

@@ -1,12 +1,16 @@
 """P side of a worker rank: WRITE each layer's new blocks into the blocks D registered, then DONE.
 
 Per transfer id: each step's ``SendSpec`` names the blocks the forward computes; ``save_layer``
-queues them per layer and posts one WRITE per layer (each carrying a ``W`` notice) as soon as D's
-``REG`` and the link's layout are known (per layer, or at the step's end: ``per_layer``), so
-layers saved before REG arrives wait in the queue.
+queues them per layer, each entry with a ``readiness.Mark`` that is ready once the device has
+written the layer (in ``step`` mode, ``per_layer`` False, one mark recorded by ``end_step`` for
+the whole forward). An entry is posted as one WRITE per layer (each carrying a ``W`` notice) once
+its mark is ready and D's ``REG`` and the link's layout are known; until then it waits in the
+queue, and every later hook (``save_layer``, ``end_step``, ``pump``, REG, a settled link) polls
+it without blocking. A step whose layers were not all saved (a CUDA graph replay runs no hook)
+queues the missing ones behind the ``end_step`` mark, so every layer of every step is written.
 Once the final step has ended, REG is known and the queue is empty, ``DONE`` tells D how many
-WRITEs to count. A send is reported finished once vLLM has finished its request and no WRITE from
-its blocks is still in flight (vLLM frees the blocks then).
+WRITEs to count. A send is reported finished once vLLM has finished its request, nothing of it is
+queued and no WRITE from its blocks is still in flight (vLLM frees the blocks then).
 
 P gives up with ``FAIL`` to D on its request's abort or error, on the registration timeout and
 on a WRITE error or timeout; after D's ``ABORT`` it just stops writing. For ``memory_s`` it
@@ -22,9 +26,9 @@ from typing import Any
 
 from connector.address import NixlAddress
 from connector.context import WorkerContext
-from connector.layout import block_runs, write_descs
 from connector.metadata import Kind, SendSpec, encode
 from connector.peers import Link, LinkState
+from connector.readiness import Mark
 
 __all__ = ["Sender"]
 
@@ -33,13 +37,24 @@ log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass(slots=True)
+class _Queued:
+    """One layer's blocks of one step, not posted yet."""
+
+    layer: int
+    first: int  # logical index of ids[0]
+    ids: list[int]
+    mark: Mark | None  # ready once the device wrote them; None: the step's end mark, to come
+
+
+@dataclass(slots=True)
 class _Send:
     req_id: str
     tid: str
     link: str
     started: float
-    queued: list[tuple[int, int, list[int]]] = field(default_factory=list)  # layer, first, ids
+    queued: list[_Queued] = field(default_factory=list)
     step: tuple[int, list[int]] | None = None  # this step's (first logical block, local ids)
+    saved: set[int] = field(default_factory=set)  # layers of this step seen by save_layer
     step_final: bool = False
     num_tokens: int = 0
     reg: tuple[int, list[int]] | None = None  # D's (start block, block ids)
@@ -55,9 +70,11 @@ class _Send:
 class Sender:
     """All P-side transfers of one rank, keyed by request id and by tid; their only owner.
 
-    ``per_layer``: post each layer's WRITE as soon as the layer is saved (overlapping the rest of
-    the forward); otherwise post the step's layers together once the forward ends (still one
-    step, i.e. one prefill chunk, ahead of the next). Settable until the first send.
+    ``per_layer`` (settable until the first send) tells the caller which marks to pass: one per
+    layer to ``save_layer``, so each layer's WRITE is posted once its mark is ready, overlapping
+    the rest of the forward; or none there, so the step's layers are posted together once the
+    mark given to ``end_step`` is (still one step, i.e. one prefill chunk, ahead of the next).
+    Nothing is ever posted before its mark is ready, nor after the send failed.
     """
 
     def __init__(self, ctx: WorkerContext, per_layer: bool = True) -> None:
@@ -74,6 +91,12 @@ class Sender:
     def busy(self) -> bool:
         """True while any send holds blocks (not yet reported finished)."""
         return bool(self._sends)
+
+    @property
+    def stepping(self) -> bool:
+        """True if this step's forward computes blocks of a live send (marks are worth
+        recording)."""
+        return any(s.step is not None and not s.failed for s in self._sends.values())
 
     def knows(self, tid: str) -> bool:
         """True once P holds a send or an early REG for ``tid``."""
@@ -113,25 +136,47 @@ class Sender:
         """True if a send of this forward still lacks D's REG (worth reading notifications)."""
         return any(s.reg is None for s in self._stepping())
 
-    def save_layer(self, layer: int) -> None:
-        """``layer`` is computed: queue this step's blocks of it and post what can be posted."""
+    def save_layer(self, layer: int, mark: Mark | None) -> None:
+        """``layer``'s kernels are launched; its KV exists once ``mark`` is ready (None: once
+        ``end_step``'s mark is; the caller passes None in step mode). Queues this step's blocks
+        of the layer, then posts whatever queued is ready."""
         for send in self._stepping():
             assert send.step is not None
+            send.saved.add(layer)
             if send.step[1]:
-                send.queued.append((layer, send.step[0], send.step[1]))
-            if self.per_layer:
-                self._flush(send)
+                send.queued.append(_Queued(layer, *send.step, mark))
+        self.pump()
 
-    def end_step(self) -> None:
-        """The forward is over: close this step's plan; DONE where the prompt is complete."""
+    def end_step(self, mark: Mark | None) -> None:
+        """The forward is launched (vLLM's ``wait_for_save``); ``mark``, recorded after it, is
+        ready once the device finished it (None only if no send is ``stepping``).
+
+        Closes this step's plan: entries waiting for the step's mark get it, and the layers no
+        ``save_layer`` named (a CUDA graph replay runs no Python hook) are queued behind it, so
+        DONE never counts short. Then posts what is ready; DONE where the prompt is complete.
+        """
         now = self._ctx.clock()
+        layers = len(self._ctx.layout.layers) if self._ctx.layout is not None else 0
         for send in self._sends.values():
+            if send.step is not None and not send.failed:
+                assert mark is not None, "a stepping send needs the step's mark"
+                _close_step(send, send.step, mark, layers)
             if send.step_final and send.final_at is None:
                 send.final_at = now
-            if send.step is not None and not self.per_layer:
-                self._flush(send)
             send.step, send.step_final = None, False
+            send.saved.clear()
+        for send in list(self._sends.values()):
+            if send.queued:
+                self._flush(send)
             self._maybe_done(send)
+
+    def pump(self) -> None:
+        """Post the queued layers whose marks are ready (never waiting), DONE where now due.
+        Called by every hook after the one that queued them."""
+        for send in list(self._sends.values()):
+            if send.queued:
+                self._flush(send)
+                self._maybe_done(send)
 
     # -- messages and links ---------------------------------------------------------------------
 
@@ -188,6 +233,7 @@ class Sender:
         for send in list(self._sends.values()):
             self._check_handles(send, now)
             self._check_reg_timeout(send, now)
+            # DONE waits for an empty queue and a failure empties it: settled, nothing is queued.
             settled = send.failed or send.done_sent
             if send.req_id in self._finished_reqs and settled and not send.handles:
                 done.add(send.req_id)
@@ -227,7 +273,7 @@ class Sender:
         return [s for s in self._sends.values() if s.step is not None and not s.failed]
 
     def _flush(self, send: _Send) -> None:
-        """Post every queued layer write, if D's blocks and layout are known."""
+        """Post every queued layer whose mark is ready, if D's blocks and layout are known."""
         if send.failed:
             send.queued.clear()
             return
@@ -237,20 +283,25 @@ class Sender:
         if link.layout is None:
             self._fail(send, "refused", f"peer {link.name} sent no KV layout")
             return
-        by_layer = _pair_blocks(send.queued, *send.reg)
-        send.queued.clear()
-        for layer, (src, dst) in sorted(by_layer.items()):
+        ready: list[_Queued] = []
+        waiting: list[_Queued] = []
+        for entry in send.queued:
+            # Polled in queue order; a mark's ready() never blocks.
+            (ready if entry.mark is not None and entry.mark.ready() else waiting).append(entry)
+        if not ready:
+            return
+        send.queued = waiting
+        for layer, (src, dst) in sorted(_pair_blocks(ready, *send.reg).items()):
+            if send.failed:  # a failed post gave up on the send: nothing more is written
+                return
             if src:
                 self._post(send, link, layer, src, dst)
 
     def _post(self, send: _Send, link: Link, layer: int, src: list[int], dst: list[int]) -> None:
-        layout = self._ctx.layout
-        assert layout is not None and link.layout is not None
-        local, remote = write_descs(layout, link.layout, layer, block_runs(src, dst))
+        assert link.layout is not None
+        writer = self._ctx.writer  # descriptor lists prepared once: only indices per WRITE
         try:
-            handle = self._ctx.agent.post_write(
-                link.name, local, remote, layout.mem_type, encode(Kind.W, send.tid)
-            )
+            handle = writer.write(link.name, link.layout, layer, src, dst, encode(Kind.W, send.tid))
         except Exception as exc:
             self._fail(send, "write_error", f"posting WRITE failed: {exc}")
             return
@@ -258,7 +309,7 @@ class Sender:
         send.first_post = send.first_post or now
         send.handles.append((handle, now))
         send.writes += 1
-        self._ctx.stats.wrote(sum(d[1] for d in local))
+        self._ctx.stats.wrote(writer.bytes_of(len(src)))
 
     def _maybe_done(self, send: _Send) -> None:
         """DONE once the prompt is complete, D's blocks are known and every WRITE is posted."""
@@ -321,8 +372,20 @@ class Sender:
         self._finished_reqs.discard(send.req_id)
 
 
+def _close_step(send: _Send, step: tuple[int, list[int]], mark: Mark, layers: int) -> None:
+    """Put ``send``'s step behind the step's end ``mark``: its unmarked entries and the layers
+    that were never saved this step."""
+    first, ids = step
+    if ids:
+        missing = [layer for layer in range(layers) if layer not in send.saved]
+        send.queued.extend(_Queued(layer, first, ids, None) for layer in missing)
+    for entry in send.queued:
+        if entry.mark is None:
+            entry.mark = mark
+
+
 def _pair_blocks(
-    queued: list[tuple[int, int, list[int]]], start: int, remote: list[int]
+    queued: list[_Queued], start: int, remote: list[int]
 ) -> dict[int, tuple[list[int], list[int]]]:
     """Per layer, (local ids, D's ids) for the queued blocks D registered.
 
@@ -330,7 +393,8 @@ def _pair_blocks(
     already and are not written.
     """
     by_layer: dict[int, tuple[list[int], list[int]]] = {}
-    for layer, first, ids in queued:
+    for entry in queued:
+        layer, first, ids = entry.layer, entry.first, entry.ids
         src, dst = by_layer.setdefault(layer, ([], []))
         for i, local_id in enumerate(ids):
             j = first + i - start

@@ -4,8 +4,13 @@ The worker only ever talks to a ``NixlAgent``; tests inject ``tests/connector/fa
 ``nixl`` is imported lazily, inside ``RealNixlAgent.__init__``, so the scheduler process and the
 unit tests never load it.
 
-A descriptor is ``(address, length, device_id)``; every agent listens for metadata requests on its
-own port (NIXL's listener thread), so peers exchange agent metadata without a side service.
+A descriptor is ``(address, length, device_id)``; a block row ``(address, length, device_id,
+stride, count)`` stands for ``count`` descriptors of ``length`` bytes, ``stride`` bytes apart.
+WRITEs go between descriptor lists prepared once (``prep_blocks``: ours at registration, a
+peer's at its first WRITE), naming blocks by index, as NIXL's ``prep_xfer_dlist`` and
+``make_prepped_xfer`` intend: no descriptor is built per WRITE. Every agent listens for metadata
+requests on its own port (NIXL's listener thread), so peers exchange agent metadata without a
+side service.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-__all__ = ["AgentFactory", "Desc", "NixlAgent", "RealNixlAgent", "XferState"]
+__all__ = ["AgentFactory", "Blocks", "Desc", "NixlAgent", "RealNixlAgent", "XferState"]
 
 Desc = tuple[int, int, int]
+Blocks = tuple[int, int, int, int, int]  # address, length, device_id, stride, count
 XferState = str  # "PROC" | "DONE" | "ERR"
 
 
@@ -26,7 +32,10 @@ class NixlAgent(Protocol):
     name: str
 
     def register(self, regions: Sequence[Desc], mem_type: str) -> None:
-        """Register memory once at start (the whole KV cache)."""
+        """Register memory once at start (the buffers under the KV cache)."""
+
+    def deregister(self) -> None:
+        """Deregister everything ``register`` registered (shutdown)."""
 
     def fetch_remote(self, agent: str, host: str, port: int) -> None:
         """Ask ``agent``'s listener for its metadata (asynchronous; see ``has_remote``)."""
@@ -43,11 +52,27 @@ class NixlAgent(Protocol):
     def get_notifs(self) -> dict[str, list[bytes]]:
         """New notifications since the last call, by sender agent name."""
 
+    def prep_blocks(self, agent: str | None, rows: Sequence[Blocks], mem_type: str) -> object:
+        """Prepare a descriptor list once: of our registered memory (``agent`` None) or of
+        ``agent``'s (its metadata loaded). Descriptor ``k`` of row ``r`` has index
+        ``sum(count of rows before r) + k``. Returns a handle for ``post_write`` and
+        ``release_prepped``; raises if the memory is not registered."""
+
     def post_write(
-        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+        self,
+        agent: str,
+        local: object,
+        local_idx: Sequence[int],
+        remote: object,
+        remote_idx: Sequence[int],
+        notif: bytes,
     ) -> object:
-        """Post one WRITE of ``local[i]`` into ``remote[i]``; ``notif`` reaches ``agent`` after
-        the data. Returns a handle for ``xfer_state``/``release``; raises if posting fails."""
+        """Post one WRITE of ``local``'s descriptors ``local_idx[i]`` into ``remote``'s
+        ``remote_idx[i]`` (``agent``'s prepared list); ``notif`` reaches ``agent`` after the
+        data. Returns a handle for ``xfer_state``/``release``; raises if posting fails."""
+
+    def release_prepped(self, handle: object) -> None:
+        """Release a prepared descriptor list no longer written through."""
 
     def xfer_state(self, handle: object) -> XferState:
         """``"PROC"``, ``"DONE"`` or ``"ERR"``."""
@@ -56,7 +81,7 @@ class NixlAgent(Protocol):
         """Release a handle that is no longer in progress."""
 
     def close(self) -> None:
-        """Drop the agent (worker shutdown)."""
+        """Drop the agent (worker shutdown, after ``deregister``)."""
 
 
 AgentFactory = Callable[[str, int], NixlAgent]
@@ -68,7 +93,11 @@ _BUILD_LOCK = threading.Lock()
 
 
 class RealNixlAgent:
-    """``NixlAgent`` over ``nixl.nixl_agent`` with the UCX backend and a listener thread."""
+    """``NixlAgent`` over ``nixl.nixl_agent`` with the UCX backend and a listener thread.
+
+    Raises ``RuntimeError`` if a backend plugin in ``backends`` is missing (NIXL itself only
+    logs a warning and builds an agent that cannot transfer).
+    """
 
     def __init__(
         self,
@@ -92,10 +121,25 @@ class RealNixlAgent:
         )
         with _BUILD_LOCK:
             self._agent: Any = _build_agent(api, name, conf, progress_delay_us)
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            available = list(self._agent.get_plugin_list())
+            self._agent = None
+            raise RuntimeError(
+                f"NIXL backend plugin(s) {missing} not available (available plugins:"
+                f" {available}); install the plugin in the engine image or set"
+                f' "backends" in kv_connector_extra_config to available ones'
+            )
+        self._registered: list[Any] = []  # registration descriptor lists, for deregister
 
     def register(self, regions: Sequence[Desc], mem_type: str) -> None:
         # Registration descriptors carry a fourth field (a per-region label), unused here.
-        self._agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type)
+        descs = self._agent.register_memory([(a, n, d, "") for a, n, d in regions], mem_type)
+        self._registered.append(descs)
+
+    def deregister(self) -> None:
+        while self._registered:
+            self._agent.deregister_memory(self._registered.pop())
 
     def fetch_remote(self, agent: str, host: str, port: int) -> None:
         self._agent.fetch_remote_metadata(agent, host, port)
@@ -112,16 +156,36 @@ class RealNixlAgent:
     def get_notifs(self) -> dict[str, list[bytes]]:
         return dict(self._agent.get_new_notifs())
 
+    def prep_blocks(self, agent: str | None, rows: Sequence[Blocks], mem_type: str) -> object:
+        # NIXL's strided form (Nx5): the list is prepared without a Python tuple per block.
+        arr = self._np.array(rows, dtype=self._np.uint64).reshape(-1, 5)
+        return self._agent.prep_xfer_dlist(agent or "NIXL_INIT_AGENT", arr, mem_type)
+
     def post_write(
-        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+        self,
+        agent: str,
+        local: object,
+        local_idx: Sequence[int],
+        remote: object,
+        remote_idx: Sequence[int],
+        notif: bytes,
     ) -> object:
-        src = self._agent.get_xfer_descs(self._np.array(local, dtype=self._np.uint64), mem_type)
-        dst = self._agent.get_xfer_descs(self._np.array(remote, dtype=self._np.uint64), mem_type)
-        handle = self._agent.initialize_xfer("WRITE", src, dst, agent, notif)
+        np = self._np
+        handle = self._agent.make_prepped_xfer(
+            "WRITE",
+            local,
+            np.asarray(local_idx, dtype=np.int32),
+            remote,
+            np.asarray(remote_idx, dtype=np.int32),
+            notif,
+        )
         if self._agent.transfer(handle) == "ERR":
             self._agent.release_xfer_handle(handle)
             raise RuntimeError(f"NIXL WRITE to {agent} failed to post")
         return handle
+
+    def release_prepped(self, handle: object) -> None:
+        self._agent.release_dlist_handle(handle)
 
     def xfer_state(self, handle: object) -> XferState:
         return str(self._agent.check_xfer_state(handle))

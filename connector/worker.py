@@ -3,7 +3,8 @@
 Message flow for one transfer id ``tid`` (both legs dispatched at once by the router)::
 
     D scheduler allocates blocks -> D worker: REG(tid, start, blocks) -----------------> P worker
-    P forward, layer l done (save_kv_layer) -> WRITE l (+ notice W) -------------------> D memory
+    P forward, layer l launched (save_kv_layer) -> mark l on the compute stream
+    mark l ready (polled in a later hook) -> WRITE l (+ notice W) ---------------------> D memory
         (layers saved before REG arrives are queued and written when it does)
     P prompt complete and every WRITE posted -> DONE(tid, writes) --------------------> D worker
     D has seen ``writes`` W notices -> finished_recving -> D scheduler decodes
@@ -18,7 +19,9 @@ by the handshake, registration, receive and write timeouts.
 turns (KV that flows back from D to the next turn's P) in ``returns.Keeper`` (D) and
 ``returns.Asker`` (P), with P's pulls in the receiver; what all use is a
 ``context.WorkerContext``. This module does only what joins them: registration,
-dispatching each notification by kind, link changes, the idle wait and shutdown.
+dispatching each notification by kind, link changes, the idle wait and shutdown, and recording
+the ``readiness`` marks that keep a WRITE from reading KV the device has not written yet (vLLM's
+hooks run when kernels are launched, not finished).
 
 All methods run on the worker's model-runner thread; nothing here is thread-safe by design.
 """
@@ -33,15 +36,23 @@ from collections.abc import Callable
 from typing import Any
 
 from connector.context import Timeouts, WorkerContext
-from connector.layout import CacheLayout
-from connector.metadata import Compat, Kind, Message, StepMeta, decode, encode
+from connector.layout import (
+    LAYOUT_ADVICE,
+    CacheLayout,
+    LayoutError,
+    memory_type,
+    storage_regions,
+)
+from connector.metadata import Compat, Kind, Message, StepMeta, WorkerRank, decode, encode
 from connector.peers import Link, LinkState, PeerTable
+from connector.readiness import Readiness, readiness_for
 from connector.receiver import Receiver
 from connector.returns import Asker, Keeper
 from connector.reuse import KeptAnswer
 from connector.sender import Sender
 from connector.stats import WorkerStats
 from connector.transport import NixlAgent
+from connector.writer import BlockWriter
 
 __all__ = ["Timeouts", "WorkerSide"]
 
@@ -61,6 +72,7 @@ class WorkerSide:
         *,
         engine_id: str,
         tp_rank: int,
+        pp_rank: int = 0,
         host: str,
         port: int,
         compat_fields: dict[str, Any],
@@ -68,9 +80,19 @@ class WorkerSide:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         write_per_layer: bool | None = None,
+        readiness: Readiness | None = None,
+        kv_buffer_device: str | None = None,
     ) -> None:
-        """``write_per_layer``: see ``Sender``; None decides by where the KV cache lives."""
-        self._ctx = WorkerContext(agent, tp_rank, timeouts, clock)
+        """``write_per_layer``: see ``Sender``; None decides by where the KV cache lives.
+        ``readiness``: marks on the stream that writes the KV cache; None picks one by the
+        registered tensors' device (``readiness.readiness_for``).
+        ``port``: the engine's side-channel port (this worker listens on ``port`` plus its
+        ``WorkerRank.index``); ``compat_fields``: ``Compat``'s fields but those read from the
+        cache at registration; ``kv_buffer_device``: vLLM's, checked against the cache's
+        device (``layout.memory_type``; None: the cache's)."""
+        self._rank = WorkerRank(tp_rank, pp_rank, int(compat_fields.get("tp_size", 1)))
+        self._kv_buffer_device = kv_buffer_device
+        self._ctx = WorkerContext(agent, self._rank.index, timeouts, clock)
         self._sender = Sender(self._ctx)
         self._write_per_layer = write_per_layer  # applied once the cache's memory is known
         self._receiver = Receiver(self._ctx)
@@ -81,6 +103,7 @@ class WorkerSide:
         self._address = {"engine_id": engine_id, "host": host, "port": port}  # for our HELLO
         self._compat_fields = compat_fields
         self._layer_idx: dict[str, int] = {}
+        self._readiness = readiness  # None until register_kv_caches picks one
 
     @property
     def stats(self) -> WorkerStats:
@@ -92,35 +115,57 @@ class WorkerSide:
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int, mem_type: str) -> None:
-        """Called once, before any request: register the whole cache and build our HELLO."""
+    def register_kv_caches(
+        self, kv_caches: dict[str, Any], num_blocks: int, mem_type: str | None = None
+    ) -> None:
+        """Called once, before any request: register the cache, prepare our descriptor list and
+        build our HELLO. ``mem_type``, if given, must be what the cache's device implies.
+
+        Raises ``ValueError`` (the engine does not start) for a layout whose blocks are not
+        one piece each, naming it and what to set, and for a ``kv_buffer_device`` the cache's
+        device cannot honour.
+        """
         ctx = self._ctx
         names = sorted(kv_caches, key=_layer_key)
         self._layer_idx = {name: i for i, name in enumerate(names)}
-        layout = CacheLayout.from_tensors([kv_caches[n] for n in names], num_blocks, mem_type)
-        ctx.agent.register(layout.regions(), mem_type)
+        tensors = [kv_caches[n] for n in names]
+        derived = memory_type(tensors[0].device.type, self._kv_buffer_device)
+        if mem_type is not None and mem_type != derived:
+            raise ValueError(f"memory type {mem_type} given for a KV cache in {derived}")
+        if self._readiness is None:
+            self._readiness = readiness_for(tensors[0].device)
+        try:
+            layout = CacheLayout.from_tensors(tensors, num_blocks, derived)
+        except LayoutError as exc:
+            name = self._compat_fields.get("kv_layout") or "(unknown)"
+            raise ValueError(
+                f"PipelinedPushConnector cannot write KV cache layout {name}: {exc};"
+                f" {LAYOUT_ADVICE}"
+            ) from exc
+        ctx.agent.register(storage_regions(tensors), derived)
         # KV in DRAM: UCX moves the bytes with this engine's own CPU (memcpy, TCP), so a WRITE
         # posted mid-forward takes the cores the forward runs on, and costs more there than all
         # of a step's layers posted at once (measured: bench/serve_bench.py). In device memory
         # the NIC or copy engines move them: overlap the forward.
         per_layer = self._write_per_layer
-        self._sender.per_layer = mem_type != "DRAM" if per_layer is None else per_layer
+        self._sender.per_layer = derived != "DRAM" if per_layer is None else per_layer
         compat = Compat(
             num_layers=len(names),
             block_bytes=layout.block_bytes,
-            dtype=str(kv_caches[names[0]].dtype),
+            dtype=str(tensors[0].dtype),
+            mem_type=derived,
             **self._compat_fields,
         )
         hello = {"compat": dataclasses.asdict(compat), "layout": layout.to_wire(), **self._address}
-        ctx.attach(
-            layout, PeerTable(ctx.agent, ctx.rank, hello, compat, ctx.t.handshake_s, ctx.clock)
-        )
+        peers = PeerTable(ctx.agent, self._rank, hello, compat, ctx.t.handshake_s, ctx.clock)
+        ctx.attach(layout, peers, BlockWriter(ctx.agent, layout))
         log.info(
-            "pd-connector: rank %d registered %d layers x %d blocks (%d B/block) as %s",
+            "pd-connector: rank %d registered %d layers x %d blocks (%d B/block, %s) as %s",
             ctx.rank,
             len(names),
             num_blocks,
             layout.block_bytes,
+            derived,
             ctx.agent.name,
         )
 
@@ -137,7 +182,7 @@ class WorkerSide:
         for req_id, (tid, peer) in step.abort_recvs.items():
             self._receiver.decode_aborted(req_id, tid, peer)
         for keep in step.keeps:
-            self._keeper.keep(keep)
+            self._keeper.keep(keep, self._marks().mark())  # see Keeper.keep
         for req_id, (tid, peer) in step.asks.items():
             self._asker.ask(req_id, tid, peer)
         for tid, peer in step.releases.items():
@@ -146,18 +191,26 @@ class WorkerSide:
         self._poll()
 
     def save_layer(self, layer_name: str) -> None:
-        """After each attention layer: queue (and if possible post) that layer's new blocks."""
+        """After each attention layer's kernels are launched: queue that layer's new blocks
+        behind a mark recorded now (layer mode), post whatever queued is ready. Never blocks."""
         self._forward_seen = True
         idx = self._layer_idx.get(layer_name)
         if idx is None:
             return
         if self._sender.awaiting_reg():
             self._drain_notifs()  # D's REG may have arrived during the forward
-        self._sender.save_layer(idx)
+        # A mark per layer only in layer mode (step mode waits for end_step's), and only in a
+        # step that computes a send's blocks: an event costs a launch-queue entry.
+        per_layer = self._sender.per_layer and self._sender.stepping
+        self._sender.save_layer(idx, self._marks().mark() if per_layer else None)
 
     def end_step(self) -> None:
-        """After the forward (``wait_for_save``): close this step's plan."""
-        self._sender.end_step()
+        """After the forward is launched (``wait_for_save``, also called on steps without
+        one): close this step's plan behind one mark covering the whole forward."""
+        stepping = self._sender.stepping
+        if stepping:
+            self._forward_seen = True  # a replayed CUDA graph ran no save_layer, yet computed
+        self._sender.end_step(self._marks().mark() if stepping else None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """Once per step: (finished sending, finished receiving, failed receiving).
@@ -167,7 +220,7 @@ class WorkerSide:
         handed us is reported exactly once, successful or not.
         """
         self._sender.note_finished(finished_req_ids)
-        self._poll()
+        self._poll()  # posts the layers whose marks are ready, before collect counts them
         if not self._forward_seen:
             self._idle_wait()
         self._forward_seen = False
@@ -182,11 +235,18 @@ class WorkerSide:
         return self._receiver.invalid_blocks()
 
     def shutdown(self) -> None:
-        """Fail every transfer (telling each peer), send what can be sent, close the agent."""
+        """Fail every transfer (telling each peer), send what can be sent, release the
+        descriptor lists, deregister the KV cache, close the agent."""
         self._sender.shutdown()
         self._receiver.shutdown()
         self._keeper.shutdown()
         self._ctx.flush_notices()
+        if self._ctx.layout is not None:  # registered: release the lists, then the memory
+            self._ctx.writer.close()
+            try:
+                self._ctx.agent.deregister()
+            except Exception as exc:  # exiting anyway; the process frees it
+                log.warning("pd-connector: deregistering the KV cache failed: %s", exc)
         self._ctx.agent.close()
 
     # -- between the halves ----------------------------------------------------------------------
@@ -207,6 +267,7 @@ class WorkerSide:
         for _ in range(max(1, int(wait_s / 0.0001))):
             self._sleep(0.0001)
             self._sender.check_writes()
+            self._sender.pump()  # a layer whose mark became ready is posted without a step
             if self._drain_notifs():
                 return
 
@@ -214,6 +275,7 @@ class WorkerSide:
         for link in self.peers.poll():
             self._on_link_settled(link)
         self._drain_notifs()
+        self._sender.pump()
         self._ctx.flush_notices()
         self._sender.expire_memory()
 
@@ -259,6 +321,10 @@ class WorkerSide:
                 self._asker.on_held(msg.tid, msg.body)
             case Kind.PULL:
                 self._keeper.on_pull(peer, msg.tid, msg.body)
+
+    def _marks(self) -> Readiness:
+        assert self._readiness is not None, "register_kv_caches must run first"
+        return self._readiness
 
     def _on_link_settled(self, link: Link) -> None:
         if link.state is LinkState.READY:

@@ -45,17 +45,22 @@ class SuiteClock:
         self._tests: dict[str, int] = defaultdict(int)
         self._started = time.monotonic()
 
+    @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """Modules as a whole, cheap suites first, engine modules last; otherwise stable."""
+        """Cheap suites first, module by module; engine modules last, in the order pytest
+        chose for them (it groups tests by parametrised fixture, so each engine stack starts
+        once); otherwise stable. Runs after pytest's own reordering."""
         engines = {_module(i) for i in items if i.get_closest_marker("e2e")}
         first: dict[str, int] = {}
         for n, item in enumerate(items):
             first.setdefault(_module(item), n)
+        position = {id(item): n for n, item in enumerate(items)}
 
         def key(item: pytest.Item) -> tuple[int, int]:
             module = _module(item)
-            rank = _ENGINE_RANK if module in engines else _RANK.get(suite_of(module, False), 6)
-            return rank, first[module]
+            if module in engines:
+                return _ENGINE_RANK, position[id(item)]
+            return _RANK.get(suite_of(module, False), 6), first[module]
 
         items.sort(key=key)
         self._suite = {i.nodeid: suite_of(i.nodeid, _module(i) in engines) for i in items}

@@ -2,8 +2,12 @@
 
 * Metadata exchange is instant when the peer's listener port exists (``fetch_remote`` /
   ``send_local``), unless the fabric is told to hold it (``fabric.hold_metadata = True``).
-* ``post_write`` really copies bytes (``ctypes.memmove``) when the write completes, so tests can
-  compare tensors; the attached notification is delivered after the data, as NIXL does.
+* Descriptor lists are prepared as NIXL prepares them (``prep_blocks``): a local list must lie
+  in the agent's registered memory, a remote one in the peer's (whose metadata must be loaded),
+  else preparing raises. ``fabric.preps`` counts every preparation.
+* ``post_write`` picks descriptors by index and really copies bytes (``ctypes.memmove``) when
+  the write completes, so tests can compare tensors; the attached notification is delivered
+  after the data, as NIXL does. Each WRITE is recorded (``Xfer``: its resolved descriptors).
 * Scripted states: ``fabric.write_mode`` is ``"done"`` (complete at post), ``"proc"`` (stay in
   progress until ``fabric.complete_all()``), ``"err"`` (report ERR) or ``"post_fail"`` (raise).
 * ``fabric.kill(name)`` makes an agent vanish: notifications to it raise, its writes hang.
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 Desc = tuple[int, int, int]
+Blocks = tuple[int, int, int, int, int]
 
 
 @dataclass
@@ -30,6 +35,16 @@ class Xfer:
 
 
 @dataclass
+class Prepped:
+    """A prepared descriptor list: whose memory (None: the preparing agent's) and the list."""
+
+    owner: str | None
+    descs: list[Desc]
+    mem_type: str
+    released: bool = False
+
+
+@dataclass
 class Fabric:
     agents: dict[str, FakeAgent] = field(default_factory=dict)
     listeners: dict[int, str] = field(default_factory=dict)
@@ -37,6 +52,7 @@ class Fabric:
     hold_metadata: bool = False
     dead: set[str] = field(default_factory=set)
     xfers: list[Xfer] = field(default_factory=list)
+    preps: int = 0  # descriptor lists prepared, by every agent
 
     def agent(self, name: str, port: int) -> FakeAgent:
         """An ``AgentFactory``: ``fabric.agent(name, listen_port)``."""
@@ -74,12 +90,18 @@ class FakeAgent:
         self.known: set[str] = set()
         self.pending_md: set[str] = set()
         self.inbox: dict[str, list[bytes]] = defaultdict(list)
-        self.regions: list[Desc] = []
+        self.regions: list[tuple[Desc, str]] = []  # registered (region, mem type)
+        self.deregistered: list[tuple[Desc, str]] = []
+        self.prepped: list[Prepped] = []
         self.sent: list[tuple[str, bytes]] = []
         self.closed = False
 
     def register(self, regions: Sequence[Desc], mem_type: str) -> None:
-        self.regions.extend(regions)
+        self.regions.extend((r, mem_type) for r in regions)
+
+    def deregister(self) -> None:
+        self.deregistered.extend(self.regions)
+        self.regions.clear()
 
     def fetch_remote(self, agent: str, host: str, port: int) -> None:
         if self.fabric.listeners.get(port) == agent:
@@ -107,19 +129,58 @@ class FakeAgent:
         self.inbox = defaultdict(list)
         return out
 
+    def prep_blocks(self, agent: str | None, rows: Sequence[Blocks], mem_type: str) -> object:
+        if agent is not None and agent not in self.known:
+            raise RuntimeError(f"no metadata of {agent}")
+        owner = self if agent is None else self.fabric.agents[agent]
+        descs = [
+            (a + k * stride, n, dev) for a, n, dev, stride, count in rows for k in range(count)
+        ]
+        for d in descs:
+            if not owner.holds(d, mem_type):
+                raise RuntimeError(f"{d} is not in {owner.name}'s registered {mem_type} memory")
+        self.fabric.preps += 1
+        prepped = Prepped(agent, descs, mem_type)
+        self.prepped.append(prepped)
+        return prepped
+
+    def holds(self, desc: Desc, mem_type: str) -> bool:
+        """Whether ``desc`` lies in one region registered with ``mem_type``."""
+        addr, n, _ = desc
+        return any(
+            mt == mem_type and a <= addr and addr + n <= a + size
+            for (a, size, _), mt in self.regions
+        )
+
     def post_write(
-        self, agent: str, local: Sequence[Desc], remote: Sequence[Desc], mem_type: str, notif: bytes
+        self,
+        agent: str,
+        local: object,
+        local_idx: Sequence[int],
+        remote: object,
+        remote_idx: Sequence[int],
+        notif: bytes,
     ) -> object:
+        assert isinstance(local, Prepped) and isinstance(remote, Prepped)
+        assert local.owner is None and remote.owner == agent, "lists of the wrong agents"
+        assert not local.released and not remote.released, "a released list"
+        assert len(local_idx) == len(remote_idx)
         mode = self.fabric.write_mode
         if mode == "post_fail" or agent not in self.known:
             raise RuntimeError("post failed")
-        x = Xfer(self, agent, list(local), list(remote), notif)
+        src = [local.descs[i] for i in local_idx]
+        dst = [remote.descs[i] for i in remote_idx]
+        x = Xfer(self, agent, src, dst, notif)
         self.fabric.xfers.append(x)
         if mode == "err":
             x.state = "ERR"
         elif mode == "done" and agent not in self.fabric.dead:
             self.fabric._complete(x)
         return x
+
+    def release_prepped(self, handle: object) -> None:
+        assert isinstance(handle, Prepped)
+        handle.released = True
 
     def xfer_state(self, handle: object) -> str:
         assert isinstance(handle, Xfer)

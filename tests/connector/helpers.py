@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.address import NixlAddress
 from connector.metadata import CONNECTOR_VERSION, agent_name
+from connector.readiness import Readiness
 from connector.worker import Timeouts, WorkerSide
 from tests.connector.fake_nixl import Fabric, FakeAgent
 
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 LAYERS = 3
 BLOCKS = 16
 BLOCK_SIZE = 4
-WIDTH = 8  # num_kv_heads * head_size in the CPU layout (num_blocks, 2, block_size, width)
+HEADS = 2  # KV heads
+HEAD_SIZE = 4
 P_ADDR = NixlAddress("prefill-0", "127.0.0.1", 6600)
 D_ADDR = NixlAddress("decode-0", "127.0.0.1", 6700)
 
@@ -34,15 +36,20 @@ class Clock:
 
 
 def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
-    """One CPU-layout tensor per layer; random contents unless ``fill`` is given."""
+    """The KV cache as vLLM 0.32's CPU worker hands it over: one buffer, one ``[B, H, N, C]``
+    view per layer in the ``LBHNC`` layout (the only one its CPU attention reads; C is K then
+    V of one head at one token). Random contents unless ``fill`` is given."""
     import torch  # lazily: the pure scheduler tests must run without the engine extra
 
-    gen = torch.Generator().manual_seed(7)
-    caches = {}
-    for i in range(LAYERS):
-        shape = (BLOCKS, 2, BLOCK_SIZE, WIDTH)
-        t = torch.full(shape, fill) if fill is not None else torch.rand(shape, generator=gen)
-        caches[f"model.layers.{i}.self_attn.attn"] = t
+    from tests.connector.layouts import strided_caches
+
+    caches = strided_caches("LBHNC", LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    buffer = next(iter(caches.values())).untyped_storage()
+    flat = torch.empty(0, dtype=torch.float32).set_(buffer)
+    if fill is not None:
+        flat.fill_(fill)
+    else:
+        flat.copy_(torch.rand(flat.shape, generator=torch.Generator().manual_seed(7)))
     return caches
 
 
@@ -51,9 +58,16 @@ def compat_fields(**over: Any) -> dict[str, Any]:
         "version": CONNECTOR_VERSION,
         "model": "tiny",
         "block_size": BLOCK_SIZE,
-        "num_kv_heads": 2,
-        "head_size": 4,
+        "num_kv_heads": HEADS,
+        "head_size": HEAD_SIZE,
         "tp_size": 1,
+        "kv_layout": "LBHNC",
+        "attn_backend": "CPU_ATTN",
+        "kv_cache_dtype": "auto",
+        "use_mla": False,
+        "pp_size": 1,
+        "dp_size": 1,
+        "dcp_size": 1,
     }
     base.update(over)
     return base
@@ -79,6 +93,7 @@ def make_side(
     fill: float | None = None,
     timeouts: Timeouts | None = None,
     write_per_layer: bool | None = True,
+    readiness: Readiness | None = None,
     **compat: Any,
 ) -> Side:
     name = agent_name(addr.engine_id, 0)
@@ -93,9 +108,10 @@ def make_side(
         timeouts=timeouts or Timeouts(),
         clock=clock,
         write_per_layer=write_per_layer,
+        readiness=readiness,
     )
     caches = kv_caches(fill)
-    w.register_kv_caches(caches, BLOCKS, "DRAM")
+    w.register_kv_caches(caches, BLOCKS)
     return Side(w, caches, name, agent)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import pytest
 import torch
 
 from connector.address import NixlAddress
@@ -169,3 +170,32 @@ def test_real_agent_progress_thread_does_not_spin() -> None:
     t1 = os.times()
     agent.close()
     assert (t1.user + t1.system) - (t0.user + t0.system) < 0.5
+
+
+def test_a_missing_backend_plugin_is_an_error_naming_the_available_ones() -> None:
+    """NIXL itself only warns and builds an agent that can never transfer."""
+    from connector.transport import RealNixlAgent
+
+    port = pick_ports(1, range(6600, 6800))[0]
+    with pytest.raises(RuntimeError) as err:
+        RealNixlAgent("no-plugin", port, backends=("UCX", "NO_SUCH_PLUGIN"))
+    assert "['NO_SUCH_PLUGIN'] not available" in str(err.value) and "'UCX'" in str(err.value)
+
+
+def test_deregistered_memory_can_no_longer_be_written_from() -> None:
+    """Shutdown's ``deregister`` really deregisters: a list over that memory no longer
+    prepares (and one over registered memory did, block rows included)."""
+    from connector.transport import RealNixlAgent
+
+    port = pick_ports(1, range(6600, 6800))[0]
+    agent = RealNixlAgent("dereg-check", port)
+    buf = torch.zeros(4096, dtype=torch.int8)
+    rows = [(buf.data_ptr(), 256, 0, 512, 8)]
+    try:
+        agent.register([(buf.data_ptr(), buf.numel(), 0)], "DRAM")
+        agent.release_prepped(agent.prep_blocks(None, rows, "DRAM"))
+        agent.deregister()
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            agent.prep_blocks(None, rows, "DRAM")
+    finally:
+        agent.close()

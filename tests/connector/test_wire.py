@@ -1,14 +1,13 @@
-"""Wire format, compatibility check, layout and descriptor building."""
+"""Wire format, the compatibility check, the layout in HELLO, the router's parameters."""
 
 from __future__ import annotations
 
 import json
 
 from connector.address import NixlAddress
-from connector.layout import CacheLayout, block_runs, write_descs
+from connector.layout import CacheLayout
 from connector.metadata import CONNECTOR_VERSION, Compat, Kind, decode, encode
 from router.pd.pipelined_params import decode_params, prefill_params
-from tests.needs import need_module
 
 
 def test_roundtrip_keeps_kind_tid_and_body() -> None:
@@ -18,24 +17,25 @@ def test_roundtrip_keeps_kind_tid_and_body() -> None:
     assert msg.kind is Kind.REG
 
 
-def test_encoding_is_the_version_2_wire_format() -> None:
+def test_encoding_is_the_version_3_wire_format() -> None:
     """The kinds are an enum in code, plain strings on the wire (version 2 added the kept
-    turns' ASK/HELD/PULL to version 1's)."""
-    assert CONNECTOR_VERSION == 2
+    turns' ASK/HELD/PULL to version 1's; version 3 the layout, backend, memory and parallel
+    fields of HELLO's Compat)."""
+    assert CONNECTOR_VERSION == 3
     assert encode(Kind.REG, "t1", start=2, blocks=[5, 6]) == (
-        b'PDR{"v":2,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
+        b'PDR{"v":3,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
     )
     assert encode(Kind.DONE, "t1", writes=3, tokens=10) == (
-        b'PDR{"v":2,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
+        b'PDR{"v":3,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
     )
     assert encode(Kind.HELD, "t1", tokens=5, hashes=["ab"]) == (
-        b'PDR{"v":2,"t":"HELD","tid":"t1","tokens":5,"hashes":["ab"]}'
+        b'PDR{"v":3,"t":"HELD","tid":"t1","tokens":5,"hashes":["ab"]}'
     )
-    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":2,"t":"REFUSE","tid":"","reason":"x"}'
+    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":3,"t":"REFUSE","tid":"","reason":"x"}'
     wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT", "ASK", "HELD", "PULL"}
     assert {k.value for k in Kind} == wire | {"VERSION"}
     for kind in wire:
-        raw = b'PDR{"v":2,"t":"%s","tid":"t"}' % kind.encode()
+        raw = b'PDR{"v":3,"t":"%s","tid":"t"}' % kind.encode()
         assert decode(raw) == decode(encode(Kind(kind), "t"))
         assert decode(raw).kind is Kind(kind)  # type: ignore[union-attr]
 
@@ -43,7 +43,7 @@ def test_encoding_is_the_version_2_wire_format() -> None:
 def test_foreign_notifications_are_ignored() -> None:
     assert decode(b"HB:req-1") is None
     assert decode(b"PDRnot json") is None
-    assert decode(b'PDR{"v":2,"t":"NEW","tid":"x"}') is None  # no handler for it
+    assert decode(b'PDR{"v":3,"t":"NEW","tid":"x"}') is None  # no handler for it
 
 
 def test_other_version_is_reported_not_parsed() -> None:
@@ -52,36 +52,45 @@ def test_other_version_is_reported_not_parsed() -> None:
     assert msg is not None and msg.kind == "VERSION" and msg.body["v"] == CONNECTOR_VERSION + 1
 
 
-def test_compat_lists_each_mismatch() -> None:
-    a = Compat(1, "m", "bf16", 128, 2, 2, 64, 1, 4096)
-    b = Compat(1, "m", "bf16", 16, 2, 2, 64, 2, 4096)
-    bad = a.mismatches(b)
-    assert len(bad) == 2 and bad[0].startswith("block_size") and bad[1].startswith("tp_size")
+def _compat(**over: object) -> Compat:
+    fields: dict[str, object] = {
+        "version": 3,
+        "model": "m",
+        "dtype": "torch.bfloat16",
+        "block_size": 16,
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "tp_size": 1,
+        "block_bytes": 4096,
+        "kv_layout": "LBHNC",
+        "attn_backend": "FLASH_ATTN",
+        "kv_cache_dtype": "auto",
+        "mem_type": "VRAM",
+        "use_mla": False,
+        "pp_size": 1,
+        "dp_size": 1,
+        "dcp_size": 1,
+    }
+    fields.update(over)
+    return Compat(**fields)  # type: ignore[arg-type]
+
+
+def test_compat_lists_each_mismatch_with_both_engines_values() -> None:
+    a = _compat()
+    b = _compat(block_size=128, tp_size=2, attn_backend="FLASHINFER")
+    bad = a.mismatches(b, "pdr-p-tp0", "pdr-d-tp0")
+    assert bad == [
+        "block_size: pdr-p-tp0=16 pdr-d-tp0=128",
+        "tp_size: pdr-p-tp0=1 pdr-d-tp0=2",
+        "attn_backend: pdr-p-tp0='FLASH_ATTN' pdr-d-tp0='FLASHINFER'",
+    ]
     assert a.mismatches(a) == []
 
 
-def test_runs_merge_only_when_both_sides_are_consecutive() -> None:
-    assert block_runs([1, 2, 3, 7], [10, 11, 12, 13]) == [(1, 10, 3), (7, 13, 1)]
-    assert block_runs([1, 2], [5, 9]) == [(1, 5, 1), (2, 9, 1)]
-
-
-def test_cpu_layout_one_segment_and_descs() -> None:
-    torch = need_module("torch")
-    t = torch.zeros(8, 2, 4, 16, dtype=torch.bfloat16)
-    lay = CacheLayout.from_tensors([t, t.clone()], 8, "DRAM")
-    assert lay.block_bytes == lay.block_stride == 2 * 4 * 16 * 2
-    src, dst = write_descs(lay, lay, 1, [(2, 5, 3)])
-    assert src == [(lay.layers[1].segments[0] + 2 * lay.block_bytes, 3 * lay.block_bytes, 0)]
-    assert dst[0][0] == lay.layers[1].segments[0] + 5 * lay.block_bytes
-
-
-def test_kv_first_layout_has_two_segments() -> None:
-    torch = need_module("torch")
-    t = torch.zeros(2, 8, 4, 16)
-    lay = CacheLayout.from_tensors([t], 8, "DRAM")
-    assert len(lay.layers[0].segments) == 2
-    assert lay.layers[0].segments[1] - lay.layers[0].segments[0] == 8 * lay.block_stride
-    assert CacheLayout.from_wire(lay.to_wire()) == lay
+def test_layout_travels_in_hello_unchanged() -> None:
+    lay = CacheLayout((4096, 8192), 8, 256, 768, 1, "VRAM")
+    assert CacheLayout.from_wire(json.loads(json.dumps(lay.to_wire()))) == lay
 
 
 def test_router_params_carry_the_other_engine() -> None:
