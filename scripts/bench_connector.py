@@ -260,20 +260,20 @@ def transport_throughput(repeats: int = 5) -> tuple[float, float, int]:
     while not src.has_remote("raw-1"):
         time.sleep(0.01)
     raw_times = []
+    # One descriptor each side (address, length, device, stride, count), prepared once as the
+    # connector prepares its own lists.
+    local = src.prep_blocks(None, [(bufs[0].data_ptr(), nbytes, 0, nbytes, 1)], "DRAM")
+    remote = src.prep_blocks("raw-1", [(bufs[1].data_ptr(), nbytes, 0, nbytes, 1)], "DRAM")
     for rep in range(repeats + 1):
         t0 = time.perf_counter()
-        h = src.post_write(
-            "raw-1",
-            [(bufs[0].data_ptr(), nbytes, 0)],
-            [(bufs[1].data_ptr(), nbytes, 0)],
-            "DRAM",
-            f"r{rep}".encode(),
-        )
+        h = src.post_write("raw-1", local, [0], remote, [0], f"r{rep}".encode())
         while not dst.get_notifs():
             src.xfer_state(h)
         if rep:
             raw_times.append(time.perf_counter() - t0)
         src.release(h)
+    src.release_prepped(local)
+    src.release_prepped(remote)
     raw = nbytes / statistics.median(raw_times) / 1e9
     for w in sides:
         w.shutdown()
