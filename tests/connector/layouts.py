@@ -11,20 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scripts.gpu_check.kv import LAYOUTS  # vLLM 0.32's layouts: the one table of them
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["LAYOUTS", "strided_caches"]
-
-# vLLM 0.32's KVCacheLayout members: physical order of the logical axes (0=L 1=B 2=H 3=N 4=C).
-LAYOUTS: dict[str, tuple[int, ...]] = {
-    "LBHNC": (0, 1, 2, 3, 4),  # HND: the CPU backend's, FlashInfer's on some GPUs
-    "LBNHC": (0, 1, 3, 2, 4),  # NHD: FlashAttention's default
-    "LHBNC": (0, 2, 1, 3, 4),  # head-outer (ROCm backends)
-    "BLHNC": (1, 0, 2, 3, 4),  # block-outer
-    "BLNHC": (1, 0, 3, 2, 4),
-    "BHLNC": (1, 2, 0, 3, 4),  # block-, then head-outer
-}
 
 
 def strided_caches(
