@@ -94,8 +94,12 @@ def make_side(
     timeouts: Timeouts | None = None,
     write_per_layer: bool | None = True,
     readiness: Readiness | None = None,
+    caches: dict[str, torch.Tensor] | None = None,
+    blocks: int = BLOCKS,
     **compat: Any,
 ) -> Side:
+    """A worker on ``fabric`` at ``addr`` with ``caches`` (``blocks`` blocks a layer)
+    registered; by default ``kv_caches(fill)``."""
     name = agent_name(addr.engine_id, 0)
     agent = fabric.agent(name, addr.port)
     w = WorkerSide(
@@ -110,8 +114,8 @@ def make_side(
         write_per_layer=write_per_layer,
         readiness=readiness,
     )
-    caches = kv_caches(fill)
-    w.register_kv_caches(caches, BLOCKS)
+    caches = kv_caches(fill) if caches is None else caches
+    w.register_kv_caches(caches, blocks)
     return Side(w, caches, name, agent)
 
 

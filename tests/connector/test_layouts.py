@@ -62,20 +62,7 @@ def side(
     blocks: int,
     **compat: Any,
 ) -> Side:
-    name = agent_name(addr.engine_id, 0)
-    agent = fabric.agent(name, addr.port)
-    worker = WorkerSide(
-        agent,
-        engine_id=addr.engine_id,
-        tp_rank=0,
-        host=addr.host,
-        port=addr.port,
-        compat_fields=compat_fields(**compat),
-        clock=clock,
-        write_per_layer=True,
-    )
-    worker.register_kv_caches(kv, blocks)
-    return Side(worker, kv, name, agent)
+    return make_side(fabric, addr, clock, caches=kv, blocks=blocks, **compat)
 
 
 def randomise(kv: dict[str, Any], seed: int) -> None:
