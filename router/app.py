@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -25,7 +24,10 @@ from starlette.requests import ClientDisconnect
 
 from router import __version__
 from router.access_log import AccessLog, AccessRecord
+from router.auth import OPEN_PATHS, Authenticator
+from router.bounds import Bounds
 from router.client_request import (
+    ClientRequest,
     Endpoint,
     parse_client_request,
     parse_json_object,
@@ -37,16 +39,21 @@ from router.engines.health import HealthMonitor
 from router.engines.load import LoadWatcher
 from router.errors import (
     BodyTooLarge,
+    BoundExceeded,
     HttpError,
     InternalError,
     InvalidRequest,
     ModelNotFound,
     NoCapacity,
     Outcome,
+    RateLimited,
+    RequestTimeout,
     RouterError,
     Unauthorized,
     render,
 )
+from router.guard import ClientEvents, guarded_protocol
+from router.limits import Limiter
 from router.metrics import Metrics
 from router.multi_prompt import MultiPromptResponse
 from router.passthrough import POST_PATHS, PassThrough
@@ -80,6 +87,10 @@ class AppContext:
     passthrough: PassThrough
     tracing: Tracing
     access: AccessLog
+    auth: Authenticator
+    limiter: Limiter
+    bounds: Bounds
+    clients: ClientEvents  # slow clients: the connection guard's and the body deadline's
 
 
 def _build_context(
@@ -113,6 +124,13 @@ def _build_context(
         )
     passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
     access = AccessLog(config.logging)
+    auth = Authenticator(config.auth)
+    metrics.attach_keys(auth.names)
+    own = {k.name: k.limits for k in config.auth.named_keys()}
+    limiter = Limiter(config.limits.per_key, own, clock)
+    bounds = Bounds(
+        config.limits, passthrough, config.health.timeout, config.health.interval, clock
+    )
     return AppContext(
         config,
         registry,
@@ -125,6 +143,10 @@ def _build_context(
         passthrough,
         tracing,
         access,
+        auth,
+        limiter,
+        bounds,
+        ClientEvents(metrics, clock),
     )
 
 
@@ -133,33 +155,72 @@ def _error_response(exc: RouterError) -> Response:
     return Response(body, status_code=status, headers={k.decode(): v.decode() for k, v in headers})
 
 
-def _authorize(ctx: AppContext, request: Request) -> None:
-    keys = ctx.config.auth.api_keys
-    if not keys:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    given = token.strip().encode() if scheme.lower() == "bearer" else b""
-    # Compare against every key so timing does not reveal which (if any) matched.
-    matched = False
-    for k in keys:
-        matched |= hmac.compare_digest(given, k.get_secret_value().encode())
-    if not matched:
-        raise Unauthorized("missing or invalid API key (send Authorization: Bearer <key>)")
+def _identify(ctx: AppContext, scope: Scope) -> str:
+    """The name of the request's API key; raises (and counts) :class:`Unauthorized`."""
+    try:
+        return ctx.auth.identify(scope["headers"])
+    except Unauthorized as exc:
+        ctx.metrics.auth_failures.labels(exc.reason).inc()
+        raise
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+def _charge(ctx: AppContext, key: str) -> None:
+    """Count one request against ``key``'s rate (refusals counted by key name)."""
+    try:
+        ctx.limiter.charge(key)
+    except RateLimited:
+        ctx.metrics.key_requests.labels(key, "rate_limited").inc()
+        raise
+
+
+def _hold(ctx: AppContext, key: str) -> Callable[[], None]:
+    """One request in flight for ``key``; returns what gives it back (idempotent)."""
+    try:
+        lease = ctx.limiter.acquire(key)
+    except RateLimited:
+        ctx.metrics.key_requests.labels(key, "concurrency_limited").inc()
+        raise
+    ctx.metrics.key_requests.labels(key, "admitted").inc()
+    gauge = ctx.metrics.key_in_flight.labels(key)
+    gauge.inc()
+
+    def give_back() -> None:
+        if not lease.released:
+            lease.release()
+            gauge.dec()
+
+    return give_back
+
+
+async def _read_body(ctx: AppContext, request: Request) -> bytes:
+    """The whole body within ``connections.body_timeout`` (else 408, the connection
+    closed), at most ``admission.max_body_bytes`` (else 413)."""
+    limit = ctx.config.admission.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
+    deadline = ctx.config.connections.body_timeout
+    try:
+        async with asyncio.timeout(deadline):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"request body exceeds {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        ctx.clients.timed_out("body", deadline, request.scope.get("client"))
+        raise RequestTimeout(deadline) from None
     return b"".join(chunks)
+
+
+async def _bounded(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+    try:
+        return await ctx.bounds.check(pool, creq)
+    except BoundExceeded as exc:
+        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        raise
 
 
 def _client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -181,17 +242,21 @@ async def _handle(
     started = ctx.clock()
     pool: ModelPool | None = None
     try:
-        _authorize(ctx, request)
-        raw = await _read_body(request, ctx.config.admission.max_body_bytes)
+        key = _identify(ctx, request.scope)
+        _charge(ctx, key)  # before the body: a flood is refused for the price of its head
+        raw = await _read_body(ctx, request)
         creq = parse_client_request(raw, endpoint)
         pool = _pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
+        creq = await _bounded(ctx, pool, creq)  # before any slot or generate call
+        done = _hold(ctx, key)
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
         ctx.metrics.observe_request(model, mode, exc.outcome)
         if ctx.access.enabled:
             ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
         raise
+    creq = replace(creq, client_key=key)
     # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
     several = creq.num_prompts > 1 and pool.mode.uses_prefill
     return (MultiPromptResponse if several else RelayResponse)(
@@ -205,6 +270,7 @@ async def _handle(
         client_id,
         ctx.tracing,
         ctx.access,
+        on_end=done,
     )
 
 
@@ -271,12 +337,16 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        _authorize(ctx, request)
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": p.name, "object": "model", "created": 0, "owned_by": "pd-router"}
             for p in ctx.registry.pools()
             if any(d.healthy is not False and not d.degraded for d in p.decode)
         ]
+        for card in data:  # as vLLM's cards, once the router knows it
+            pool = ctx.registry.get(card["id"])
+            context = ctx.bounds.known_context(pool) if pool is not None else None
+            if context is not None:
+                card["max_model_len"] = context
         return JSONResponse({"object": "list", "data": data})
 
     _register_passthrough(app, ctx)
@@ -286,8 +356,9 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> Response:
-        return _readiness(ctx)
+    async def ready(request: Request) -> Response:
+        # An open probe; its detail (the engines' URLs and state) only for a valid key.
+        return _readiness(ctx, detail=_KEY in request.scope)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -298,28 +369,42 @@ def _register_passthrough(app: FastAPI, ctx: AppContext) -> None:
     """vLLM's endpoints that need no P/D, forwarded to one engine (router/passthrough.py)."""
 
     async def forward(request: Request) -> Response:
-        _authorize(ctx, request)
-        body = parse_json_object(await _read_body(request, ctx.config.admission.max_body_bytes))
+        key: str = request.scope[_KEY]
+        _charge(ctx, key)
+        body = parse_json_object(await _read_body(ctx, request))
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise InvalidRequest("model: Input should be a valid string", "model")
         client_id = _client_request_id(request.scope["headers"])
         request_id = client_id.decode() if client_id else kp.new_dispatch_ids().request_id
         pool = _pool_for(ctx, model)
-        return await ctx.passthrough.forward(pool, request.url.path, body, request_id)
+        done = _hold(ctx, key)
+        try:
+            return await ctx.passthrough.forward(pool, request.url.path, body, request_id)
+        finally:
+            done()
 
     for path in POST_PATHS:
         app.add_api_route(path, forward, methods=["POST"], name=path.strip("/"))
 
     @app.get("/version")
-    async def version() -> Response:
+    async def version(request: Request) -> Response:
+        key: str = request.scope[_KEY]
+        _charge(ctx, key)
         pools = list(ctx.registry.pools())
         if not pools:
             raise NoCapacity("no model is configured", retry_after=1.0)
-        return await ctx.passthrough.forward(pools[0], "/version", None, "-")
+        done = _hold(ctx, key)
+        try:
+            return await ctx.passthrough.forward(pools[0], "/version", None, "-")
+        finally:
+            done()
 
 
-def _readiness(ctx: AppContext) -> Response:
+def _readiness(ctx: AppContext, detail: bool) -> Response:
+    if not detail:
+        ok = all(p.has_healthy_pair() for p in ctx.registry.pools())
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
     models = {}
     for pool in ctx.registry.pools():
         models[pool.name] = {
@@ -400,6 +485,9 @@ def create_app(
         if health_checks:
             await ctx.health.check_all()
             tasks.append(asyncio.create_task(ctx.health.run()))
+        # Context lengths before the first request, so that its bounds are checked.
+        await ctx.bounds.refresh_all(ctx.registry.pools())
+        tasks.append(asyncio.create_task(ctx.bounds.run(ctx.registry.pools)))
         if ctx.load is not None:
             ctx.load.initial_caps()
             tasks.append(asyncio.create_task(ctx.load.run()))
@@ -434,12 +522,13 @@ def create_app(
 
 _HOT_ROUTES = {e.value: e for e in Endpoint}
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
+_KEY = "pdrouter.key"  # scope key: the name of the request's API key, once identified
 
 
-def _cors(app: _ASGI, cors: CorsConfig) -> _ASGI | None:
-    """``app`` behind Starlette's CORS middleware, or None when CORS is off."""
-    if not cors.allowed_origins:
-        return None
+def _cors(app: _ASGI, cors: CorsConfig) -> _ASGI:
+    """``app`` behind Starlette's CORS middleware, configured as ``vllm serve`` 0.32
+    configures it: with no allowed origin (the default) a preflight is answered 400 and
+    no answer carries ``access-control-allow-origin``."""
     return CORSMiddleware(
         app,
         allow_origins=cors.allowed_origins,
@@ -456,11 +545,16 @@ def _has_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
 class RouterApp:
     """The ASGI entry point.
 
-    The two generate routes go straight to :func:`_handle` and the relay: on the
+    The generate routes go straight to :func:`_handle` and the relay: on the
     hot path, FastAPI's routing and its middleware stack (which wraps ``send``
     for every streamed chunk) cost about a sixth of the router's CPU. Everything
     else — lifespan, the other routes, the OpenAPI document, which still lists
     the generate routes — is the FastAPI app.
+
+    The one rule of authentication is applied here, before any route: with keys
+    configured, every HTTP request but a CORS preflight (which browsers send without
+    credentials, as ``vllm serve`` lets it through) and the probes of
+    :data:`~router.auth.OPEN_PATHS` needs a valid key, unknown paths included.
     """
 
     def __init__(self, api: FastAPI, ctx: AppContext) -> None:
@@ -469,25 +563,53 @@ class RouterApp:
         # Only browsers send Origin: other requests skip the middleware (it cost ~5% of the
         # router's throughput in the router benchmark when every request went through it).
         self._cors = _cors(self._route, ctx.config.cors)
+        self._protocol: type[asyncio.Protocol] | None = None
 
     @property
     def state(self) -> Any:
         return self.api.state
 
+    @property
+    def http_protocol(self) -> type[asyncio.Protocol]:
+        """uvicorn's ``http=``: its httptools protocol with this router's connection
+        bounds (``connections`` in the config, :mod:`router.guard`)."""
+        if self._protocol is None:
+            self._protocol = guarded_protocol(self._ctx.config.connections, self._ctx.clients)
+        return self._protocol
+
     def openapi(self) -> dict[str, Any]:
         return self.api.openapi()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._cors is not None and scope["type"] == "http" and _has_origin(scope["headers"]):
+        if scope["type"] == "http" and _has_origin(scope["headers"]):
             await self._cors(scope, receive, send)
             return
         await self._route(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = _HOT_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if endpoint is None or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.api(scope, receive, send)
             return
+        path = scope.get("path", "")
+        endpoint = _HOT_ROUTES.get(path)
+        if endpoint is not None and scope["method"] == "POST":
+            await self._generate(endpoint, scope, receive, send)
+            return
+        if path in OPEN_PATHS:
+            # A probe is served anyway; a valid key only adds /ready's detail.
+            with contextlib.suppress(Unauthorized):
+                scope[_KEY] = self._ctx.auth.identify(scope["headers"])
+        else:
+            try:
+                scope[_KEY] = _identify(self._ctx, scope)
+            except Unauthorized as exc:
+                await send_error(send, exc)
+                return
+        await self.api(scope, receive, send)
+
+    async def _generate(
+        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         request = Request(scope, receive)
         client_id = _client_request_id(scope["headers"])
         try:

@@ -118,6 +118,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         grace=args.grace,
         backlog=_BACKLOG,
         own_logging=cfg.logging.format == "json",
+        http_protocol=app.http_protocol,
     )
     uvicorn.run(app, host=host, port=port, **options)
     return 0

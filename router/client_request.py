@@ -85,6 +85,10 @@ class ClientRequest:
     prompt_chars: int  # characters of text (or tokens, for token prompts) in the prompt
     prompt_is_tokens: bool
     session: str | None = None  # the conversation id, for session affinity
+    # The output tokens asked for, and the field that asked (vLLM names it in its errors).
+    max_output: int | None = None
+    max_output_field: str = "max_tokens"
+    client_key: str = "anonymous"  # the API key's name: limits, fair queueing, metrics
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:
@@ -216,19 +220,27 @@ _MODELS: dict[Endpoint, type[_Common]] = {
 def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
     """Validate ``raw``; raises :class:`InvalidRequest` (HTTP 400) with the field's path."""
     body = parse_json_object(raw)
+    max_output: int | None
     try:
         if endpoint is Endpoint.CHAT:
             chat = _Chat.model_validate(body)
             common: _Common = chat
             num, chars, is_tokens = 1, _chat_chars(chat.messages), False
+            # vLLM reads max_completion_tokens first, then max_tokens.
+            if chat.max_completion_tokens is not None:
+                max_output, field = chat.max_completion_tokens, "max_completion_tokens"
+            else:
+                max_output, field = chat.max_tokens, "max_tokens"
         elif endpoint is Endpoint.RESPONSES:
             resp = _Responses.model_validate(body)
             common = resp
             num, chars, is_tokens = 1, _input_chars(resp.input), False
+            max_output, field = resp.max_output_tokens, "max_output_tokens"
         else:
             comp = _Completion.model_validate(body)
             common = comp
             num, chars, is_tokens = _prompt_shape(comp.prompt)
+            max_output, field = comp.max_tokens, "max_tokens"
     except ValidationError as exc:
         raise _first_error(exc) from None
     if common.stream_options is not None and not common.stream:
@@ -242,4 +254,6 @@ def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
         num_prompts=num,
         prompt_chars=chars,
         prompt_is_tokens=is_tokens,
+        max_output=max_output,
+        max_output_field=field,
     )

@@ -17,6 +17,7 @@ the file's other mistakes. A value is substituted as text, never parsed as YAML.
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
 from pathlib import Path
@@ -37,14 +38,19 @@ from pydantic import (
 
 __all__ = [
     "AdmissionConfig",
+    "ApiKey",
     "AuthConfig",
     "BreakerConfig",
     "ConfigError",
+    "ConnectionsConfig",
+    "CorsConfig",
     "DecodeInstanceConfig",
     "DiscoveryConfig",
     "HealthConfig",
+    "KeyLimits",
     "KubernetesDiscoveryConfig",
     "KvReturnConfig",
+    "LimitsConfig",
     "ListenConfig",
     "Mode",
     "ModelConfig",
@@ -228,6 +234,8 @@ class ModelConfig(_Strict):
     # by D alone (D computes its prompt) instead of queueing behind them: P/D pays off while P
     # keeps up, and one engine beats a saturated P. 0 disables it.
     disagg_max_prefill_queue: int = Field(default=0, ge=0)
+    # The model's context length; None: read from the engines' /v1/models (max_model_len).
+    max_model_len: int | None = Field(default=None, ge=1)
 
     @field_validator("decode")
     @classmethod
@@ -330,17 +338,83 @@ class HealthConfig(_Strict):
     load_interval: PositiveFloat = 1.0
 
 
+class KeyLimits(_Strict):
+    """What one API key may use (None: unbounded). ``requests_per_second`` refills a
+    token bucket of ``burst`` requests (default: the rate rounded up, at least 1)."""
+
+    max_concurrent: int | None = Field(default=None, ge=1, le=1_000_000)
+    requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000)
+    burst: int | None = Field(default=None, ge=1, le=1_000_000)
+
+    @property
+    def bucket_size(self) -> int:
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.requests_per_second or 1))
+
+
+# A key's name is a metric label and a log field: short, printable, no spaces or quotes.
+_KEY_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$"
+
+
+class ApiKey(_Strict):
+    """A client key with a name (what metrics and logs show, never the key) and, if set,
+    its own limits instead of ``limits.per_key``."""
+
+    name: str = Field(pattern=_KEY_NAME)
+    key: SecretStr
+    limits: KeyLimits | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _not_empty(cls, v: SecretStr) -> SecretStr:
+        if not v.get_secret_value().strip():
+            raise ValueError("must not be empty")
+        return v
+
+
 class AuthConfig(_Strict):
     """Client keys (``Authorization: Bearer``) and the key sent to the engines.
 
     Keys may be given inline (``${VAR}`` references included) or as the name of an
-    environment variable (``*_env``); either way they are read once here.
+    environment variable (``*_env``); either way they are read once here. ``keys`` names
+    each key (and may give it limits); a key of ``api_keys`` is named by its position,
+    ``api_keys.0``, ``api_keys.1``, ... (those of ``api_keys_env`` follow the inline ones).
     """
 
+    keys: list[ApiKey] = Field(default_factory=list)
     api_keys: list[SecretStr] = Field(default_factory=list)
     api_keys_env: str | None = None
     upstream_api_key: SecretStr | None = None
     upstream_api_key_env: str | None = None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_key(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        # An empty key would let "Authorization: Bearer " in.
+        if any(not k.get_secret_value().strip() for k in keys):
+            raise ValueError("a key must not be empty")
+        return keys
+
+    @field_validator("keys")
+    @classmethod
+    def _distinct(cls, keys: list[ApiKey]) -> list[ApiKey]:
+        names = [k.name for k in keys]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"key name listed twice: {dup}")
+        if any(n.startswith("api_keys.") or n == "anonymous" for n in names):
+            raise ValueError("key names 'anonymous' and 'api_keys.<n>' are the router's own")
+        return keys
+
+    def named_keys(self) -> list[ApiKey]:
+        """Every client key with its name: ``keys``, then ``api_keys`` by position."""
+        # Not validated again: an empty key here is a variable already reported missing.
+        positional = [
+            ApiKey.model_construct(name=f"api_keys.{i}", key=k, limits=None)
+            for i, k in enumerate(self.api_keys)
+        ]
+        return [*self.keys, *positional]
 
     @field_validator("api_keys_env", "upstream_api_key_env")
     @classmethod
@@ -362,7 +436,52 @@ class AuthConfig(_Strict):
             upstream = SecretStr(_require_env(self.upstream_api_key_env))
         object.__setattr__(self, "api_keys", keys)
         object.__setattr__(self, "upstream_api_key", upstream)
+        values = [k.key.get_secret_value() for k in self.named_keys()]
+        values = [v for v in values if v]  # missing variables are reported on their own
+        if len(set(values)) != len(values):
+            # One key under two names would make its limits and metrics ambiguous.
+            raise ValueError("the same key is given twice (keys must be distinct)")
         return self
+
+
+class LimitsConfig(_Strict):
+    """Per-key limits and the bounds every request is checked against before any work.
+
+    ``per_key`` applies to every key without limits of its own (and, without keys, to all
+    clients together). ``max_tokens`` caps the output tokens a request may ask for
+    (``max_tokens``, ``max_completion_tokens``, ``max_output_tokens``) and is given to
+    requests that name none; ``max_n`` caps ``n``, ``max_prompts`` the prompts of one
+    completions request (vLLM's ``VLLM_MAX_COMPLETION_PROMPTS`` default). With
+    ``tokenize_long_prompts``, a text prompt whose size could exceed the model's context
+    is counted by an engine's ``/tokenize`` before any slot is taken."""
+
+    per_key: KeyLimits = KeyLimits()
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_n: int = Field(default=128, ge=1, le=16384)
+    max_prompts: int = Field(default=1024, ge=1, le=1_000_000)
+    tokenize_long_prompts: bool = True
+
+
+class ConnectionsConfig(_Strict):
+    """Bounds on client connections (per router process): slow and greedy clients.
+
+    A request's head (request line and headers) must arrive within ``header_timeout``
+    seconds of the connection (or of its first byte, on a kept-alive connection), its body
+    within ``body_timeout`` of its head; a response that a client stops reading is cut
+    after ``write_timeout`` seconds without progress once the client has left
+    ``send_buffer_bytes`` (the socket's send buffer, which the kernel doubles) and the
+    router's own 64 KiB unread (0: the kernel's default buffer, which grows to megabytes:
+    a token stream would take minutes to fill it). Beyond ``max_header_bytes`` or
+    ``max_headers`` the answer is 431; beyond ``max_open`` connections a new one is closed
+    at once."""
+
+    max_open: int = Field(default=16384, ge=1)
+    header_timeout: PositiveFloat = 10.0
+    body_timeout: PositiveFloat = 60.0
+    write_timeout: PositiveFloat = 30.0
+    send_buffer_bytes: int = Field(default=131072, ge=0, le=64 * 1024 * 1024)
+    max_header_bytes: int = Field(default=65536, ge=1024, le=16 * 1024 * 1024)
+    max_headers: int = Field(default=100, ge=8, le=10_000)
 
 
 def _env_problem(name: str) -> str | None:
@@ -445,12 +564,13 @@ def _related(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 
 
 class CorsConfig(_Strict):
-    """Cross-origin requests from browsers, with the defaults of ``vllm serve``
+    """Cross-origin requests from browsers, with the defaults of ``vllm serve`` 0.32
     (``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers``,
-    ``--allow-credentials``): any origin, no credentials. ``allowed_origins: []``
-    turns CORS off (a browser then refuses cross-origin answers)."""
+    ``--allow-credentials``): no origin is allowed, so a browser's preflight is answered
+    400 and a page on another origin cannot read an answer. List the origins of the web
+    apps that may call the router (``["*"]``: any) to open it."""
 
-    allowed_origins: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_origins: list[str] = Field(default_factory=list)
     allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
@@ -484,6 +604,8 @@ class RouterConfig(_Strict):
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()
     cors: CorsConfig = CorsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    connections: ConnectionsConfig = ConnectionsConfig()
     tracing: TracingConfig = TracingConfig()
     logging: LoggingConfig = LoggingConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"

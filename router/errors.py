@@ -6,10 +6,15 @@
     ├── InternalError            500     internal_error                           internal_error
     ├── HttpError                4xx     invalid_request_error / not_found, 405   client_error
     ├── InvalidRequest           400     BadRequestError / 400 (as vLLM)          client_error
-    │   └── BodyTooLarge         413     BadRequestError / 413                    client_error
+    │   ├── BodyTooLarge         413     BadRequestError / 413                    client_error
+    │   └── BoundExceeded        400     BadRequestError / 400 (vLLM's message)   client_error
     ├── Unauthorized             401     authentication_error / invalid_api_key   client_error
+    ├── RequestTimeout           408     invalid_request_error / request_timeout  client_error
     ├── ModelNotFound            404     NotFoundError / 404, param model (vLLM)  client_error
+    ├── RateLimited              429     rate_limit_error / rate_limit_exceeded,  rate_limited
+    │                                    concurrency_limit_exceeded (1)
     ├── QueueFull                429     rate_limit_error / queue_full (1)        no_capacity
+    │   └── FairShareExceeded    429     rate_limit_error / queue_share_exceeded  rate_limited
     ├── NoCapacity               503     service_unavailable / no_capacity (1)    no_capacity
     │   ├── NoHealthyEngine      503     service_unavailable / no_healthy_<role>  no_capacity
     │   └── ShuttingDown         503     service_unavailable / shutting_down      shutdown
@@ -19,7 +24,7 @@
         └── UpstreamStatus       4xx     the engine's status and body as is       client_error
                                  502     for the engine's 5xx                     upstream_error
 
-    (1) with Retry-After, as are NoHealthyEngine and ShuttingDown.
+    (1) with Retry-After, as are FairShareExceeded, NoHealthyEngine and ShuttingDown.
 
 :func:`render` is the one renderer (status, headers, body) of every error response.
 Upstream errors carry the role (``prefill``/``decode``), the instance they came
@@ -38,6 +43,8 @@ import orjson
 
 __all__ = [
     "BodyTooLarge",
+    "BoundExceeded",
+    "FairShareExceeded",
     "Fault",
     "HttpError",
     "InternalError",
@@ -47,6 +54,8 @@ __all__ = [
     "NoHealthyEngine",
     "Outcome",
     "QueueFull",
+    "RateLimited",
+    "RequestTimeout",
     "RouterError",
     "ShuttingDown",
     "TotalTimeout",
@@ -68,6 +77,7 @@ class Outcome(enum.StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     NO_CAPACITY = "no_capacity"
+    RATE_LIMITED = "rate_limited"  # over its key's limits: the client's doing, not capacity
     DISCONNECT = "client_disconnect"
     SHUTDOWN = "shutdown"  # cut off by the router's own shutdown past its grace period
     INTERNAL_ERROR = "internal_error"  # a bug in the router
@@ -158,11 +168,58 @@ class BodyTooLarge(InvalidRequest):
     code = 413
 
 
+class BoundExceeded(InvalidRequest):
+    """Over a bound checked before any work (``bound``: ``context``, ``max_tokens``,
+    ``n``, ``prompts``), answered as vLLM answers it."""
+
+    def __init__(self, bound: str, message: str, param: str | None = None) -> None:
+        super().__init__(message, param)
+        self.bound = bound
+
+
 class Unauthorized(RouterError):
+    """No usable key; ``reason`` (``missing``, ``scheme``, ``invalid``) is for the metric,
+    never a hint of which keys exist."""
+
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
     outcome = Outcome.CLIENT_ERROR
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("missing or invalid API key (send Authorization: Bearer <key>)")
+        self.reason = reason
+
+    def headers(self) -> dict[str, str]:
+        return {"www-authenticate": "Bearer"}
+
+
+class RequestTimeout(RouterError):
+    """The client did not send its request (body) in time; the connection is closed."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    outcome = Outcome.CLIENT_ERROR
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the request body did not arrive within {seconds:g}s")
+
+    def headers(self) -> dict[str, str]:
+        return {"connection": "close"}
+
+
+class RateLimited(RouterError):
+    """Over its API key's request rate or concurrency (``code`` says which)."""
+
+    status = 429
+    type = "rate_limit_error"
+    outcome = Outcome.RATE_LIMITED
+
+    def __init__(self, message: str, code: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
 
 
 class ModelNotFound(RouterError):
@@ -189,6 +246,14 @@ class QueueFull(RouterError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class FairShareExceeded(QueueFull):
+    """The admission queue is full and this key holds more of it than any other: its
+    newest waiter makes room for a key with fewer (longest queue drop)."""
+
+    code = "queue_share_exceeded"
+    outcome = Outcome.RATE_LIMITED
 
 
 class NoCapacity(RouterError):

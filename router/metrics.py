@@ -33,7 +33,10 @@ from router.pd.kv_return import Reuse
 if TYPE_CHECKING:
     from router.registry import ModelPool
 
-__all__ = ["WORKER_STATE_INTERVAL", "Metrics"]
+__all__ = ["KEY_RESULTS", "WORKER_STATE_INTERVAL", "Metrics"]
+
+# What became of a key's requests: pdrouter_key_requests_total{result}.
+KEY_RESULTS = ("admitted", "rate_limited", "concurrency_limited", "queue_share_exceeded")
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0
@@ -297,6 +300,82 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self._abuse(r)
+
+    def _abuse(self, r: CollectorRegistry) -> None:
+        """Families of the rules against abuse: keys, limits, bounds, slow clients. Keys
+        appear by their configured name, never by the key."""
+        self.auth_failures = Counter(
+            "pdrouter_auth_failures",
+            "Requests refused for their credentials (missing, scheme, invalid)",
+            ["reason"],
+            registry=r,
+        )
+        self.key_requests = Counter(
+            "pdrouter_key_requests",
+            "Requests by API key name: admitted, or refused by the key's limits "
+            "(rate_limited, concurrency_limited) or its share of the queue "
+            "(queue_share_exceeded)",
+            ["key", "result"],
+            registry=r,
+        )
+        self.key_in_flight = Gauge(
+            "pdrouter_key_in_flight",
+            "Requests in flight by API key name",
+            ["key"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.key_queue_wait = Histogram(
+            "pdrouter_key_queue_wait_seconds",
+            "Time a dispatch waited for a decode slot, by API key name",
+            ["key"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.bounds_refused = Counter(
+            "pdrouter_bounds_refusals",
+            "Requests refused before any work, by bound (prompts, n, max_tokens, context)",
+            ["model", "bound"],
+            registry=r,
+        )
+        self.client_connections = Gauge(
+            "pdrouter_client_connections",
+            "Client connections open",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.connections_refused = Counter(
+            "pdrouter_client_connections_refused",
+            "Client connections closed at once, over connections.max_open",
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "pdrouter_client_timeouts",
+            "Client connections cut for slowness: request head, body, or a response not read",
+            ["phase"],
+            registry=r,
+        )
+        self.headers_refused = Counter(
+            "pdrouter_client_headers_refused",
+            "Requests refused with 431 for their headers (size, count)",
+            ["reason"],
+            registry=r,
+        )
+
+    def attach_keys(self, names: Iterable[str]) -> None:
+        """Create every key's series at 0 (and the slow-client ones), so that a rate or a
+        ratio has data before the first refusal."""
+        for name in names:
+            for result in KEY_RESULTS:
+                self.key_requests.labels(name, result)
+            self.key_in_flight.labels(name)
+        for reason in ("missing", "scheme", "invalid"):
+            self.auth_failures.labels(reason)
+        for phase in ("headers", "body", "write"):
+            self.client_timeouts.labels(phase)
+        for reason in ("size", "count"):
+            self.headers_refused.labels(reason)
 
     def observe_request(
         self, model: str, mode: str, outcome: Outcome, ttft: float | None = None

@@ -52,16 +52,33 @@ class PassThrough:
         self, pool: ModelPool, path: str, body: dict[str, Any] | None, request_id: str
     ) -> Response:
         """POST ``body`` to ``path`` on an engine of ``pool`` (GET when ``body`` is None)."""
+        status, content, media_type = await self.call(pool, path, body, request_id)
+        return Response(content, status_code=status, media_type=media_type)
+
+    async def call(
+        self,
+        pool: ModelPool,
+        path: str,
+        body: dict[str, Any] | None,
+        request_id: str,
+        timeout: float | None = None,
+    ) -> tuple[int, bytes, str]:
+        """The engine's status, body and content type for ``path`` (GET when ``body`` is
+        None), within ``timeout`` (default: the whole exchange's). Raises
+        :class:`UpstreamError` for a 5xx or an engine that cannot be reached in time."""
         inst = self.engine(pool)
         role = inst.role.value
+        limit = self._timeout if timeout is None else timeout
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(limit):
                 with map_errors(role, inst.url):
                     if body is None:
-                        status, content = await self._upstream.get(inst.url + path, self._timeout)
+                        status, content = await self._upstream.get(inst.url + path, limit)
                         media_type = "application/json"
                     else:
-                        status, content, media_type = await self._post(inst, path, body, request_id)
+                        status, content, media_type = await self._post(
+                            inst, path, body, request_id, limit
+                        )
         except TimeoutError:
             raise UpstreamTimeout(
                 f"{role} engine did not answer in time",
@@ -73,14 +90,12 @@ class PassThrough:
             raise UpstreamError(
                 f"{role} engine returned HTTP {status}", role=role, instance=inst.url
             )
-        return Response(content, status_code=status, media_type=media_type)
+        return status, content, media_type
 
     async def _post(
-        self, inst: Instance, path: str, body: dict[str, Any], request_id: str
+        self, inst: Instance, path: str, body: dict[str, Any], request_id: str, timeout: float
     ) -> tuple[int, bytes, str]:
-        stream = await self._upstream.open(
-            inst.url + path, body, request_id, read_timeout=self._timeout
-        )
+        stream = await self._upstream.open(inst.url + path, body, request_id, read_timeout=timeout)
         try:
             return stream.status, await stream.read_all(), stream.content_type
         finally:

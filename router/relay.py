@@ -21,6 +21,7 @@ from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
 from router.config import TracingConfig
 from router.errors import (
+    FairShareExceeded,
     Outcome,
     RouterError,
     ShuttingDown,
@@ -73,9 +74,12 @@ class RelayResponse(Response):
         client_id: bytes | None = None,
         tracing: Tracing | None = None,
         access: AccessLog | None = None,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
-        """``client_id``: the client's X-Request-Id, echoed back and logged."""
+        """``client_id``: the client's X-Request-Id, echoed back and logged. ``on_end`` is
+        called once when the exchange is over, however it ended (the key's lease)."""
         self.background = None
+        self._on_end = on_end
         self._access = access
         self._tracing = tracing or Tracing(TracingConfig())
         self._echo = client_id
@@ -95,6 +99,13 @@ class RelayResponse(Response):
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._traced(scope, receive, send)
+        finally:
+            if self._on_end is not None:
+                self._on_end()
+
+    async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self._tracing.enabled:
             await self._exchange(receive, send)
             return
@@ -189,6 +200,8 @@ class RelayResponse(Response):
         if self._started:
             raise exc  # not from the dispatch's opening: a bug, not a refusal
         self._log_refusal(exc)
+        if isinstance(exc, FairShareExceeded):
+            self._metrics.key_requests.labels(self._creq.client_key, "queue_share_exceeded").inc()
         self._status = exc.status
         await send_error(send, exc, self._echo)
         return exc.outcome

@@ -2,8 +2,9 @@
 
 Only the model section is applied live (models, instances, slots, policies,
 admission limits); requests in flight keep their instances and finish. Settings
-bound at start (listen address, timeouts, auth) need a restart: a reload that
-changes them says so in the log and applies the rest.
+bound at start (listen address, timeouts, auth, CORS, per-key limits, connection
+bounds) need a restart: a reload that changes them says so in the log and applies
+the rest.
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ __all__ = ["ConfigReloader"]
 
 log = logging.getLogger("pd_router.reload")
 
-_RESTART_ONLY = ("listen", "timeouts", "auth", "retries", "breaker", "health", "log_level")
+_RESTART_ONLY = (
+    "listen",
+    "timeouts",
+    "auth",
+    "cors",
+    "limits",
+    "connections",
+    "retries",
+    "breaker",
+    "health",
+    "log_level",
+)
 
 
 class ConfigReloader:

@@ -166,6 +166,7 @@ def _worker_main(
         grace=opts.grace,
         backlog=opts.backlog,
         own_logging=cfg.logging.format == "json",
+        http_protocol=app.http_protocol,
     )
     config = uvicorn.Config(app, **options)
     server = uvicorn.Server(config)

@@ -2,8 +2,11 @@
 
 Before any upstream call, a request reserves a slot on one decode engine. The
 ledger is the single owner of every decode instance's ``in_flight`` count. When
-no slot is free the request waits in a bounded FIFO queue; a full queue answers
-429, a wait past ``max_wait`` answers 503, both with ``Retry-After``. A
+no slot is free the request waits in a bounded queue shared fairly between API keys
+(:mod:`router.engines.fair_queue`: FIFO per key, a freed slot to the key holding the
+fewest, the one served least recently among equals); a full queue answers 429 (to the
+key holding the most of it), a wait past ``max_wait`` answers 503, both with
+``Retry-After``. A
 reservation is released exactly once, on every exit path (the dispatcher holds it
 in a ``try/finally``); a waiter cancelled after being handed a slot gives it back.
 
@@ -11,23 +14,24 @@ With ``--workers N`` each worker has its own ledger (queue, policy) and all of t
 share a :class:`~router.shared_slots.WorkerSlots` table: an instance's free slots
 come from the router-wide total, a reservation is taken with ``try_acquire`` (on a
 lost race the next candidate is tried) and a release gives it back there. The
-queue is FIFO per worker, not across workers.
+queue is fair per worker, not across workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import BreakerState
+from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
-from router.errors import NoCapacity, NoHealthyEngine, QueueFull
+from router.errors import FairShareExceeded, NoCapacity, NoHealthyEngine, QueueFull
 from router.shared_slots import WorkerSlots, slot_key
 
 __all__ = ["Reservation", "SlotLedger"]
@@ -47,6 +51,7 @@ class Reservation:
     released: bool = False
     detached: bool = False  # handed to a background owner that releases it later
     placement: Placement | None = None  # how a request with a session key got this D
+    tenant: str = ""  # the API key's name (slots held per key: the fair queue's order)
 
 
 @dataclass(eq=False, slots=True)
@@ -55,6 +60,7 @@ class _Waiter:
     avoid: frozenset[Instance]
     key: str | None = field(default=None)
     session: str | None = field(default=None)
+    tenant: str = field(default="")  # the API key's name: whose turn in the fair queue
 
 
 class SlotLedger:
@@ -87,7 +93,10 @@ class SlotLedger:
         self._policy = policy
         self._queue_size = queue_size
         self._max_wait = max_wait
-        self._waiters: deque[_Waiter] = deque()
+        self._held: dict[str, int] = {}  # slots held per API key name
+        self._granted: dict[str, int] = {}  # per API key name: when it last got a slot
+        self._grants = itertools.count()
+        self._waiters: FairQueue[_Waiter] = FairQueue(self.rank)
         self._poking = False
         self._again = False
         self.set_instances(instances)
@@ -95,6 +104,14 @@ class SlotLedger:
     @property
     def queue_depth(self) -> int:
         return len(self._waiters)
+
+    def held(self, tenant: str) -> int:
+        """Decode slots the API key named ``tenant`` holds in this ledger."""
+        return self._held.get(tenant, 0)
+
+    def rank(self, tenant: str) -> tuple[int, int]:
+        """The fair queue's order: slots held, then the last grant (-1: never)."""
+        return self._held.get(tenant, 0), self._granted.get(tenant, -1)
 
     @property
     def instances(self) -> Sequence[Instance]:
@@ -128,9 +145,11 @@ class SlotLedger:
         key: str | None = None,
         avoid: frozenset[Instance] = frozenset(),
         session: str | None = None,
+        tenant: str = "",
     ) -> Reservation:
         """A slot on a routable decode instance, preferring ones not in ``avoid``; with a
         ``session`` key, the one its affinity picks among those with a free slot.
+        ``tenant`` (the API key's name) is the request's place in the fair queue.
 
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
         :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
@@ -140,16 +159,13 @@ class SlotLedger:
         if not usable:
             raise self._refusal()
         if not self._waiters:
-            got = self._take(usable, avoid, key, session)
+            got = self._take(usable, avoid, key, session, tenant)
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
-            raise QueueFull(
-                f"all decode slots for model {self.model!r} are busy and the queue is full",
-                retry_after=1.0,
-            )
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key, session)
-        self._waiters.append(waiter)
+            self._make_room(tenant)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key, session, tenant)
+        self._waiters.push(tenant, waiter)
         self._schedule_poll()
         self._arm_reopen()
         try:
@@ -165,8 +181,30 @@ class SlotLedger:
             self._reclaim(waiter)
             raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._waiters.remove(tenant, waiter)
+
+    def _make_room(self, tenant: str) -> None:
+        """The queue is full: the key holding the most of it gives up its newest waiter
+        for ``tenant``, unless ``tenant`` is that key (then ``tenant`` is refused)."""
+        victim = self._waiters.overflow(tenant)
+        if victim is not None:
+            if not victim.fut.done():
+                victim.fut.set_exception(self._share_exceeded(victim.tenant))
+            return
+        others = any(True for w in self._waiters if w.tenant != tenant)
+        if others:
+            raise self._share_exceeded(tenant)
+        raise QueueFull(
+            f"all decode slots for model {self.model!r} are busy and the queue is full",
+            retry_after=1.0,
+        )
+
+    def _share_exceeded(self, tenant: str) -> FairShareExceeded:
+        return FairShareExceeded(
+            f"all decode slots for model {self.model!r} are busy and API key {tenant!r} "
+            "holds the largest share of the full queue",
+            retry_after=1.0,
+        )
 
     def release(self, reservation: Reservation) -> None:
         """Give the slot back (idempotent) and hand it to the oldest waiter."""
@@ -175,6 +213,11 @@ class SlotLedger:
         reservation.released = True
         inst = reservation.instance
         inst.in_flight -= 1
+        held = self._held[reservation.tenant] - 1
+        if held:
+            self._held[reservation.tenant] = held
+        else:
+            del self._held[reservation.tenant]
         if self._shared is not None:
             self._shared.release(slot_key(self.model, inst.url))
         self.poke()
@@ -200,24 +243,24 @@ class SlotLedger:
         self._arm_reopen()
 
     def _serve(self) -> None:
-        while self._waiters:
-            head = self._waiters[0]
+        while (head := self._waiters.peek()) is not None:
             if head.fut.done():
-                self._waiters.popleft()
+                self._waiters.remove(head.tenant, head)
                 continue
             usable = candidates(self._instances)
             if not usable:
                 self._refuse_all()
                 return
-            got = self._take(usable, head.avoid, head.key, head.session)
+            got = self._take(usable, head.avoid, head.key, head.session, head.tenant)
             if got is None:
                 return
-            self._waiters.popleft()
+            # By identity: taking the slot changed what the queue would pick next.
+            self._waiters.remove(head.tenant, head)
             head.fut.set_result(got)
 
     def _refuse_all(self) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop()
             if not waiter.fut.done():
                 waiter.fut.set_exception(self._refusal())
 
@@ -227,6 +270,7 @@ class SlotLedger:
         avoid: frozenset[Instance],
         key: str | None,
         session: str | None,
+        tenant: str,
     ) -> Reservation | None:
         free = [i for i in usable if i.free_slots > 0]
         while free:
@@ -239,7 +283,9 @@ class SlotLedger:
             if self._acquire(inst):
                 inst.in_flight += 1
                 inst.breaker.on_dispatch()
-                return Reservation(inst, placement=placement)
+                self._held[tenant] = self._held.get(tenant, 0) + 1
+                self._granted[tenant] = next(self._grants)
+                return Reservation(inst, placement=placement, tenant=tenant)
             # Another worker took the last slot between our read and its lock.
             free.remove(inst)
         return None

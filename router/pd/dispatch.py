@@ -140,8 +140,12 @@ class Dispatcher:
         if decision.uses_prefill and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
             raise self._no_prefill(pool)
+        waited_from = self._clock()
         with self._tracing.span("slot_wait"):
-            reservation = await pool.ledger.reserve(route.key, avoid, route.session)
+            reservation = await pool.ledger.reserve(
+                route.key, avoid, route.session, creq.client_key
+            )
+        self._metrics.key_queue_wait.labels(creq.client_key).observe(self._clock() - waited_from)
         self._count_placement(pool, Role.DECODE, reservation.placement)
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:

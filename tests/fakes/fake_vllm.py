@@ -68,6 +68,11 @@ class Behaviour:
     bidirectional: bool = False
     block_size: int = 16  # in /metrics (vllm:cache_config_info)
     fail_kv_read: bool = False  # P: a request that reads a kept turn from D gets a 500
+    max_model_len: int | None = 4096  # in /v1/models, as vLLM reports it (None: left out)
+    # Every generate request waits for a turn here: a test releases them one at a time.
+    turns: asyncio.Semaphore | None = None
+    token_padding: int = 0  # streamed tokens: this many more bytes of text each
+    tokens_from_request: bool = False  # a request's max_tokens, when given, is its length
 
 
 @dataclass
@@ -112,6 +117,7 @@ class FakeEngine:
         self.active = 0  # generate requests currently open
         self.peak = 0  # most generate requests open at once
         self.health_checks = 0
+        self.gets: list[str] = []  # paths of every GET but /health
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
 
     # -- ASGI ----------------------------------------------------------------
@@ -151,6 +157,13 @@ class FakeEngine:
         if path == "/health":
             self.health_checks += 1
             await _respond(send, b.health_status, b"")
+            return
+        self.gets.append(path)
+        if path == "/v1/models":
+            card: dict[str, Any] = {"id": "tiny", "object": "model"}
+            if b.max_model_len is not None:
+                card["max_model_len"] = b.max_model_len
+            await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
         elif path == "/metrics":
             text = (
                 f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
@@ -162,8 +175,6 @@ class FakeEngine:
         elif path.startswith("/kv/"):
             ready = self.bus.done.get(path.removeprefix("/kv/"))
             await _respond(send, 200 if ready is not None and ready.is_set() else 404, b"")
-        elif path == "/v1/models":
-            await _respond(send, 200, json.dumps({"data": [{"id": "tiny"}]}).encode())
         elif path == "/version":
             await _respond(send, 200, b'{"version":"0.32.0"}')
         else:
@@ -192,6 +203,8 @@ class FakeEngine:
             await asyncio.Event().wait()
         if b.gate is not None:
             await b.gate.wait()
+        if b.turns is not None:
+            await b.turns.acquire()
         if b.delay:
             await asyncio.sleep(b.delay)
         status = b.status
@@ -258,6 +271,9 @@ class FakeEngine:
         await _respond(send, 200, json.dumps(doc).encode())
 
     async def _stream(self, rec: Received, send: Send, b: Behaviour) -> None:
+        asked = rec.body.get("max_tokens")
+        if b.tokens_from_request and isinstance(asked, int):
+            b = dataclasses.replace(b, tokens=asked)
         await send(
             {
                 "type": "http.response.start",
@@ -275,7 +291,7 @@ class FakeEngine:
             if b.malformed_sse and i == 1:
                 await _chunk(send, b"data: {not json\n\n")
                 continue
-            delta = _delta(rec, i, b.prompt_tag)
+            delta = _delta(rec, i, b.prompt_tag, b.token_padding)
             await _chunk(send, b"data: " + json.dumps(delta).encode() + b"\n\n")
             if b.token_delay:
                 await asyncio.sleep(b.token_delay)
@@ -389,11 +405,12 @@ def _full(
     }
 
 
-def _text(rec: Received, i: int, tag: bool) -> str:
-    return f"{rec.body.get('prompt')}:t{i} " if tag else f"t{i} "
+def _text(rec: Received, i: int, tag: bool, padding: int = 0) -> str:
+    text = f"{rec.body.get('prompt')}:t{i} " if tag else f"t{i} "
+    return text + "x" * padding
 
 
-def _delta(rec: Received, i: int, tag: bool = False) -> dict[str, Any]:
+def _delta(rec: Received, i: int, tag: bool = False, padding: int = 0) -> dict[str, Any]:
     if _is_chat(rec):
         return {
             "id": f"chatcmpl-{rec.request_id}",
@@ -408,7 +425,12 @@ def _delta(rec: Received, i: int, tag: bool = False) -> dict[str, Any]:
         "created": 0,
         "model": rec.body.get("model"),
         "choices": [
-            {"index": 0, "text": _text(rec, i, tag), "finish_reason": None, "logprobs": None}
+            {
+                "index": 0,
+                "text": _text(rec, i, tag, padding),
+                "finish_reason": None,
+                "logprobs": None,
+            }
         ],
     }
 

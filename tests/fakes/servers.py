@@ -12,8 +12,9 @@ import uvicorn
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
-    """Serve ``app`` on 127.0.0.1 with a free port; yields its base URL."""
+async def serve(app: Any, *, lifespan: str = "on", http: Any = "h11") -> AsyncIterator[str]:
+    """Serve ``app`` on 127.0.0.1 with a free port; yields its base URL. ``http``: uvicorn's
+    protocol (the router's own guarded one: ``RouterApp.http_protocol``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -23,7 +24,7 @@ async def serve(app: Any, *, lifespan: str = "on") -> AsyncIterator[str]:
         log_level="critical",
         lifespan=lifespan,
         loop="asyncio",
-        http="h11",
+        http=http,
         timeout_graceful_shutdown=1,
         timeout_keep_alive=30,
     )

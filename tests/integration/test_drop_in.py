@@ -4,7 +4,13 @@ exists, and every refused request counted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import importlib.util
 import json
+import sys
+import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -12,6 +18,7 @@ import pytest
 from router.app import create_app
 from router.config import parse_config
 from tests.conftest import Cluster, metric, serve
+from tests.fakes.router_proc import free_port
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 3}
 BIG = 123456789012345678901234567890
@@ -134,35 +141,114 @@ async def test_an_unknown_path_lists_what_the_router_serves(
         assert served in message
 
 
-async def test_cors_as_vllm_serve_by_default(cluster: Cluster, client: httpx.AsyncClient) -> None:
+PREFLIGHT = {"access-control-request-method": "POST"}
+
+
+def _cors_view(r: httpx.Response) -> tuple[int, str, dict[str, str]]:
+    """What a browser reads of an answer: status, body, CORS headers."""
+    wanted = {k: v for k, v in r.headers.items() if k.startswith("access-control-") or k == "vary"}
+    return r.status_code, r.text, wanted
+
+
+async def test_cors_is_closed_by_default_as_in_vllm_serve(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """vLLM 0.32 allows no origin unless --allowed-origins says so: its preflight is a 400."""
     url, _ = await cluster.router("pull")
-    origin = {"origin": "https://app.example"}
-    preflight = {**origin, "access-control-request-method": "POST"}
-    r = await client.options(url + "/v1/chat/completions", headers=preflight)
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
-    # The generate routes bypass FastAPI: the header must still be on their streams.
-    body = {**PROMPT, "stream": True}
-    r = await client.post(url + "/v1/completions", json=body, headers=origin)
-    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
-    assert r.text.rstrip().endswith("data: [DONE]")
+    origin = {"origin": "http://evil.test"}
+    r = await client.options(url + "/v1/completions", headers={**origin, **PREFLIGHT})
+    assert (r.status_code, r.text) == (400, "Disallowed CORS origin")
+    assert "access-control-allow-origin" not in r.headers
+    # A simple request is served (browsers enforce CORS), but without the header that
+    # would let a page read it: on the generate routes (which bypass FastAPI) and others.
+    r = await client.post(url + "/v1/completions", json=PROMPT, headers=origin)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     r = await client.get(url + "/v1/models", headers=origin)
-    assert r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
-async def test_cors_configured(cluster: Cluster, client: httpx.AsyncClient) -> None:
+async def test_cors_opened_by_the_config(cluster: Cluster, client: httpx.AsyncClient) -> None:
     url, _ = await cluster.router("pull", cors={"allowed_origins": ["https://ok.example"]})
-    ok = await client.post(
-        url + "/v1/completions", json=PROMPT, headers={"origin": "https://ok.example"}
+    ok = {"origin": "https://ok.example"}
+    r = await client.options(url + "/v1/chat/completions", headers={**ok, **PREFLIGHT})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ok.example"
+    body = {**PROMPT, "stream": True}
+    r = await client.post(url + "/v1/completions", json=body, headers=ok)
+    assert r.headers["access-control-allow-origin"] == "https://ok.example"
+    assert r.text.rstrip().endswith("data: [DONE]")
+    other = {"origin": "https://evil.example"}
+    r = await client.post(url + "/v1/completions", json=PROMPT, headers=other)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    r = await client.options(url + "/v1/completions", headers={**other, **PREFLIGHT})
+    assert r.status_code == 400
+    anyone, _ = await cluster.router("pull", cors={"allowed_origins": ["*"]})
+    r = await client.options(anyone + "/v1/completions", headers={**other, **PREFLIGHT})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+@contextlib.asynccontextmanager
+async def _vllm_middleware(overrides: dict[str, object]) -> AsyncIterator[str]:
+    """vLLM's own middleware stack (tests/fakes/vllm_reference.py) in a process of its own."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tests.fakes.vllm_reference",
+        str(port),
+        json.dumps(overrides),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
-    assert ok.headers["access-control-allow-origin"] == "https://ok.example"
-    other = await client.post(
-        url + "/v1/completions", json=PROMPT, headers={"origin": "https://evil.example"}
-    )
-    assert other.status_code == 200 and "access-control-allow-origin" not in other.headers
-    off, _ = await cluster.router("pull", cors={"allowed_origins": []})
-    preflight = {"origin": "https://ok.example", "access-control-request-method": "POST"}
-    r = await client.options(off + "/v1/completions", headers=preflight)
-    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as c:
+            deadline = time.monotonic() + 90  # importing vLLM takes seconds
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(url + "/health")).status_code == 200:
+                        break
+                assert proc.returncode is None, await proc.stderr.read()  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "vLLM's middleware did not start"
+                await asyncio.sleep(0.2)
+        yield url
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+async def test_cors_answers_as_vllm_serve_does(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    """The drop-in conformance check: the same preflights and simple requests, answered
+    by the router and by vLLM 0.32's own middleware, closed (the default) and opened."""
+    asks = [
+        ("OPTIONS", {"origin": "https://ok.example", **PREFLIGHT}),
+        ("OPTIONS", {"origin": "https://evil.example", **PREFLIGHT}),
+        (
+            "OPTIONS",
+            {
+                "origin": "https://ok.example",
+                **PREFLIGHT,
+                "access-control-request-headers": "authorization",
+            },
+        ),
+        ("POST", {"origin": "https://ok.example"}),
+        ("POST", {"origin": "https://evil.example"}),
+    ]
+    for cors in ({}, {"allowed_origins": ["https://ok.example"], "allow_credentials": True}):
+        url, _ = await cluster.router("aggregated", cors=cors)
+        async with _vllm_middleware(cors) as vllm_url:
+            for method, headers in asks:
+                answers = [
+                    await client.request(
+                        method, base + "/v1/completions", json=PROMPT, headers=headers
+                    )
+                    for base in (url, vllm_url)
+                ]
+                ours, theirs = (_cors_view(a) for a in answers)
+                if method == "POST":  # bodies differ: a fake engine's answer against a stub
+                    ours, theirs = ours[::2], theirs[::2]
+                assert ours == theirs, (cors, method, headers)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -226,8 +226,9 @@ def test_example_auth_section_when_uncommented_needs_its_variables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The commented-out auth block is valid YAML and fails loudly without its secrets."""
-    for name in ("PD_ROUTER_API_KEYS", "PD_ROUTER_API_KEY", "VLLM_API_KEY"):
+    for name in ("PD_ROUTER_API_KEYS", "PD_ROUTER_API_KEY", "VLLM_API_KEY", "TEAM_A_KEY"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("PROM_KEY", raising=False)
     lines = EXAMPLE.read_text().splitlines()
     start = lines.index("# auth:")
     block = ["auth:"]
@@ -240,6 +241,8 @@ def test_example_auth_section_when_uncommented_needs_its_variables(
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.problems == [
+        "  auth.keys.0.key: environment variable TEAM_A_KEY is not set",
+        "  auth.keys.1.key: environment variable PROM_KEY is not set",
         "  auth.api_keys.0: environment variable PD_ROUTER_API_KEY is not set",
         "  auth.api_keys_env: environment variable PD_ROUTER_API_KEYS is not set",
         "  auth.upstream_api_key_env: environment variable VLLM_API_KEY is not set",
@@ -247,5 +250,10 @@ def test_example_auth_section_when_uncommented_needs_its_variables(
     monkeypatch.setenv("PD_ROUTER_API_KEYS", "a,b")
     monkeypatch.setenv("PD_ROUTER_API_KEY", "c")
     monkeypatch.setenv("VLLM_API_KEY", "up")
+    monkeypatch.setenv("TEAM_A_KEY", "ta")
+    monkeypatch.setenv("PROM_KEY", "pk")
     cfg = load_config(path)
     assert sorted(k.get_secret_value() for k in cfg.auth.api_keys) == ["a", "b", "c"]
+    names = [k.name for k in cfg.auth.named_keys()]
+    assert names == ["team-a", "prometheus", "api_keys.0", "api_keys.1", "api_keys.2"]
+    assert cfg.auth.keys[0].limits is not None and cfg.auth.keys[0].limits.max_concurrent == 32
