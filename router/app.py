@@ -29,8 +29,8 @@ from router.bounds import Bounds
 from router.client_request import (
     ClientRequest,
     Endpoint,
+    check_passthrough_body,
     parse_client_request,
-    parse_json_object,
     request_json_schema,
     with_session,
 )
@@ -366,15 +366,15 @@ def _register_routes(app: FastAPI, ctx: AppContext) -> None:
 
 
 def _register_passthrough(app: FastAPI, ctx: AppContext) -> None:
-    """vLLM's endpoints that need no P/D, forwarded to one engine (router/passthrough.py)."""
+    """vLLM's endpoints that need no P/D, forwarded to one engine (router/passthrough.py) once
+    their body has what the engine needs: a malformed one is refused as vLLM refuses it, with
+    no engine call."""
 
     async def forward(request: Request) -> Response:
         key: str = request.scope[_KEY]
         _charge(ctx, key)
-        body = parse_json_object(await _read_body(ctx, request))
+        body = check_passthrough_body(await _read_body(ctx, request), request.url.path)
         model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise InvalidRequest("model: Input should be a valid string", "model")
         client_id = _client_request_id(request.scope["headers"])
         request_id = client_id.decode() if client_id else kp.new_dispatch_ids().request_id
         pool = _pool_for(ctx, model)

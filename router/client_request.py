@@ -6,6 +6,12 @@ expects: the raw dict is kept and rewritten per leg by :mod:`router.pd.kv_params
 It is as lenient as vLLM's own (pydantic, lax mode): ``"max_tokens": "5"`` and
 ``"stream": 1`` are accepted, ``model`` may be left out. Integers beyond 64 bits
 (a ``seed``) stay integers on the way to the engines.
+
+A refusal is typed as vLLM 0.32 types the same refusal: a body that fails vLLM's request
+model (not JSON, not an object, a field of the wrong type, a required field missing) is an
+:class:`~router.errors.InvalidBody` (``"Bad Request"``, ``param`` ``body.<field>``); a value
+that vLLM's model takes and its serving code refuses (``n: 0``, an empty prompt) is an
+:class:`~router.errors.InvalidRequest` (``BadRequestError``, ``param`` the field).
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from router.config import SessionConfig
-from router.errors import InvalidRequest
+from router.errors import InvalidBody, InvalidRequest
 
 __all__ = [
     "ClientRequest",
     "Endpoint",
+    "check_passthrough_body",
     "parse_client_request",
     "parse_json_object",
     "request_json_schema",
@@ -59,7 +66,8 @@ class _Common(BaseModel):
 
 
 class _Completion(_Common):
-    prompt: Any = Field(json_schema_extra={"anyOf": _PROMPT_SCHEMA})  # shape: _prompt_shape
+    # Optional, as in vLLM's model: its absence is refused in vLLM's words (_prompt_shape).
+    prompt: Any = Field(default=None, json_schema_extra={"anyOf": _PROMPT_SCHEMA})
 
 
 class _Chat(_Common):
@@ -68,8 +76,33 @@ class _Chat(_Common):
 
 
 class _Responses(_Common):
-    input: str | list[Any]
+    # A string or a list of items; checked by hand so that its error names ``input`` alone
+    # (a union's error would name each of its branches).
+    input: Any = Field(json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array"}]})
     max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+class _TokenizePrompt(BaseModel):
+    """``/tokenize`` with a prompt; the fields the engine needs, the rest passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None  # before the others: vLLM reports it first
+    prompt: str
+
+
+class _TokenizeChat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[Any]
+
+
+class _Detokenize(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +164,22 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _not_json(raw: bytes) -> InvalidBody:
+    """The refusal of a body that is not JSON, placed as vLLM places it: FastAPI parses with
+    the standard library and names the offset where it failed (``body.<offset>``); a body
+    it cannot even decode has no place."""
+    if not raw:
+        return InvalidBody("body: Field required (the request body is empty)", "body")
+    try:
+        json.loads(raw, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        message = f"request body is not valid JSON at offset {exc.pos}: {exc.msg}"
+        return InvalidBody(message, f"body.{exc.pos}")
+    except ValueError as exc:  # undecodable bytes; NaN or Infinity, which the router refuses
+        return InvalidBody(f"request body is not valid JSON: {exc}")
+    return InvalidBody("request body is not valid JSON", "body")
+
+
 def _maybe_huge_int(doc: Any) -> bool:
     """Whether orjson may have turned an integer past 64 bits into a float here (a float
     with an integral value that large); looks at numbers and containers only."""
@@ -158,38 +207,59 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         doc = orjson.loads(raw)
         if _maybe_huge_int(doc):
             doc = json.loads(raw, parse_constant=_reject_constant)
-    except (orjson.JSONDecodeError, ValueError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except (orjson.JSONDecodeError, ValueError):
+        raise _not_json(raw) from None
     if not isinstance(doc, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidBody("request body must be a JSON object", "body")
     return doc
+
+
+# Constraints that vLLM's request models do not have: vLLM takes such a value and its
+# serving code refuses it (BadRequestError); every other error fails its model as well.
+_VALUE_ERRORS = frozenset({"greater_than", "greater_than_equal", "too_short", "string_too_short"})
 
 
 def _first_error(exc: ValidationError) -> InvalidRequest:
     err = exc.errors()[0]
-    path = ".".join(str(p) for p in err["loc"])
-    return InvalidRequest(f"{path}: {err['msg']}", param=path or None)
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc)
+    if err["type"] in _VALUE_ERRORS:
+        return InvalidRequest(f"{path}: {err['msg']}", param=path or None)
+    return InvalidBody(f"{path}: {err['msg']}", param=".".join(["body", *loc]))
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_token(x: Any) -> bool:
+    return _is_int(x) and x >= 0  # vLLM's model: token ids are never negative
+
+
+# vLLM's words (and its VLLMValidationError's "(parameter=...)" suffix) for a missing prompt.
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+
+
 def _prompt_shape(prompt: Any) -> tuple[int, int, bool]:
     """(number of prompts, their total size, whether they are token ids)."""
+    if prompt is None or prompt == "":
+        raise InvalidRequest(_NO_PROMPT, param="prompt")
     if isinstance(prompt, str):
         return 1, len(prompt), False
     if not isinstance(prompt, list):
-        raise InvalidRequest(f"prompt: must be {_PROMPT_SHAPES}", param="prompt")
+        raise InvalidBody(f"prompt: must be {_PROMPT_SHAPES}", param="body.prompt")
     if not prompt:
         raise InvalidRequest("prompt: must not be empty", param="prompt")
-    if all(_is_int(t) for t in prompt):
+    if all(_is_token(t) for t in prompt):
         return 1, len(prompt), True
     if all(isinstance(p, str) for p in prompt):
         return len(prompt), sum(len(p) for p in prompt), False
-    if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+    if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
         return len(prompt), sum(len(p) for p in prompt), True
-    raise InvalidRequest(f"prompt: must be {_PROMPT_SHAPES}", param="prompt")
+    # As vLLM's union reports it: its first branch (token ids) fails at the first element
+    # that is not one.
+    first = next(i for i, t in enumerate(prompt) if not _is_token(t))
+    raise InvalidBody(f"prompt: must be {_PROMPT_SHAPES}", param=f"body.prompt.{first}")
 
 
 def _chat_chars(messages: list[dict[str, Any]]) -> int:
@@ -201,6 +271,12 @@ def _chat_chars(messages: list[dict[str, Any]]) -> int:
         elif isinstance(content, list):
             total += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
     return total
+
+
+def _input_shape(given: Any) -> str | list[Any]:
+    if isinstance(given, (str, list)):
+        return given
+    raise InvalidBody("input: Input should be a valid string or list", param="body.input")
 
 
 def _input_chars(items: str | list[Any]) -> int:
@@ -234,7 +310,7 @@ def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
         elif endpoint is Endpoint.RESPONSES:
             resp = _Responses.model_validate(body)
             common = resp
-            num, chars, is_tokens = 1, _input_chars(resp.input), False
+            num, chars, is_tokens = 1, _input_chars(_input_shape(resp.input)), False
             max_output, field = resp.max_output_tokens, "max_output_tokens"
         else:
             comp = _Completion.model_validate(body)
@@ -257,3 +333,24 @@ def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
         max_output=max_output,
         max_output_field=field,
     )
+
+
+def check_passthrough_body(raw: bytes, path: str) -> dict[str, Any]:
+    """The body of a ``/tokenize`` (``path``) or ``/detokenize`` request, checked for what
+    the engine needs (a prompt or messages; token ids) so that a malformed one is refused
+    before any engine call, as vLLM refuses it; forwarded as sent otherwise."""
+    body = parse_json_object(raw)
+    try:
+        if path == "/detokenize":
+            _Detokenize.model_validate(body)
+            return body
+        try:
+            _TokenizePrompt.model_validate(body)
+        except ValidationError as first:
+            try:
+                _TokenizeChat.model_validate(body)
+            except ValidationError:
+                raise first from None  # vLLM's union reports its prompt branch first
+    except ValidationError as exc:
+        raise _first_error(exc) from None
+    return body

@@ -3,6 +3,10 @@
 Every field is checked by pydantic; a mistake is reported with its exact path
 (``models.0.decode.1.slots: Input should be greater than 0``) by
 :func:`load_config`, which raises :class:`ConfigError` carrying all problems.
+Every number has its bounds (seconds are positive and finite, counts at least 1 or 0,
+ratios within [0, 1]), and fields that only make sense together are checked together, the
+message naming both (``retries.backoff_max: must be at least backoff_initial (0.5), got
+0.1``).
 Secrets (API keys) are resolved here, once, and kept as ``SecretStr`` so they
 never end up in logs or reprs.
 
@@ -81,7 +85,8 @@ class Mode(enum.StrEnum):
 
 PolicyName = Literal["round_robin", "least_loaded", "power_of_two", "random", "prefix_hash"]
 
-PositiveFloat = Annotated[float, Field(gt=0)]
+# Seconds, rates and factors: a finite number (``.inf`` would overflow a Retry-After).
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -183,9 +188,9 @@ class SessionConfig(_Strict):
     headers: list[str] = Field(default_factory=lambda: list(_SESSION_HEADERS))
     body_field: str | None = "session_id"
     prefix_fallback: bool = False
-    load_factor: float = Field(default=1.25, ge=1.0)
+    load_factor: float = Field(default=1.25, ge=1.0, allow_inf_nan=False)
     max_sessions: int = Field(default=100_000, ge=1)
-    ttl_seconds: float = Field(default=1800.0, gt=0)
+    ttl_seconds: PositiveFloat = 1800.0
 
     @field_validator("headers")
     @classmethod
@@ -210,7 +215,7 @@ class KvReturnConfig(_Strict):
     ``kv_recompute_threshold`` is the same idea, on P)."""
 
     enabled: bool = False
-    ttl_seconds: float = Field(default=240.0, gt=0)
+    ttl_seconds: PositiveFloat = 240.0
     min_tokens: int = Field(default=64, ge=1)
     max_entries: int = Field(default=10_000, ge=1)
 
@@ -277,7 +282,26 @@ class ModelConfig(_Strict):
         dup = {u for u in urls if urls.count(u) > 1}
         if dup:
             raise ValueError(f"instance URL listed twice: {sorted(dup)}")
+        self._check_context()
         return self
+
+    def _check_context(self) -> None:
+        """Thresholds in tokens that a prompt must reach, against the context it must fit."""
+        context = self.max_model_len
+        if context is None:
+            return
+        if self.disagg_min_prompt_tokens >= context:
+            raise ValueError(
+                f"disagg_min_prompt_tokens ({self.disagg_min_prompt_tokens}) must be below "
+                f"max_model_len ({context}): no prompt that long fits the context, so none "
+                "would be disaggregated"
+            )
+        if self.kv_return.enabled and self.kv_return.min_tokens >= context:
+            raise ValueError(
+                f"kv_return.min_tokens ({self.kv_return.min_tokens}) must be below "
+                f"max_model_len ({context}): no turn that long fits the context, so none "
+                "would be reused"
+            )
 
 
 class TimeoutConfig(_Strict):
@@ -306,8 +330,17 @@ class RetryConfig(_Strict):
     """Retries happen only before the first byte reaches the client."""
 
     max_attempts: int = Field(default=2, ge=1)
-    backoff_initial: float = Field(default=0.05, ge=0)
-    backoff_max: float = Field(default=1.0, ge=0)
+    backoff_initial: float = Field(default=0.05, ge=0, allow_inf_nan=False)
+    backoff_max: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+
+    @field_validator("backoff_max")
+    @classmethod
+    def _max_not_below_initial(cls, v: float, info: ValidationInfo) -> float:
+        # A cap below the first wait would silently make every wait the cap.
+        initial = info.data.get("backoff_initial")
+        if initial is not None and v < initial:
+            raise ValueError(f"must be at least backoff_initial ({initial:g}), got {v:g}")
+        return v
 
 
 class BreakerConfig(_Strict):
@@ -345,6 +378,14 @@ class KeyLimits(_Strict):
     max_concurrent: int | None = Field(default=None, ge=1, le=1_000_000)
     requests_per_second: float | None = Field(default=None, gt=0, le=1_000_000)
     burst: int | None = Field(default=None, ge=1, le=1_000_000)
+
+    @field_validator("burst")
+    @classmethod
+    def _burst_needs_rate(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # Without a rate there is no bucket: the burst would be silently ignored.
+        if v is not None and info.data.get("requests_per_second") is None:
+            raise ValueError("needs requests_per_second (it sizes that rate's bucket)")
+        return v
 
     @property
     def bucket_size(self) -> int:
@@ -618,6 +659,21 @@ class RouterConfig(_Strict):
         if dup:
             raise ValueError(f"model name listed twice: {dup}")
         return models
+
+    @field_validator("limits")
+    @classmethod
+    def _cap_fits_the_context(cls, limits: LimitsConfig, info: ValidationInfo) -> LimitsConfig:
+        # The cap is given to every request that names no output limit: over a model's
+        # context, each such request would be refused.
+        cap = limits.max_tokens
+        for i, model in enumerate(info.data.get("models") or []):
+            if cap is not None and model.max_model_len is not None and cap > model.max_model_len:
+                raise ValueError(
+                    f"max_tokens ({cap}) must be at most models.{i}.max_model_len "
+                    f"({model.max_model_len}): a request that names no output limit is given "
+                    "max_tokens, and would be refused"
+                )
+        return limits
 
 
 class ConfigError(Exception):

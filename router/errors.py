@@ -6,6 +6,7 @@
     ├── InternalError            500     internal_error                           internal_error
     ├── HttpError                4xx     invalid_request_error / not_found, 405   client_error
     ├── InvalidRequest           400     BadRequestError / 400 (as vLLM)          client_error
+    │   ├── InvalidBody          400     Bad Request / 400, param body[.<field>]  client_error
     │   ├── BodyTooLarge         413     BadRequestError / 413                    client_error
     │   └── BoundExceeded        400     BadRequestError / 400 (vLLM's message)   client_error
     ├── Unauthorized             401     authentication_error / invalid_api_key   client_error
@@ -48,6 +49,7 @@ __all__ = [
     "Fault",
     "HttpError",
     "InternalError",
+    "InvalidBody",
     "InvalidRequest",
     "ModelNotFound",
     "NoCapacity",
@@ -161,6 +163,16 @@ class InvalidRequest(RouterError):
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)
+
+
+class InvalidBody(InvalidRequest):
+    """A body that does not fit the endpoint's request model: not JSON, not an object, a
+    field of the wrong type, a required field missing. vLLM 0.32 refuses these in FastAPI's
+    request validation, before its own code runs, and answers them differently from its
+    other 400s: ``"type": "Bad Request"`` and ``param`` the field's path under ``body``
+    (``body``, ``body.max_tokens``, ``body.1`` for JSON broken at offset 1)."""
+
+    type = "Bad Request"
 
 
 class BodyTooLarge(InvalidRequest):

@@ -10,6 +10,12 @@ the ``(message, param)`` of vLLM's own refusals of requests over its bounds (the
 validation vLLM runs before any engine work), for the cases named in
 :func:`bound_messages`.
 
+``python -m tests.fakes.vllm_reference refusals < asks.json`` answers each request of a JSON
+list (``method``, ``path``, ``headers``, ``body_b64``, ``overrides``) with vLLM's own routes,
+request models, exception handlers and middleware and no engine behind them
+(:func:`refusal_app`), and prints each answer's status and body as JSON: what ``vllm serve``
+answers to a request it refuses before any engine work.
+
 Run in a process of its own: importing vLLM takes seconds and loads torch, which the test
 process does not need.
 """
@@ -41,6 +47,59 @@ def build(overrides: dict[str, Any]) -> Any:
 
     init_entrypoints_middleware(args, app, ())
     return app
+
+
+def refusal_app(overrides: dict[str, Any]) -> Any:
+    """vLLM's app as ``vllm serve`` builds it, less the engine: its API routers (their request
+    models and JSON check), exception handlers and middleware. A request it refuses is
+    refused as ``vllm serve`` refuses it; one it would serve reaches a handler that is not
+    there (a 500 naming the missing state)."""
+    from fastapi import FastAPI
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+    from vllm.entrypoints.openai.chat_completion import api_router as chat
+    from vllm.entrypoints.openai.completion import api_router as completion
+    from vllm.entrypoints.openai.models import api_router as models
+    from vllm.entrypoints.openai.responses import api_router as responses
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+    from vllm.entrypoints.serve.tokenize import api_router as tokenize
+
+    args = argparse.Namespace(**{**vars(FrontendArgs()), **overrides})
+    app = FastAPI()
+    app.state.args = args
+    for module in (completion, chat, responses, tokenize, models):
+        module.attach_router(app)
+    init_exception_handler(app)
+    init_entrypoints_middleware(args, app, ())
+    return app
+
+
+def refusals(asks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ask answered by :func:`refusal_app` (one app per distinct ``overrides``)."""
+    import base64
+
+    from starlette.testclient import TestClient
+
+    clients: dict[str, Any] = {}
+    answers = []
+    for ask in asks:
+        overrides = ask.get("overrides", {})
+        name = json.dumps(overrides, sort_keys=True)
+        if name not in clients:
+            clients[name] = TestClient(refusal_app(overrides), raise_server_exceptions=False)
+        body = ask.get("body_b64")
+        r = clients[name].request(
+            ask["method"],
+            ask["path"],
+            content=None if body is None else base64.b64decode(body),
+            headers=ask.get("headers", {}),
+        )
+        try:
+            doc = r.json()
+        except ValueError:
+            doc = r.text
+        answers.append({"status": r.status_code, "body": doc})
+    return answers
 
 
 def bound_messages(case: dict[str, Any]) -> dict[str, tuple[str, str | None]]:
@@ -84,6 +143,9 @@ def main() -> None:
 
     if sys.argv[1] == "messages":
         print(json.dumps(bound_messages(json.loads(sys.argv[2]))))
+        return
+    if sys.argv[1] == "refusals":
+        print(json.dumps(refusals(json.load(sys.stdin))))
         return
     port = int(sys.argv[1])
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

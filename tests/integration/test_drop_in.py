@@ -80,7 +80,7 @@ async def test_a_bad_prompt_names_the_field_only(
     r = await client.post(url + "/v1/completions", json={**PROMPT, "prompt": 5})
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["param"] == "prompt" and err["message"].startswith("prompt: must be a string")
+    assert err["param"] == "body.prompt" and err["message"].startswith("prompt: must be a string")
 
 
 async def test_every_refused_request_is_counted(

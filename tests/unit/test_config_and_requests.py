@@ -108,7 +108,7 @@ def test_shipped_configs_are_valid(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        (b'{"model": "m"}', "prompt: Field required"),
+        (b'{"model": "m"}', r"Either prompt or prompt_embeds must be provided"),
         (b'{"model": "m", "prompt": "x", "n": 0}', "n: Input should be greater"),
         (b'{"model": "m", "prompt": "x", "max_tokens": 1.5}', "max_tokens"),
         (b'{"model": "m", "prompt": "x", "stream_options": {}}', "stream_options"),
