@@ -344,7 +344,7 @@ class RetryConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
-    """Outlier detection per instance (rules in router/engines/breaker.py and the README).
+    """Outlier detection per instance (rules in router/engines/breaker.py and docs/operations.md).
 
     A refused connection ejects at once; ``failure_threshold`` engine faults in a row
     (timeouts, resets, dropped streams, 502/503/504) eject; ``consecutive_5xx`` error
