@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,13 +15,55 @@ import pytest
 
 from router.app import AppContext, create_app
 from router.config import parse_config
+from tests import engine_stacks
 from tests.fakes.fake_vllm import FakeEngine, KvBus
+from tests.fakes.otlp import OtlpReceiver, threaded_receiver
 from tests.fakes.servers import serve
+from tests.needs import missing
 from tests.suites import SuiteClock
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteClock(), "pd-router-suite-clock")
+    config.addinivalue_line(
+        "markers",
+        "destructive(order): kills or restarts engines; runs after the other tests of its "
+        "engine stack (tests/engine_stacks.py), lower order first",
+    )
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver() -> Iterator[tuple[str, OtlpReceiver]]:
+    """The run's OTLP/HTTP trace receiver; the main stacks' engines export to it (OTLP over
+    HTTP, every 200 ms instead of every 5 s: read by vLLM's OpenTelemetry setup, and by a
+    router whose config names a tracing endpoint)."""
+    with pytest.MonkeyPatch.context() as env, threaded_receiver() as (url, receiver):
+        env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+        yield url, receiver
+
+
+@pytest.fixture(scope="session")
+def engine_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[engine_stacks.Running]:
+    """The real-engine stack named by the test's indirect parameter (one of
+    ``engine_stacks.KINDS``). Session scope: every test of a kind shares one stack, and pytest
+    stops it before it starts another kind's, so no two stacks ever run at once. A kind whose
+    tests compare with the aggregated reference has it computed first (its engine gone before
+    this stack starts)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        missing("needs vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)")
+    kind: str = request.param
+    if kind in engine_stacks.NEEDS_REFERENCE:
+        request.getfixturevalue("reference")
+    otlp_url = None
+    if kind in engine_stacks.MAIN:
+        otlp_url, _ = request.getfixturevalue("otlp_receiver")
+    with engine_stacks.start(kind, tmp_path_factory.mktemp(kind), otlp_url) as running:
+        yield running
 
 
 @dataclass

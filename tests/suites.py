@@ -3,8 +3,12 @@
 A broken change should fail in the first minutes, not after half an hour of engine start-ups:
 modules run by suite, cheapest first (unit, fuzz, deploy, integration, observability, the
 connector's in-process tests), and every module that starts real vLLM engines (a test marked
-``e2e``) last. The order inside a module, and so pytest's grouping of module-scoped and
-parametrised fixtures, is kept: modules move as a whole.
+``e2e``) last. The order inside a cheap module is kept: those modules move as a whole.
+
+Engine tests run grouped by the stack they name (the indirect parameter ``engine_stack``, in
+the order of ``tests/engine_stacks.KINDS``), so each stack starts once and is stopped before
+the next starts; inside a group, tests marked ``destructive`` (engines killed or restarted)
+come last, by their ``order``.
 
 The table printed at the end sums each suite's setup, call and teardown time, so a landing that
 makes CI slower shows where.
@@ -17,6 +21,8 @@ from collections import defaultdict
 from pathlib import PurePath
 
 import pytest
+
+from tests.engine_stacks import KINDS
 
 __all__ = ["SuiteClock", "suite_of"]
 
@@ -36,6 +42,16 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+def _engine_order(item: pytest.Item) -> tuple[int, int]:
+    """(the stack's place in the run, the test's place in its stack)."""
+    callspec = getattr(item, "callspec", None)
+    kind = callspec.params.get("engine_stack") if callspec is not None else None
+    rank = KINDS.index(kind) if kind in KINDS else -1
+    marker = item.get_closest_marker("destructive")
+    stage = 0 if marker is None else 1 + int(marker.kwargs.get("order", 0))
+    return rank, stage
+
+
 class SuiteClock:
     """A pytest plugin (registered by ``tests/conftest.py``): orders modules, times suites."""
 
@@ -47,20 +63,20 @@ class SuiteClock:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """Cheap suites first, module by module; engine modules last, in the order pytest
-        chose for them (it groups tests by parametrised fixture, so each engine stack starts
-        once); otherwise stable. Runs after pytest's own reordering."""
+        """Cheap suites first, module by module; engine tests last, by stack (each stack
+        starts once) and destructive ones last in their stack; otherwise stable. Runs after
+        pytest's own reordering."""
         engines = {_module(i) for i in items if i.get_closest_marker("e2e")}
         first: dict[str, int] = {}
         for n, item in enumerate(items):
             first.setdefault(_module(item), n)
         position = {id(item): n for n, item in enumerate(items)}
 
-        def key(item: pytest.Item) -> tuple[int, int]:
+        def key(item: pytest.Item) -> tuple[int, int, int, int]:
             module = _module(item)
             if module in engines:
-                return _ENGINE_RANK, position[id(item)]
-            return _RANK.get(suite_of(module, False), 6), first[module]
+                return (_ENGINE_RANK, *_engine_order(item), position[id(item)])
+            return _RANK.get(suite_of(module, False), 6), first[module], 0, 0
 
         items.sort(key=key)
         self._suite = {i.nodeid: suite_of(i.nodeid, _module(i) in engines) for i in items}

@@ -5,14 +5,18 @@ importing this package needs only the router's own dependencies.
 """
 
 from router.stack.engines import EngineSpec, Mode
-from router.stack.launcher import Stack, StackError
+from router.stack.launcher import ExtraRouter, RouterSettings, Stack, StackError
 from router.stack.metrics import Metrics, scrape
 from router.stack.model import cache_root, ensure_model
+from router.stack.routed import RoutedStack
 
 __all__ = [
     "EngineSpec",
+    "ExtraRouter",
     "Metrics",
     "Mode",
+    "RoutedStack",
+    "RouterSettings",
     "Stack",
     "StackError",
     "cache_root",

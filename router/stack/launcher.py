@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,6 +59,39 @@ class _NoEngineCore(Exception):
 
 class StackError(RuntimeError):
     """The stack could not start (a process died or did not become ready in time)."""
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What one router over a stack's engines is configured with: its mode (the engines'
+    connector must serve it: push and push-sequential share engines), top-level config
+    sections, keys of the model entry, and KV that flows back."""
+
+    mode: eng.Mode
+    router_overrides: Mapping[str, Any] = field(default_factory=dict)
+    model_overrides: Mapping[str, Any] = field(default_factory=dict)
+    kv_return: bool = False
+
+
+@dataclass
+class ExtraRouter:
+    """A second (third, ...) router process over a running stack's engines
+    (:meth:`Stack.start_router`): router settings that differ, without new engines."""
+
+    name: str
+    settings: RouterSettings
+    port: int
+    proc: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{eng.LOCALHOST}:{self.port}"
+
+    def metrics(self) -> Metrics:
+        return scrape(self.url)
+
+    def pids(self) -> list[int]:
+        return live_group_members(self.proc.pgid)
 
 
 class Stack:
@@ -150,6 +183,7 @@ class Stack:
         self._procs: list[ManagedProcess] = []
         self._engine_options_used: eng.EngineOptions | None = None
         self._router_proc: ManagedProcess | None = None
+        self._extra_routers: list[ExtraRouter] = []
         self._lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -173,8 +207,11 @@ class Stack:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the router, then all engines; idempotent and safe to call from ``atexit``."""
         with self._lock, _sigint_deferred():
+            routers = [r.proc for r in self._extra_routers]
             if self._router_proc is not None:
-                stop_all([self._router_proc], grace_s=5.0)
+                routers.append(self._router_proc)
+            stop_all(routers, grace_s=5.0)
+            self._extra_routers.clear()
             killed = stop_all(self._procs, grace_s=grace_s)
             if killed:
                 self._say(f"needed SIGKILL: {', '.join(killed)}")
@@ -254,22 +291,69 @@ class Stack:
         spec = replace(spec, engine_id=f"{name}-{uuid.uuid4().hex[:8]}")
         self.engines = [spec if s.name == name else s for s in self.engines]
         if self._router_proc is not None:
-            self._reload_router()
+            self._reload_router("router", self._router_proc, self.router_config())
+        for extra in self._extra_routers:
+            config = self.config_for(extra.settings, extra.port)
+            self._reload_router(extra.name, extra.proc, config)
         return spec
 
-    def _reload_router(self) -> None:
-        assert self.run_dir is not None and self._router_proc is not None
-        log = self.log_path("router")
+    def _reload_router(self, name: str, proc: ManagedProcess, config: dict[str, Any]) -> None:
+        """Rewrite router ``name``'s config, SIGHUP it, return once its log says reloaded."""
+        assert self.run_dir is not None
+        log = self.log_path(name)
         before = log.read_text(errors="replace").count(_RELOADED)
-        (self.run_dir / "router.yaml").write_text(
-            yaml.safe_dump(self.router_config(), sort_keys=False)
-        )
-        self._router_proc.signal_group(signal.SIGHUP)
+        (self.run_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        proc.signal_group(signal.SIGHUP)
         deadline = time.monotonic() + _RELOAD_TIMEOUT_S
         while log.read_text(errors="replace").count(_RELOADED) == before:
             if time.monotonic() > deadline:
-                raise StackError(f"router did not reload its config in {_RELOAD_TIMEOUT_S:g}s")
+                raise StackError(f"{name} did not reload its config in {_RELOAD_TIMEOUT_S:g}s")
             time.sleep(0.05)
+
+    def start_router(
+        self,
+        name: str,
+        *,
+        mode: str | eng.Mode | None = None,
+        router_overrides: Mapping[str, Any] | None = None,
+        model_overrides: Mapping[str, Any] | None = None,
+        kv_return: bool = False,
+    ) -> ExtraRouter:
+        """Start another router over this stack's running engines, with its own settings
+        (``mode``: default the stack's; push-sequential runs on push engines); returns once
+        its ``/ready`` answers 200. It stops with the stack (or by :meth:`stop_router`), and
+        a restarted P's new engine id reaches it as it reaches the stack's own router.
+        ``kv_return`` in pull mode needs engines started with ``kv_return`` (vLLM's
+        ``bidirectional_kv_xfer``); this project's connector keeps turns on request."""
+        settings = RouterSettings(
+            eng.Mode(mode or self.mode),
+            dict(router_overrides or {}),
+            dict(model_overrides or {}),
+            kv_return,
+        )
+        if settings.mode.connector != self.mode.connector:
+            raise StackError(f"{settings.mode.value} cannot run on {self.mode.value} engines")
+        if kv_return and not (self.kv_return or settings.mode is eng.Mode.PIPELINED):
+            raise StackError("kv_return in pull mode needs engines started with kv_return")
+        if name == "router" or any(r.name == name for r in self._extra_routers):
+            raise StackError(f"a router named {name!r} runs already")
+        assert self.run_dir is not None
+        taken = {s.port for s in self.engines} | {r.port for r in self._extra_routers}
+        if self.router_port is not None:
+            taken.add(self.router_port)
+        port = portmod.pick_ports(1, portmod.ROUTER_PORTS, taken)[0]
+        proc = self._launch_router(name, self.config_for(settings, port))
+        router = ExtraRouter(name, settings, port, proc)
+        with self._lock:
+            self._extra_routers.append(router)
+        self._wait_ready({name: (proc, _http_ok(f"{router.url}/ready"))}, time.monotonic())
+        return router
+
+    def stop_router(self, router: ExtraRouter) -> None:
+        """Stop a router started by :meth:`start_router`."""
+        with self._lock:
+            self._extra_routers.remove(router)
+        stop_all([router.proc], grace_s=5.0)
 
     def _engine_proc(self, name: str) -> ManagedProcess:
         self.engine(name)  # KeyError for an unknown name
@@ -346,14 +430,16 @@ class Stack:
         self.router_port = (
             self._router_port_wanted or portmod.pick_ports(1, portmod.ROUTER_PORTS, exclude)[0]
         )
-        config_path = self.run_dir / "router.yaml"
-        config_path.write_text(yaml.safe_dump(self.router_config(), sort_keys=False))
-        argv = [sys.executable, "-m", "router", "serve", "--config", str(config_path)]
-        self._say(f"starting router on :{self.router_port}")
-        self._router_proc = ManagedProcess(
-            "router", argv, _router_env(os.environ), self.run_dir / "router.log"
-        )
+        self._router_proc = self._launch_router("router", self.router_config())
         self._wait_ready({"router": (self._router_proc, _http_ok(f"{self.router_url}/ready"))}, t0)
+
+    def _launch_router(self, name: str, config: dict[str, Any]) -> ManagedProcess:
+        assert self.run_dir is not None
+        config_path = self.run_dir / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        argv = [sys.executable, "-m", "router", "serve", "--config", str(config_path)]
+        self._say(f"starting {name} on :{config['listen']['port']}")
+        return ManagedProcess(name, argv, _router_env(os.environ), self.run_dir / f"{name}.log")
 
     # -- readiness -------------------------------------------------------------------------
 
@@ -439,14 +525,21 @@ class Stack:
     def router_config(self) -> dict[str, Any]:
         """The router config for this stack (the shape ``pd-router serve --config`` reads)."""
         assert self.router_port is not None
-        config = router_config(
-            self.mode, self.engines, self.model_name, self.router_port, self.decode_slots
+        settings = RouterSettings(
+            self.mode, self.router_overrides, self.model_overrides, self.kv_return
         )
-        if self.kv_return:
+        return self.config_for(settings, self.router_port)
+
+    def config_for(self, settings: RouterSettings, port: int) -> dict[str, Any]:
+        """The config of a router with ``settings`` over this stack's engines on ``port``."""
+        config = router_config(
+            settings.mode, self.engines, self.model_name, port, self.decode_slots
+        )
+        if settings.kv_return:
             ttl = KV_RETURN_ENGINE_TTL_S - KV_RETURN_MARGIN_S
             config["models"][0]["kv_return"] = {"enabled": True, "ttl_seconds": ttl}
-        config["models"][0] |= self.model_overrides
-        return config | self.router_overrides
+        config["models"][0] |= settings.model_overrides
+        return config | dict(settings.router_overrides)
 
     def _say(self, message: str) -> None:
         print(f"[stack {self.mode.value}] {message}", file=self._log, flush=True)

@@ -12,13 +12,15 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -256,16 +258,65 @@ def engine_core_pids(engine: Engine) -> list[int]:
 
 
 @contextmanager
-def frozen_core(engine: Engine) -> Iterator[None]:
+def frozen_core(engine: Engine, deadline_s: float = 10.0) -> Iterator[None]:
     """SIGSTOP the engine's core (scheduler, connector, model) while its API server keeps
-    accepting: requests and aborts queue up and reach the core together on SIGCONT."""
+    accepting: requests and aborts queue up and reach the core together on SIGCONT. Returns
+    once the kernel shows every core process stopped."""
+    from tests.e2e.helpers import proc_state
+
     pids = engine_core_pids(engine)
     assert pids, f"no EngineCore process under {engine.spec.name}"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
     try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + deadline_s
+        while not all(proc_state(pid) in ("T", None) for pid in pids):
+            assert time.monotonic() < deadline, f"{engine.spec.name} core {pids} not stopped"
+            time.sleep(0.01)
         yield
     finally:
         for pid in pids:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+
+
+def wait_for(what: str, probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``probe`` until it holds; fails the test with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not probe():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+        time.sleep(0.02)
+
+
+def logged(engine: Engine, *parts: str) -> int:
+    """How many lines of the engine's log hold every one of ``parts`` (its API server logs
+    each request it sent its core, "Added request <id>", and each abort it sent, "Aborted
+    request(s) <ids>")."""
+    lines = engine.proc.log_path.read_text(errors="replace").splitlines()
+    return sum(all(part in line for part in parts) for line in lines)
+
+
+def finished(engine: Engine) -> float:
+    """Requests the engine finished normally (aborted ones are not counted in vLLM 0.32)."""
+    return engine.metrics().total("vllm:request_success_total")
+
+
+@contextmanager
+def open_post(url: str, body: dict[str, Any], headers: dict[str, str]) -> Iterator[socket.socket]:
+    """A POST sent over a plain socket and never read: closing the socket (on exit, or
+    earlier by the test) is a client going away at the moment the test chooses."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    payload = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request = (
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
+        f"Connection: close\r\nContent-Type: application/json\r\n{head}"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=5)
+    try:
+        sock.sendall(request + payload)
+        yield sock
+    finally:
+        sock.close()

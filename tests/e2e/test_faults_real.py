@@ -29,14 +29,15 @@ cannot tell a request the core still computes from one it has just finished, so 
 would hinge on a race. The router cannot tell the two apart either: in both it has an open P leg
 and no answer, which is the state these tests hold.
 
-In the last three, D is closed while it waits for KV that never comes, and vLLM 0.32 keeps that
+In the last three, D is closed while it waits for KV that never comes (each test waits until D
+holds the request in that state before it lets the fault happen), and vLLM 0.32 keeps that
 request's blocks for good (KV usage above idle with nothing running or waiting; vLLM issue
 #48633). The router reads D's metrics, marks it degraded (``/ready`` 503,
 ``pdrouter_instance_degraded`` 1) and, while another D serves, sends it nothing while its KV
-stays above idle; the only D keeps serving (the panic threshold: a leak is no outage). Seen in
-every run on vLLM 0.32; the check accepts either outcome (leak and degraded, or idle and in
-rotation) so it keeps holding if vLLM frees the blocks. A leaked D is restarted before the next
-test (``Stack.restart_engine``) and the router puts it back in rotation by itself.
+stays above idle; the only D keeps serving (the panic threshold: a leak is no outage). Each
+test asserts the outcome its timing decides: a leak where D was closed waiting, none where
+the KV landed. A leaked D is restarted before the next test (``Stack.restart_engine``) and the
+router puts it back in rotation by itself.
 
 Pull (``NixlConnector``):
 
@@ -48,7 +49,9 @@ Pull (``NixlConnector``):
 A pull P killed mid-prefill never involves D: a plain connection failure, covered with SIGKILLed
 fake engines in tests/integration/test_fault_matrix.py.
 
-Two stack starts (push, pull) and two restarts of the push D.
+The shared push and pull stacks (tests/engine_stacks.py: P allows fewer tokens than D, both
+engines track their API server's load), through a second router with ``ROUTER``'s settings;
+last on their stacks (they kill P), after the recovery tests. Two restarts of the push D.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -67,10 +70,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from router.stack import Stack, ensure_model
+from router.stack import ensure_model
 from tests.e2e import helpers as h
+from tests.e2e.conftest import AnyStack
+from tests.engine_stacks import P_MAX_MODEL_LEN, Running
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+Stack = AnyStack  # the shared stack through this module's router
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), pytest.mark.destructive(order=1)]
 
 MODEL = "tiny"
 TIMEOUTS = {"connect": 2, "prefill": 10, "decode_first_byte": 6, "idle": 10, "total": 60}
@@ -80,10 +86,6 @@ ROUTER: dict[str, Any] = {
     "health": {"interval": 0.5, "timeout": 1.0},
     "admission": {"max_wait": 2},
 }
-P_MAX_MODEL_LEN = 3200
-# Push P counts the requests its API server is handling (``GET /load``): the tests see that P
-# holds the request while its core is frozen.
-P_LOAD_TRACKING = ("--enable-server-load-tracking",)
 LONG, TOO_LONG_FOR_P, SHORT = 2900, 3600, 300  # prompt tokens
 P, D = "prefill-0", "decode-0"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
@@ -98,7 +100,6 @@ RESTART_READY_S = 15.0
 # A push P killed this long after the request at the latest: the 502 (due within 3 s of the kill)
 # then comes before D's first-byte timeout could answer 504.
 KILL_BY_S = TIMEOUTS["decode_first_byte"] - 3.0
-P_SETTLE_S = 3.0  # a thawed P reads its pending request and prefills it in well under this
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -120,19 +121,20 @@ def fault_prompts(engines_available: None) -> Prompts:
     return Prompts(long, too_long, short)
 
 
-@pytest.fixture(scope="class")
-def push_stack(engines_available: None) -> Iterator[Stack]:
-    args = {P: ("--max-model-len", str(P_MAX_MODEL_LEN), *P_LOAD_TRACKING)}
-    with Stack(variant=h.FAST, mode="push", router_overrides=ROUTER, engine_args=args) as stack:
-        _warm_up(stack)
-        yield stack
+def _faults_router(engine_stack: Running) -> Stack:
+    """The shared stack through a router with ``ROUTER``'s settings (started once)."""
+    routed: Stack = engine_stack.routed("faults", router_overrides=ROUTER)
+    return routed
 
 
-@pytest.fixture(scope="class")
-def pull_stack(engines_available: None) -> Iterator[Stack]:
-    with Stack(variant=h.FAST, mode="pull", router_overrides=ROUTER) as stack:
-        _warm_up(stack)
-        yield stack
+@pytest.fixture
+def push_stack(engine_stack: Running) -> Stack:
+    return _faults_router(engine_stack)
+
+
+@pytest.fixture
+def pull_stack(engine_stack: Running) -> Stack:
+    return _faults_router(engine_stack)
 
 
 def _warm_up(stack: Stack) -> None:
@@ -264,11 +266,12 @@ def _assert_idle_soon(
     return waited
 
 
-def _assert_decode_leak_handled(stack: Stack) -> bool:
-    """After D was closed while waiting for KV: nothing runs or waits on D, no slot is held,
-    and the router's verdict matches D's own metrics: KV above idle means degraded and out of
-    rotation (``/ready`` 503, ``pdrouter_instance_degraded`` 1); idle KV means in rotation.
-    Returns whether D leaked."""
+def _assert_decode_leak_handled(stack: Stack, *, leaked: bool) -> None:
+    """After D's request ended: nothing runs or waits on D, no slot is held, D leaked its KV
+    exactly when ``leaked`` says (closed while waiting for KV that never came: vLLM 0.32 keeps
+    the blocks), and the router's verdict matches D's own metrics: KV above idle means
+    degraded and out of rotation (``/ready`` 503, ``pdrouter_instance_degraded`` 1); idle KV
+    means in rotation."""
 
     def verdict() -> tuple[bool, str]:
         d, view = _load(stack, D), _router(stack)
@@ -282,9 +285,8 @@ def _assert_decode_leak_handled(stack: Stack) -> bool:
 
     ok, what, waited = h.wait_until(verdict, VERDICT_DEADLINE_S)
     assert ok, f"router verdict does not match D after {waited:.1f}s: {what}"
-    leaked = _load(stack, D).kv > IDLE_KV
+    assert (_load(stack, D).kv > IDLE_KV) is leaked, f"D leaked KV: {not leaked}; {what}"
     print(f"D leaked KV: {leaked}; router verdict after {waited:.1f}s: {what}")
-    return leaked
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -400,6 +402,8 @@ def _disconnects(stack: Stack) -> float:
 class TestPush:
     """Push mode (``NixlPushConnector``), P and D dispatched together."""
 
+    pytestmark = pytest.mark.parametrize("engine_stack", ["push"], indirect=True)
+
     @pytest.fixture(autouse=True)
     def _ready(self, push_stack: Stack) -> None:
         _serving(push_stack)
@@ -422,13 +426,14 @@ class TestPush:
                 assert not req.answered()
                 req.drop()
                 _wait_phase(st, "router saw the disconnect", lambda: _disconnects(st) == drops + 1)
-                time.sleep(0.5)  # a router that closed P or D would show it by now
                 assert _router(st).slots_in_use == 1
                 assert held(), "the router closed P or D while P held the request"
+        # Had the router closed P's leg (now or a moment later, while P's core was frozen),
+        # P's API server would have aborted the request: P would not finish it, D would leak.
         waited = _assert_idle_soon(st, "the disconnect", deadline_s=SETTLE_DEADLINE_S)
         assert _finished(st, P) == p_done + 1, "P's request was aborted (D would leak)"
         assert _disconnects(st) == drops + 1
-        assert not _assert_decode_leak_handled(st)
+        _assert_decode_leak_handled(st, leaked=False)
         print(
             f"push, dropped while P held the request ({took:.2f}s after it was sent): "
             f"idle {waited:.1f}s after P's core resumed"
@@ -457,59 +462,68 @@ class TestPush:
                 st.signal_engine(D, signal.SIGCONT)
         waited = _assert_idle_soon(st, "the disconnect")
         assert _disconnects(st) == drops + 1
-        assert not _assert_decode_leak_handled(st)
+        _assert_decode_leak_handled(st, leaked=False)
         print(f"push, dropped between P and D: idle {waited:.1f}s after D resumed")
 
     def test_prefill_rejects_request(self, push_stack: Stack, fault_prompts: Prompts) -> None:
         """Only P rejects the prompt (too long for P's max_model_len): P's own 400 reaches the
-        client at once; D, opened at the same time, is closed while it waits for KV."""
+        client at once; D, opened at the same time, is closed while it waits for KV, and leaks.
+
+        P is frozen (all of it) until D holds the request waiting for its KV, so P's rejection
+        always comes after D registered: the leak is certain, not a race between the two."""
         st = push_stack
-        answer = _ask(st, fault_prompts.too_long_for_p)
+        st.signal_engine(P, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                future = pool.submit(_ask, st, fault_prompts.too_long_for_p)
+                _wait_phase(st, "D waiting for its KV", lambda: _load(st, D).waiting == 1)
+                st.signal_engine(P, signal.SIGCONT)
+                thawed_at = time.monotonic()
+                answer = future.result(timeout=TIMEOUTS["total"])
+        finally:
+            st.signal_engine(P, signal.SIGCONT)
         assert answer.status == 400, answer
         err = answer.error()
         assert "maximum context length" in err["message"] and str(P_MAX_MODEL_LEN) in err["message"]
-        assert answer.elapsed < TIMEOUTS["decode_first_byte"], "waited for a timeout"
-        print(f"push, P rejects: 400 after {answer.elapsed:.2f}s")
-        if _assert_decode_leak_handled(st):
-            # Degraded, yet the only D: leaked blocks cost capacity, not correctness, so the
-            # router keeps serving on it (panic threshold) rather than refusing every request.
-            served = _ask(st, fault_prompts.short)
-            assert served.status == 200, served
+        assert err["type"] == "BadRequestError" and err["code"] == 400, err
+        assert answer.ended_at - thawed_at < TIMEOUTS["decode_first_byte"], "waited for a timeout"
+        print(f"push, P rejects: 400 {answer.ended_at - thawed_at:.2f}s after P resumed")
+        _assert_decode_leak_handled(st, leaked=True)
+        # Degraded, yet the only D: leaked blocks cost capacity, not correctness, so the
+        # router keeps serving on it (panic threshold) rather than refusing every request.
+        served = _ask(st, fault_prompts.short)
+        assert served.status == 200, served
 
     def test_registration_never_fulfilled(self, push_stack: Stack, fault_prompts: Prompts) -> None:
-        """P frozen before it runs the request: D registers its blocks with P and waits; P never
-        writes. A 504 ends the request by D's first-byte timeout (shorter than P's) at the
-        latest: sooner if the health checks find the frozen P unhealthy first (about 4.5 s
-        here, then P's leg is cut at once), which of the two is up to the probes' timing and
-        both are the right answer."""
+        """P's core frozen before it runs the request: D registers its blocks and waits; P never
+        writes. D's first-byte timeout (shorter than P's) ends the request with a 504. Only
+        the core is frozen: P's API server keeps answering the health checks, so P stays
+        healthy and the timeout, not a health verdict, decides the answer."""
         st = push_stack
         assert TIMEOUTS["decode_first_byte"] < TIMEOUTS["prefill"]
-        st.signal_engine(P, signal.SIGSTOP)
-        try:
-            answer = _ask(st, fault_prompts.short)
+        limit = TIMEOUTS["decode_first_byte"]
+        with h.frozen_core(st, P, PHASE_DEADLINE_S):
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                future = pool.submit(_ask, st, fault_prompts.short)
+                _wait_phase(st, "D waiting for its KV", lambda: _load(st, D).waiting == 1)
+                answer = future.result(timeout=TIMEOUTS["total"])
             assert answer.status == 504, answer
-            code = answer.error()["code"]
-            assert code in ("decode_first_byte_timeout", "prefill_unhealthy"), code
-            limit = TIMEOUTS["decode_first_byte"]
-            assert answer.elapsed < limit + 2.0, answer.elapsed
-            if code == "decode_first_byte_timeout":
-                assert answer.elapsed >= limit, answer.elapsed
-            print(f"push, P frozen: 504 {code} after {answer.elapsed:.2f}s")
-            leaked = _assert_decode_leak_handled(st)
-        finally:
-            st.signal_engine(P, signal.SIGCONT)
-        if leaked:
-            # P is back and healthy; its copy of the request was aborted when the router closed
-            # it, so it never writes: D keeps the blocks and stays flagged degraded.
-            ok, what, _ = h.wait_until(
-                lambda: (_router(st).instances["prefill"]["healthy"] is True, "P healthy"),
-                IDLE_DEADLINE_S,
-            )
-            assert ok, what
-            time.sleep(1.0)
-            view = _router(st)
-            assert _load(st, D).kv > IDLE_KV and view.ready == 503, view.describe()
-            assert view.instances["decode"]["degraded"] is True
+            assert answer.error()["code"] == "decode_first_byte_timeout", answer.text
+            assert limit <= answer.elapsed < limit + 2.0, answer.elapsed
+            print(f"push, P's core frozen: 504 after {answer.elapsed:.2f}s")
+            _assert_decode_leak_handled(st, leaked=True)
+        # P's core now reads the request and its abort (the router closed P's leg) together,
+        # so P never writes: D keeps the blocks and stays flagged degraded. A request of P's
+        # own, answered, shows that P's core has read everything before it.
+        assert _local_completion(st, P) == 200
+        ok, what, _ = h.wait_until(
+            lambda: (_router(st).instances["prefill"]["healthy"] is True, "P healthy"),
+            IDLE_DEADLINE_S,
+        )
+        assert ok, what
+        view = _router(st)
+        assert _load(st, D).kv > IDLE_KV and view.ready == 503, view.describe()
+        assert view.instances["decode"]["degraded"] is True
 
     def test_prefill_killed_while_holding_the_request(
         self, push_stack: Stack, fault_prompts: Prompts
@@ -547,7 +561,7 @@ class TestPush:
             IDLE_DEADLINE_S,
         )
         assert ok, what
-        _assert_decode_leak_handled(st)
+        _assert_decode_leak_handled(st, leaked=True)
         ok, what, _ = h.wait_until(
             lambda: (_router(st).instances["prefill"]["healthy"] is False, "P unhealthy"),
             IDLE_DEADLINE_S,
@@ -557,10 +571,23 @@ class TestPush:
 
 
 def _p_server_load(stack: Stack) -> float:
-    """Requests P's API server has taken in and neither answered nor seen their client leave
-    (``--enable-server-load-tracking``); callers compare with the count before their request."""
-    load = httpx.get(f"{stack.engine(P).url}/load", timeout=5).json()["server_load"]
+    return _server_load(stack, P)
+
+
+def _server_load(stack: Stack, name: str) -> float:
+    """Requests the engine's API server has taken in and neither answered nor seen their
+    client leave (``--enable-server-load-tracking``); callers compare with the count before
+    their request."""
+    load = httpx.get(f"{stack.engine(name).url}/load", timeout=5).json()["server_load"]
     return float(load)
+
+
+def _local_completion(stack: Stack, name: str) -> int:
+    """A short completion sent to engine ``name`` itself (no KV transfer); its status. Its
+    answer means the engine's core has read every request and abort sent before it."""
+    body = {"model": MODEL, "prompt": "probe", "max_tokens": 1, "temperature": 0}
+    url = f"{stack.engine(name).url}/v1/completions"
+    return httpx.post(url, json=body, timeout=TIMEOUTS["total"]).status_code
 
 
 def _p_holds_d_waits(stack: Stack, p_load_before: float) -> bool:
@@ -581,6 +608,8 @@ def _p_holds_d_waits(stack: Stack, p_load_before: float) -> bool:
 class TestPull:
     """Pull mode (``NixlConnector``): P to completion, then D READs P's blocks."""
 
+    pytestmark = pytest.mark.parametrize("engine_stack", ["pull"], indirect=True)
+
     @pytest.fixture(autouse=True)
     def _ready(self, pull_stack: Stack) -> None:
         _serving(pull_stack)
@@ -591,45 +620,59 @@ class TestPull:
         """Dropped while the P leg is open: the router closes it, P aborts the request and keeps
         no blocks (a P that finished would keep them for D until its 30 s lease ends).
 
-        P is frozen before the request reaches it, so the phase lasts until the drop. (As in
-        push, no drop is timed into the middle of P's prefill: see the module docstring.)"""
+        P's core is frozen before the request reaches it, so the phase lasts until the drop;
+        its API server holds the request, and the core is thawed once that server has sent it
+        the abort: the core reads both together and never computes the request. (As in push,
+        no drop is timed into the middle of P's prefill: see the module docstring.)"""
         st = pull_stack
         p_done, d_done, drops = _finished(st, P), _finished(st, D), _disconnects(st)
-        st.signal_engine(P, signal.SIGSTOP)
-        try:
+        p_log = st.log_path(P)
+        aborts = h.logged(p_log, h.ABORTED)
+        with h.frozen_core(st, P, PHASE_DEADLINE_S):
+            p_load = _server_load(st, P)
             with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
-                _wait_phase(st, "P leg open", lambda: _prefill_legs_open(st) == 1)
+                _wait_phase(
+                    st,
+                    "P leg open and P's API server holding it",
+                    lambda: _prefill_legs_open(st) == 1 and _server_load(st, P) == p_load + 1,
+                )
                 req.drop()
                 _wait_phase(st, "router released the slot", lambda: _router(st).slots_in_use == 0)
                 assert _prefill_legs_open(st) == 0
-        finally:
-            st.signal_engine(P, signal.SIGCONT)
-        # P now reads the request and finds its client gone. Had the router left the leg open,
-        # P would prefill and finish within this time, and then hold the blocks.
-        time.sleep(P_SETTLE_S)
+                _wait_phase(
+                    st, "P sent its core the abort", lambda: h.logged(p_log, h.ABORTED) > aborts
+                )
+        # P's core now reads the request and its abort. Once P has answered a request of its
+        # own, sent after them, it has handled both: had the router left the leg open, P
+        # would have run the request to its end (and then held its blocks for D).
+        assert _local_completion(st, P) == 200
         idle, what = _all_idle(st)
         assert idle, what
-        assert _finished(st, P) == p_done, "P ran the request to its end"
+        assert _finished(st, P) == p_done + 1, "P ran the request to its end"
         assert _finished(st, D) == d_done
         assert _disconnects(st) == drops + 1
 
     def test_disconnect_between_p_and_d_leaves_both_idle(
         self, pull_stack: Stack, fault_prompts: Prompts
     ) -> None:
-        """Dropped after P's answer while the D leg is open (D frozen meanwhile): the router
-        closes D; D, thawed, tells P to free the blocks it kept for the READ."""
+        """Dropped after P's answer while the D leg is open (D's core frozen meanwhile, its API
+        server holding the leg): the router closes D; D, thawed, tells P to free the blocks it
+        kept for the READ."""
         st = pull_stack
         p_done, drops = _finished(st, P), _disconnects(st)
-        st.signal_engine(D, signal.SIGSTOP)
-        try:
+        d_log = st.log_path(D)
+        aborts = h.logged(d_log, h.ABORTED)
+        with h.frozen_core(st, D, PHASE_DEADLINE_S):
+            d_load = _server_load(st, D)
             with OpenRequest(st.router_url, _body(fault_prompts.long)) as req:
                 _wait_phase(st, "P answered", lambda: _finished(st, P) > p_done)
-                time.sleep(0.2)  # the router has sent the D leg
+                _wait_phase(st, "D holds the D leg", lambda: _server_load(st, D) == d_load + 1)
                 assert not req.answered()
                 req.drop()
                 _wait_phase(st, "router released the slot", lambda: _router(st).slots_in_use == 0)
-        finally:
-            st.signal_engine(D, signal.SIGCONT)
+                _wait_phase(
+                    st, "D sent its core the abort", lambda: h.logged(d_log, h.ABORTED) > aborts
+                )
         waited = _assert_idle_soon(st, "the disconnect")
         assert _disconnects(st) == drops + 1
         print(f"pull, dropped between P and D: idle after {waited:.1f}s")
@@ -641,19 +684,17 @@ class TestPull:
         fails, D streams an error event after its 200, the router relays it. Last pull test."""
         st = pull_stack
         p_done = _finished(st, P)
-        st.signal_engine(D, signal.SIGSTOP)
-        try:
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        p_pids = st.engine_pids(P)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            with h.frozen_core(st, D, PHASE_DEADLINE_S):
+                d_load = _server_load(st, D)
                 future = pool.submit(_ask, st, fault_prompts.short)
                 _wait_phase(st, "P answered", lambda: _finished(st, P) > p_done)
-                time.sleep(0.2)  # the router has sent the D leg
+                _wait_phase(st, "D holds the D leg", lambda: _server_load(st, D) == d_load + 1)
                 st.signal_engine(P, signal.SIGKILL)
-                time.sleep(0.2)
-                st.signal_engine(D, signal.SIGCONT)
-                thawed_at = time.monotonic()
-                answer = future.result(timeout=TIMEOUTS["total"])
-        finally:
-            st.signal_engine(D, signal.SIGCONT)
+                _wait_phase(st, "P gone", lambda: not any(map(h.alive, p_pids)))
+            thawed_at = time.monotonic()
+            answer = future.result(timeout=TIMEOUTS["total"])
         assert answer.status == 200 and answer.content_type.startswith("text/event-stream")
         events = answer.events()
         errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]

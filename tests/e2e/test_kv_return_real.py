@@ -12,15 +12,15 @@ not from a prefill, and rounds differently, as it would in any prefix cache
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import openai
 import pytest
 
-from router.stack import Stack
 from router.stack.metrics import Metrics
 from tests.e2e import helpers as h
-from tests.e2e.conftest import MODEL, Reference, feed_back
+from tests.e2e.conftest import MODEL, AnyStack, Reference, feed_back
+from tests.engine_stacks import Running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,14 +37,26 @@ ASK: dict[str, Callable[[openai.OpenAI, str, list[dict[str, str]]], h.Reply]] = 
 }
 
 
-@pytest.fixture(scope="module", params=list(ASK))
-def stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
-    with Stack(variant=h.FAST, mode=request.param, kv_return=True) as st:
-        h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
-        yield st
+# Pull: engines of their own (vLLM's bidirectional_kv_xfer keeps every finished request's
+# blocks on D, which the other pull tests must not see). Pipelined: the shared engines (this
+# project's connector keeps a turn only when asked) through a second router that asks.
+pytestmark.append(
+    pytest.mark.parametrize(
+        "engine_stack", ["pull-kv-return", "pipelined"], indirect=True, ids=list(ASK)
+    )
+)
 
 
-def test_next_turn_reads_the_history_from_d(stack: Stack, reference: Reference) -> None:
+@pytest.fixture
+def stack(engine_stack: Running) -> AnyStack:
+    if engine_stack.kind == "pipelined":
+        routed: AnyStack = engine_stack.routed("kv-return", kv_return=True)
+        return routed
+    st: AnyStack = engine_stack.stack
+    return st
+
+
+def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Reference) -> None:
     client = h.client_for(stack.router_url).with_options(
         default_headers={"x-session-id": "long-talk"}
     )
@@ -87,7 +99,7 @@ def test_next_turn_reads_the_history_from_d(stack: Stack, reference: Reference) 
     assert router.total(KV_RETURN, result="mismatch") == 0
 
 
-def test_an_edited_history_is_recomputed(stack: Stack, reference: Reference) -> None:
+def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) -> None:
     """The same conversation's first turn, then a second turn whose first message was
     changed: P computes it all (nothing from D) and the answer is the fresh request's."""
     client = h.client_for(stack.router_url).with_options(
@@ -108,7 +120,7 @@ def test_an_edited_history_is_recomputed(stack: Stack, reference: Reference) -> 
         assert stack.router_metrics().total(KV_RETURN, result="mismatch") >= 1
 
 
-def _p_counted(stack: Stack, before: Metrics) -> Metrics:
+def _p_counted(stack: AnyStack, before: Metrics) -> Metrics:
     """P's metrics once it has counted one more finished request and its prompt tokens by
     source have settled: in pipelined mode D's answer may end before P's own is counted, and
     a check that nothing came from D proves nothing before then."""

@@ -13,7 +13,6 @@ the whole history with the session in ``x-session-id``:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,6 +20,7 @@ from router.stack import Stack
 from router.stack.metrics import Metrics
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, MULTI_TURN_TURNS, Reference, multi_turn
+from tests.engine_stacks import Running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -33,15 +33,19 @@ KV_BYTES = {
     "pipelined": ("decode-0", "vllm:pdr_bytes_received_total"),
 }
 BLOCK_TOKENS = 128  # vLLM's KV block on CPU: transfers move whole blocks
+SETTLE_S = 10.0
+# Engines with prefix caching on (tests/engine_stacks.py), one stack per mode.
+pytestmark.append(
+    pytest.mark.parametrize(
+        "engine_stack", [f"{m}-cached" for m in KV_BYTES], indirect=True, ids=list(KV_BYTES)
+    )
+)
 
 
-@pytest.fixture(scope="module", params=list(KV_BYTES))
-def cached_stack(request: pytest.FixtureRequest, reference: Reference) -> Iterator[Stack]:
-    caching = ["--enable-prefix-caching"]
-    args = {"prefill-0": caching, "decode-0": caching}
-    with Stack(variant=h.FAST, mode=request.param, engine_args=args) as st:
-        h.complete(h.client_for(st.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
-        yield st
+@pytest.fixture
+def cached_stack(engine_stack: Running) -> Stack:
+    st: Stack = engine_stack.stack
+    return st
 
 
 def _kv_bytes_per_token() -> int:
@@ -52,14 +56,17 @@ def _kv_bytes_per_token() -> int:
 
 def _snapshot(stack: Stack) -> dict[str, Metrics]:
     """Both engines' metrics once they have counted everything (two scrapes 0.2 s apart
-    agree: engines count a request's tokens and transfers after its answer)."""
+    agree: engines count a request's tokens and transfers after its answer); fails the test
+    if they still move after ``SETTLE_S``."""
     last = _scrape(stack)
-    while True:
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
         time.sleep(0.2)
         now = _scrape(stack)
         if all(_key(now[n]) == _key(last[n]) for n in now):
             return now
         last = now
+    raise AssertionError(f"engine counters still moving after {SETTLE_S} s")
 
 
 def _scrape(stack: Stack) -> dict[str, Metrics]:

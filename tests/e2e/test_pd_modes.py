@@ -1,7 +1,10 @@
 """Real vLLM P/D engines behind the router, per mode (pull, push, push-sequential, pipelined).
 
-Each test runs once per mode on that mode's stack (see ``conftest.stack``). The aggregated
-single-engine outputs (``conftest.reference``) are the ground truth.
+Each test runs once per mode on that mode's shared stack (``conftest.stack``; push-sequential
+through a second router over the push engines). The aggregated single-engine outputs
+(``conftest.reference``) are the ground truth. Counters an assertion reads after a request are
+read once they have settled (engines count a request's tokens as its answer goes out), so a
+"nothing recomputed" check cannot pass on a count not yet made.
 """
 
 from __future__ import annotations
@@ -14,16 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.stack import Stack
 from router.stack.metrics import Metrics
 from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
-from tests.e2e.conftest import CONVERSATIONS, MODEL, Reference
+from tests.e2e.conftest import CONVERSATIONS, MODEL, ON_PD_MODES, AnyStack, Reference
 from tests.observability.prometheus import prometheus
 from tests.observability.test_prometheus_live import dashboard_queries
 
 # The first test of each mode also pays for starting engines (30-120 s on a busy 2-core box).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), ON_PD_MODES]
 
 # What the engine that moves the KV counts: vLLM's NIXL connectors, or this project's.
 NIXL_STATS = {
@@ -54,7 +56,9 @@ def _mismatches(got: list[h.Output], want: list[h.Output]) -> list[str]:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_completions_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
+def test_completions_equal_single_engine(
+    stack: AnyStack, reference: Reference, stream: bool
+) -> None:
     client = h.client_for(stack.router_url)
     before = stack.engine_metrics("decode-0")
     got = [h.complete(client, MODEL, p, stream=stream) for p in reference.prompts]
@@ -64,7 +68,7 @@ def test_completions_equal_single_engine(stack: Stack, reference: Reference, str
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bool) -> None:
+def test_chat_equal_single_engine(stack: AnyStack, reference: Reference, stream: bool) -> None:
     client = h.client_for(stack.router_url)
     before = stack.engine_metrics("decode-0")
     got = [h.chat(client, MODEL, c, stream=stream) for c in CONVERSATIONS]
@@ -75,7 +79,7 @@ def test_chat_equal_single_engine(stack: Stack, reference: Reference, stream: bo
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_responses_api_goes_through_p_where_the_mode_splits_it(
-    stack: Stack, reference: Reference, stream: bool
+    stack: AnyStack, reference: Reference, stream: bool
 ) -> None:
     """``/v1/responses`` is disaggregated in pull and pipelined mode: D takes the prompt over
     NIXL. In push and push-sequential D serves it alone (router/pd/plans.py says why)."""
@@ -84,7 +88,7 @@ def test_responses_api_goes_through_p_where_the_mode_splits_it(
     before = stack.engine_metrics("decode-0")
     r = httpx.post(f"{stack.router_url}/v1/responses", json=body | {"stream": stream}, timeout=120)
     assert r.status_code == 200, r.text
-    after = stack.engine_metrics("decode-0")
+    after = _settled(stack, "decode-0")
     from_p = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
     computed = h.delta(after, before, BY_SOURCE, source="local_compute")
     if stack.mode.value in ("pull", "pipelined"):
@@ -93,19 +97,19 @@ def test_responses_api_goes_through_p_where_the_mode_splits_it(
         assert from_p == 0 and computed > 0, (from_p, computed)
 
 
-def _assert_prompts_came_over_nixl(stack: Stack, before: Metrics, requests: int) -> None:
+def _assert_prompts_came_over_nixl(stack: AnyStack, before: Metrics, requests: int) -> None:
     """Every request went through P: D took its prompt from NIXL.
 
     D computes at most one prompt token per request itself: a 1-token prompt has nothing to
     transfer (vLLM always computes the last token), longer prompts arrive whole.
     """
-    after = stack.engine_metrics("decode-0")
+    after = _settled(stack, "decode-0")
     assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") > 0
     assert h.delta(after, before, BY_SOURCE, source="local_compute") <= requests
 
 
 def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
-    stack: Stack, reference: Reference
+    stack: AnyStack, reference: Reference
 ) -> None:
     """The transferring engine counts NIXL bytes; D takes the prompt from the transfer."""
     prompts = reference.prompts[-4:]  # 128..1500 tokens: at least one full KV block each
@@ -116,7 +120,7 @@ def test_kv_crosses_over_nixl_and_decode_does_not_recompute(
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **h.GREEDY)
         assert r.usage is not None
         prompt_tokens += r.usage.prompt_tokens
-    after = {s.name: stack.engine_metrics(s.name) for s in stack.engines}
+    after = {s.name: _settled(stack, s.name) for s in stack.engines}
 
     p, d = "prefill-0", "decode-0"
     # Pull: D READs from P. Push: P WRITEs into D. Only the initiator counts the bytes.
@@ -139,7 +143,7 @@ def _min_kv_bytes_per_token() -> int:
     return kv_bytes_per_token(ensure_model(h.FAST))
 
 
-def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> None:
+def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: AnyStack) -> None:
     """Closing a stream mid-way aborts both legs: engines idle again, router slots free.
 
     The test decides the timing: once the client has read 8 events, D's EngineCore is frozen
@@ -157,7 +161,7 @@ def test_client_disconnect_mid_stream_frees_engines_and_slots(stack: Stack) -> N
     pytest.fail(f"D was nearly done before the client's disconnect in {DISCONNECT_ATTEMPTS} tries")
 
 
-def _disconnect_mid_stream(stack: Stack) -> bool:
+def _disconnect_mid_stream(stack: AnyStack) -> bool:
     """One disconnect; False if D had generated over half its tokens when it was frozen."""
     idle_kv = {s.name: stack.engine_metrics(s.name).total(KV_USAGE) for s in stack.engines}
     d_before = stack.engine_metrics("decode-0")
@@ -171,7 +175,7 @@ def _disconnect_mid_stream(stack: Stack) -> bool:
         if received == 8 or finished[-1] is not None:
             break
     with h.frozen_core(stack, "decode-0"):
-        d_frozen = _settled_metrics(stack, "decode-0")
+        d_frozen = h.settled(lambda: stack.engine_metrics("decode-0"), GENERATED)
         stream.close()
         ok, what, _ = h.wait_until(
             lambda: (_router_slots_in_use(stack.router_metrics()) == 0, "router slot held"),
@@ -190,19 +194,13 @@ def _disconnect_mid_stream(stack: Stack) -> bool:
     return True
 
 
-def _settled_metrics(stack: Stack, name: str) -> Metrics:
-    """The engine's metrics once its API server has counted everything its frozen core
-    produced (two scrapes 0.2 s apart agree)."""
-    last = stack.engine_metrics(name)
-    while True:
-        time.sleep(0.2)
-        now = stack.engine_metrics(name)
-        if now.total(GENERATED) == last.total(GENERATED):
-            return now
-        last = now
+def _settled(stack: AnyStack, name: str) -> Metrics:
+    """Engine ``name``'s metrics once its prompt-token counts by source have settled (the
+    test fails if they keep moving)."""
+    return h.settled(lambda: stack.engine_metrics(name), BY_SOURCE)
 
 
-def _wait_idle(stack: Stack, idle_kv: dict[str, float]) -> None:
+def _wait_idle(stack: AnyStack, idle_kv: dict[str, float]) -> None:
     def everything_idle() -> tuple[bool, str]:
         state = {s.name: _load(stack.engine_metrics(s.name)) for s in stack.engines}
         slots = _router_slots_in_use(stack.router_metrics())
@@ -227,7 +225,7 @@ def _router_slots_in_use(m: Metrics) -> float:
     return sum(m.total(n) for n in names)
 
 
-def test_concurrent_requests_all_complete(stack: Stack, reference: Reference) -> None:
+def test_concurrent_requests_all_complete(stack: AnyStack, reference: Reference) -> None:
     """Four overlapping requests finish (push once hung here when P starved on a shared core)."""
     client = h.client_for(stack.router_url)
     prompts = reference.prompts[2:6]
@@ -238,13 +236,13 @@ def test_concurrent_requests_all_complete(stack: Stack, reference: Reference) ->
     assert {o.finish_reason for o in outputs} == {"length"}
 
 
-def test_models_endpoint_lists_the_model(stack: Stack) -> None:
+def test_models_endpoint_lists_the_model(stack: AnyStack) -> None:
     client = h.client_for(stack.router_url)
     assert MODEL in [m.id for m in client.models.list().data]
 
 
 def test_conformance_with_single_engine(
-    stack: Stack, reference: Reference, capsys: pytest.CaptureFixture[str]
+    stack: AnyStack, reference: Reference, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The same raw requests as to one aggregated engine: the same answers, field by field
     (tests/e2e/conformance.py says what is left out and why); prints the table."""
@@ -268,7 +266,7 @@ def test_conformance_with_single_engine(
 
 
 def test_dashboard_engine_panels_return_data(
-    stack: Stack, reference: Reference, tmp_path: Path
+    stack: AnyStack, reference: Reference, tmp_path: Path
 ) -> None:
     """A real Prometheus scrapes the router and both engines: every panel of the dashboard on
     vLLM's own metrics (KV usage, running/waiting, TTFT, ITL, NIXL bytes and failures) has
@@ -276,7 +274,7 @@ def test_dashboard_engine_panels_return_data(
     asyncio.run(_engine_panels(stack, reference, tmp_path))
 
 
-async def _engine_panels(stack: Stack, reference: Reference, tmp_path: Path) -> None:
+async def _engine_panels(stack: AnyStack, reference: Reference, tmp_path: Path) -> None:
     engines = [(s.url, {"role": s.role}) for s in stack.engines]
     jobs = {"pd-router": [(stack.router_url, {})], "vllm": engines}
     client = h.client_for(stack.router_url)

@@ -3,20 +3,31 @@ answer that is right, and that is exactly what one engine alone answers (greedy,
 
 The random-weight model of the other tests shows the KV moved intact; this one shows that a
 real checkpoint (converted from the package's GGUF file) keeps its quality across the handoff.
+"One engine alone" is each stack's D asked directly, without ``kv_transfer_params``: an
+ordinary local request, the whole prompt computed there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from router.stack import Stack
-from router.stack.model import DEFAULT_VARIANT, kv_bytes_per_token
+from router.stack.model import kv_bytes_per_token
 from tests.e2e import helpers as h
+from tests.engine_stacks import Running
 
-pytestmark = pytest.mark.e2e
+# One stack per mode; the reference is D alone on each (no aggregated engine of its own).
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.parametrize(
+        "engine_stack",
+        ["smol-pull", "smol-push", "smol-pipelined"],
+        indirect=True,
+        ids=["pull", "push", "pipelined"],
+    ),
+]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG = [{"role": "user", "content": "Tell me about the Eiffel Tower. " * 60}]  # ~500 tokens
 
@@ -33,23 +44,27 @@ def ask(stack_url: str, model: str, messages: list[dict[str, str]], stream: bool
     return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
 
 
-@pytest.fixture(scope="module")
-def answers(engines_available: None) -> dict[str, str]:
-    """One engine alone, before any P/D stack starts (never two stacks on the cores at once)."""
-    with Stack(variant=DEFAULT_VARIANT, mode="aggregated", with_router=False) as st:
-        assert st.model_path is not None and kv_bytes_per_token(st.model_path) == 23040
-        url = st.decode.url
+@pytest.fixture
+def stack(engine_stack: Running) -> Stack:
+    st: Stack = engine_stack.stack
+    assert st.model_path is not None and kv_bytes_per_token(st.model_path) == 23040
+    return st
+
+
+@pytest.fixture
+def answers(engine_stack: Running, stack: Stack) -> dict[str, str]:
+    """What D answers alone (a request without ``kv_transfer_params`` is an ordinary local
+    one, prefix caching off): one engine's answers, computed once per stack."""
+
+    def make(_: object) -> dict[str, str]:
+        url = stack.decode.url
         return {
-            "question": ask(url, st.model_name, QUESTION, stream=False),
-            "long": ask(url, st.model_name, LONG, stream=False),
+            "question": ask(url, stack.model_name, QUESTION, stream=False),
+            "long": ask(url, stack.model_name, LONG, stream=False),
         }
 
-
-@pytest.fixture(scope="module", params=["pull", "push", "pipelined"])
-def stack(request: pytest.FixtureRequest, answers: dict[str, str]) -> Iterator[Stack]:
-    with Stack(variant=DEFAULT_VARIANT, mode=request.param) as st:
-        ask(st.router_url, st.model_name, [{"role": "user", "content": "hi"}], stream=False)
-        yield st
+    made: dict[str, str] = engine_stack.shared("one-engine-answers", make)
+    return made
 
 
 def test_the_real_model_answers_right(answers: dict[str, str]) -> None:

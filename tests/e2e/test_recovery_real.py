@@ -1,15 +1,17 @@
 """Recovery on real engines: D, then P, restarted under a steady ``openai`` SDK load.
 
-One stack per mode (push, pull) with the router's default health, outlier-detection and
-retry settings. A background thread starts a streamed completion every ``1 / RATE`` s with
-the ``openai`` SDK (no SDK retries: every failure shows) and records its start, end and
-outcome. Each engine in turn is stopped and started again with the same ports
-(``Stack.restart_engine``, which returns once the new engine's ``/health`` answers); from
-that moment the test waits until QUIET_S pass with no failed request, and reports the
-recovery time: from the engine being back to the first request after which every request
-succeeded. It must stay within one health interval + the ejection time + 2 s. Requests that
-fail while the engine is down must fail fast (no queue wait). Afterwards no decode slot is
-held and both engines are idle.
+The shared push and pull stacks (tests/engine_stacks.py) through their own routers, which run
+the default health, outlier-detection and retry settings; after the other tests of those
+stacks and before the fault tests (which kill P). A background thread starts a streamed
+completion every ``1 / RATE`` s with the ``openai`` SDK (no SDK retries: every failure
+shows) and records its start, end and outcome. Each engine in turn is stopped and started
+again with the same ports (``Stack.restart_engine``, which returns once the new engine's
+``/health`` answers); from that moment the test waits until QUIET_S pass with no failed
+request, and reports the recovery time: from the engine being back to the first request
+after which every request succeeded. It must stay within one health interval + the ejection
+time + 2 s, measured from the restarted engine's readiness, with no other engine starting.
+Requests that fail while the engine is down must fail fast (no queue wait). Afterwards no
+decode slot is held and both engines are idle.
 
 A restarted P is a new incarnation with a fresh engine id, which the stack gives the router
 by a config reload (``Stack.restart_engine``): with P's old id reused, D kept the NIXL agent
@@ -31,8 +33,14 @@ import pytest
 from router.config import BreakerConfig, HealthConfig
 from router.stack import Stack
 from tests.e2e import helpers as h
+from tests.engine_stacks import Running
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(1200),
+    pytest.mark.destructive(order=0),
+    pytest.mark.parametrize("engine_stack", ["push", "pull"], indirect=True),
+]
 
 MODEL = "tiny"
 P, D = "prefill-0", "decode-0"
@@ -41,6 +49,8 @@ QUIET_S = 5.0
 BOUND_S = HealthConfig().interval + BreakerConfig().open_seconds + 2.0
 FAST_S = 5.0
 GRACE_S = 5.0  # an engine stopped with SIGTERM may finish its requests meanwhile
+STEADY_S = 30.0  # for the load to run (requests succeeding) before the restart
+JOIN_S = 180.0  # the load's last requests end within their own timeouts
 
 
 @dataclass
@@ -76,6 +86,10 @@ class Load:
         with self._lock:
             self.results.append(Outcome(t0, time.monotonic(), ok, error))
 
+    def successes(self) -> int:
+        with self._lock:
+            return sum(r.ok for r in self.results)
+
     def failures_since(self, t: float) -> list[Outcome]:
         with self._lock:
             return [r for r in self.results if r.started >= t and not r.ok]
@@ -84,20 +98,27 @@ class Load:
         self._stop.set()
 
 
-@pytest.fixture(scope="module", params=["push", "pull"])
-def loaded(request: pytest.FixtureRequest, engines_available: None) -> Iterator[tuple[Stack, Load]]:
-    with Stack(variant=h.FAST, mode=request.param) as stack:
-        h.complete(h.client_for(stack.router_url), MODEL, "warm-up", stream=False, max_tokens=2)
-        load = Load(stack.router_url)
-        thread = threading.Thread(target=load.run, daemon=True)
-        thread.start()
-        try:
-            yield stack, load
-        finally:
-            load.stop()
-            thread.join(timeout=180)
-        ok, what, _ = h.wait_until(lambda: _nothing_left(stack), 15.0, every_s=0.25)
-        assert ok, what
+@pytest.fixture
+def loaded(engine_stack: Running) -> Iterator[tuple[Stack, Load]]:
+    """The stack under a steady load that already succeeds; afterwards nothing is left."""
+    stack: Stack = engine_stack.stack
+    load = Load(stack.router_url)
+    thread = threading.Thread(target=load.run, daemon=True)
+    thread.start()
+    try:
+        steady = 2 * int(RATE)
+        ok, what, _ = h.wait_until(
+            lambda: (load.successes() >= steady, f"{load.successes()} of {steady} succeeded"),
+            STEADY_S,
+        )
+        assert ok, f"the load never ran steadily: {what}; {load.failures_since(0.0)[-3:]}"
+        yield stack, load
+    finally:
+        load.stop()
+        thread.join(timeout=JOIN_S)
+    assert not thread.is_alive(), f"the load's requests still running after {JOIN_S} s"
+    ok, what, _ = h.wait_until(lambda: _nothing_left(stack), 15.0, every_s=0.25)
+    assert ok, what
 
 
 def _nothing_left(stack: Stack) -> tuple[bool, str]:
@@ -138,8 +159,7 @@ def _settled(load: Load, since: float) -> bool:
 @pytest.mark.parametrize("name", [D, P])
 def test_engine_restart_under_load_recovers(loaded: tuple[Stack, Load], name: str) -> None:
     stack, load = loaded
-    mode = stack.router_config()["models"][0]["mode"]
-    time.sleep(2.0)
+    mode = stack.mode.value
     stopped = time.monotonic()
     took = stack.restart_engine(name, grace_s=GRACE_S)
     back = time.monotonic()

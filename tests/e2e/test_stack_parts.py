@@ -14,7 +14,7 @@ import pytest
 
 from router.config import parse_config
 from router.stack import engines as eng
-from router.stack.launcher import Stack, StackError, router_config
+from router.stack.launcher import RouterSettings, Stack, StackError, router_config
 from router.stack.metrics import Metrics
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
@@ -199,3 +199,33 @@ def test_pipelined_kept_turns_reach_d_s_ttl_p_s_recompute_and_the_router() -> No
     router_ttl = stack.router_config()["models"][0]["kv_return"]["ttl_seconds"]
     assert 0 < router_ttl < engine_ttl
     assert "bidirectional_kv_xfer" not in d_cfg["kv_connector_extra_config"]
+
+
+def test_a_second_router_serves_the_same_engines_with_its_own_settings() -> None:
+    """A second router's config names the stack's engines, with its mode and overrides; its
+    own port; nothing of the stack's router settings."""
+    stack = Stack("push", router_overrides={"retries": {"max_attempts": 1}})
+    stack.engines, stack.router_port = stack._plan(), 8001
+    settings = RouterSettings(eng.Mode.PUSH_SEQUENTIAL, {"tracing": {"endpoint": "http://t"}})
+    cfg = parse_config(stack.config_for(settings, 8002))
+    (model,) = cfg.models
+    assert model.mode == "push-sequential" and cfg.listen.port == 8002
+    assert [str(i.url).rstrip("/") for i in model.prefill] == [stack.prefill.url]
+    assert [str(i.url).rstrip("/") for i in model.decode] == [stack.decode.url]
+    assert cfg.tracing.endpoint == "http://t" and cfg.retries.max_attempts != 1
+
+
+@pytest.mark.parametrize(
+    ("stack", "mode", "kv_return", "refusal"),
+    [
+        (Stack("push"), "pull", False, "cannot run on push engines"),
+        (Stack("pull"), "push-sequential", False, "cannot run on pull engines"),
+        (Stack("pull"), "pull", True, "needs engines started with kv_return"),
+    ],
+    ids=["pull-on-push", "push-sequential-on-pull", "kv-return-on-plain-pull"],
+)
+def test_a_second_router_refuses_what_the_engines_cannot_serve(
+    stack: Stack, mode: str, kv_return: bool, refusal: str
+) -> None:
+    with pytest.raises(StackError, match=refusal):
+        stack.start_router("second", mode=mode, kv_return=kv_return)

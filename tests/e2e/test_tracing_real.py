@@ -1,63 +1,77 @@
-"""One trace across the router and both real engines: the router exports its spans and the
-vLLM engines, started with ``--otlp-traces-endpoint``, export theirs to the same OTLP/HTTP
-receiver; the engines' spans of a request are children of the router's ``prefill`` and
-``decode_first_byte`` spans, in the router's trace."""
+"""One trace across the router and both real engines: a router with tracing on exports its spans
+and the vLLM engines, started with ``--otlp-traces-endpoint``, export theirs to the same
+OTLP/HTTP receiver (the run's, ``otlp_receiver``: every engine of the main stacks exports to
+it); the engines' spans of a request are children of the router's ``prefill`` and
+``decode_first_byte`` spans, in the router's trace. The traced router is a second router
+over the shared engines."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import pytest
 
-from router.stack import Stack
 from tests.e2e import helpers as h
-from tests.e2e.conftest import MODEL, Reference
-from tests.fakes.otlp import OtlpReceiver, ReceivedSpan, threaded_receiver
+from tests.e2e.conftest import MODEL, AnyStack
+from tests.engine_stacks import Running
+from tests.fakes.otlp import OtlpReceiver, ReceivedSpan
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-
-def _wait_for(receiver: OtlpReceiver, trace_id: str, parents: set[str]) -> list[ReceivedSpan]:
-    """The spans of ``trace_id`` whose parent is one of ``parents``, once one per parent
-    has arrived (engines export in batches) or after 60 s."""
-    deadline = time.monotonic() + 60
-    while True:
-        children = [s for s in receiver.spans if s.trace_id == trace_id and s.parent_id in parents]
-        if {s.parent_id for s in children} == parents or time.monotonic() > deadline:
-            return children
-        time.sleep(0.2)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(900),
+    pytest.mark.parametrize("engine_stack", ["pull", "push"], indirect=True),
+]
+EXPORT_DEADLINE_S = 60.0  # engines and router export in batches (every 200 ms here)
+NAMES = ("POST /v1/chat/completions", "prefill", "decode_first_byte")
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+def _spans_after(receiver: OtlpReceiver, start: int) -> list[ReceivedSpan]:
+    return receiver.spans[start:]
+
+
+def _wait_for(what: str, probe: Callable[[], object]) -> None:
+    ok, last, waited = h.wait_until(lambda: (bool(probe()), what), EXPORT_DEADLINE_S)
+    assert ok, f"{last} not exported after {waited:.0f} s"
+
+
 def test_router_and_engine_spans_share_one_trace(
-    mode: str, reference: Reference, monkeypatch: pytest.MonkeyPatch
+    engine_stack: Running, otlp_receiver: tuple[str, OtlpReceiver]
 ) -> None:
-    with threaded_receiver() as (url, receiver):
-        # Read by vLLM's OpenTelemetry setup in the engine processes (OTLP over HTTP, and
-        # export every 200 ms instead of every 5 s).
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
-        otlp = ["--otlp-traces-endpoint", url]
-        with Stack(
-            variant=h.FAST,
-            mode=mode,
-            router_overrides={"tracing": {"endpoint": url}},
-            engine_args={"prefill-0": otlp, "decode-0": otlp},
-        ) as stack:
-            client = h.client_for(stack.router_url)
-            out = h.chat(client, MODEL, [{"role": "user", "content": "trace me"}], stream=True)
-            assert len(out.token_ids) == h.MAX_TOKENS
-            # The router exports in batches: the request's span, which ends after its
-            # stream, may come in a later batch than its children.
-            names = ("POST /v1/chat/completions", "prefill", "decode_first_byte")
-            deadline = time.monotonic() + 60
-            while not all(map(receiver.named, names)) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            [server] = receiver.named(names[0])
-            [prefill] = receiver.named("prefill")
-            [decode] = receiver.named("decode_first_byte")
-            assert prefill.trace_id == decode.trace_id == server.trace_id
-            children = _wait_for(receiver, server.trace_id, {prefill.span_id, decode.span_id})
-    engine_spans = {s.parent_id: s for s in children}
-    assert set(engine_spans) == {prefill.span_id, decode.span_id}, receiver.spans
-    assert all(span.service != "pd-router" for span in engine_spans.values()), engine_spans
+    url, receiver = otlp_receiver
+    stack: AnyStack = engine_stack.routed("traced", router_overrides={"tracing": {"endpoint": url}})
+    start = len(receiver.spans)  # spans of earlier requests (the engines trace every one)
+    client = h.client_for(stack.router_url)
+    out = h.chat(client, MODEL, [{"role": "user", "content": "trace me"}], stream=True)
+    assert len(out.token_ids) == h.MAX_TOKENS
+
+    def router_spans(name: str, trace_id: str | None = None) -> list[ReceivedSpan]:
+        return [
+            s
+            for s in _spans_after(receiver, start)
+            if s.service == "pd-router" and s.name == name and trace_id in (None, s.trace_id)
+        ]
+
+    # The request's own span ends after its stream: it may come in a later batch than its
+    # children. Earlier requests' spans (the router's warm-up) may come after ``start``.
+    _wait_for("the router's request span", lambda: router_spans(NAMES[0]))
+    [server] = router_spans(NAMES[0])
+    _wait_for(
+        "the router's leg spans",
+        lambda: all(router_spans(n, server.trace_id) for n in NAMES[1:]),
+    )
+    [prefill], [decode] = (router_spans(n, server.trace_id) for n in NAMES[1:])
+    parents = {prefill.span_id, decode.span_id}
+
+    def engine_children() -> dict[str, ReceivedSpan]:
+        return {
+            s.parent_id: s
+            for s in _spans_after(receiver, start)
+            if s.trace_id == server.trace_id and s.parent_id in parents
+        }
+
+    _wait_for(
+        "an engine span under prefill and under decode_first_byte",
+        lambda: set(engine_children()) == parents,
+    )
+    children = engine_children()
+    assert all(span.service != "pd-router" for span in children.values()), children

@@ -1,0 +1,154 @@
+"""The real-engine stacks of the whole run: each starts once, one at a time, in this order.
+
+Every engine test names the stack it runs on by parametrising the session fixture
+``engine_stack`` (tests/conftest.py) indirectly with one of ``KINDS``; ``tests/suites.py``
+runs the engine tests grouped by stack in the order of ``KINDS`` (destructive tests last in
+their group, marked ``destructive``), so pytest stops one stack before it starts the next:
+never more than two engines on the two cores. A stack is kept for every (mode, engine flags)
+the suites need; what differs only in the router (timeouts, tracing, KV that flows back,
+push-sequential over push engines) is a second router over the same engines
+(``Running.routed``).
+
+Engine flags every P/D stack of the main kinds shares, harmless to every test run on them:
+prompt-token details and tool calls (the conformance cases), OTLP traces to the run's
+receiver (the tracing test), load tracking and request logs on both engines (fault tests see
+which engine's API server holds a request, and that it sent an abort), and a P that allows
+fewer tokens than D (a prompt only P rejects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["ENGINE_FLAGS", "KINDS", "NEEDS_REFERENCE", "P_MAX_MODEL_LEN", "Running", "start"]
+
+T = TypeVar("T")
+MODEL = "tiny"
+P, D = "prefill-0", "decode-0"
+# The conformance cases compare usage.prompt_tokens_details, and tool calls work (vLLM 0.32
+# refuses every tool_choice but "none" without a tool-call parser).
+ENGINE_FLAGS = (
+    "--enable-prompt-tokens-details",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+)
+# ``GET /load`` counts the requests an engine's API server took in (a test knows which engine
+# has a request before it acts; vLLM 0.32 does not count down one whose client left before its
+# answer began), and the API server logs each abort it sent its core ("Aborted request(s)"),
+# so a test knows the abort is on its way before it lets a frozen core run.
+TRACKING = ("--enable-server-load-tracking", "--enable-log-requests")
+P_MAX_MODEL_LEN = 3200  # D allows 4096: a prompt in between only P rejects
+
+# The run's order. The kinds whose tests compare with the aggregated reference come first: the
+# reference engine runs (and stops) before the first of them starts.
+KINDS = [
+    "pull",
+    "push",
+    "pipelined",
+    "pull-kv-return",
+    "pull-cached",
+    "push-cached",
+    "pipelined-cached",
+    "smol-pull",
+    "smol-push",
+    "smol-pipelined",
+    "connector-pair",
+]
+NEEDS_REFERENCE = frozenset(KINDS[:7])
+MAIN = ("pull", "push", "pipelined")
+
+
+class Running:
+    """One running stack: a ``router.stack.Stack`` (``stack``) or this project's connector
+    pair without a router (``pair``), and what tests made on it once (``shared``)."""
+
+    def __init__(self, kind: str, exits: contextlib.ExitStack, stack: Any = None) -> None:
+        self.kind = kind
+        self.stack = stack
+        self.pair: Any = None
+        self._exits = exits
+        self._made: dict[str, Any] = {}
+
+    def shared(self, name: str, make: Callable[[contextlib.ExitStack], T]) -> T:
+        """``make(exits)``, made once per stack; what it enters into ``exits`` is left before
+        the engines stop."""
+        if name not in self._made:
+            self._made[name] = make(self._exits)
+        made: T = self._made[name]
+        return made
+
+    def routed(self, name: str, **settings: Any) -> Any:
+        """A second router over this stack's engines (``Stack.start_router`` settings), as a
+        ``RoutedStack``, warmed up; started once per stack."""
+        from router.stack import RoutedStack
+
+        def make(_: contextlib.ExitStack) -> RoutedStack:
+            routed = RoutedStack(self.stack, self.stack.start_router(name, **settings))
+            _warm_up(routed.router_url, routed.model_name)
+            return routed
+
+        return self.shared(f"router:{name}", make)
+
+
+def _warm_up(url: str, model: str) -> None:
+    """One request through the router: the NIXL handshakes are done before any test."""
+    import httpx
+
+    body = {"model": model, "prompt": "warm-up", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+
+
+def _stack_for(kind: str, otlp_url: str | None) -> Any:
+    from router.stack import Stack
+    from router.stack.model import DEFAULT_VARIANT
+
+    if kind in MAIN:
+        assert otlp_url is not None
+        shared = (*ENGINE_FLAGS, *TRACKING, "--otlp-traces-endpoint", otlp_url)
+        p_flags = (*shared, "--max-model-len", str(P_MAX_MODEL_LEN))
+        return Stack(variant=MODEL, mode=kind, engine_args={P: p_flags, D: shared})
+    if kind == "pull-kv-return":
+        return Stack(variant=MODEL, mode="pull", kv_return=True)
+    if kind.endswith("-cached"):
+        caching = ("--enable-prefix-caching",)
+        mode = kind.removesuffix("-cached")
+        return Stack(variant=MODEL, mode=mode, engine_args={P: caching, D: caching})
+    if kind.startswith("smol-"):
+        return Stack(variant=DEFAULT_VARIANT, mode=kind.removeprefix("smol-"))
+    raise ValueError(f"unknown stack kind {kind!r}")
+
+
+@contextlib.contextmanager
+def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
+    """Start stack ``kind``, warm it up, yield it; stops everything on exit."""
+    with contextlib.ExitStack() as exits:
+        if kind == "connector-pair":
+            running = Running(kind, exits)
+            running.pair = exits.enter_context(_connector_pair(run_dir))
+        else:
+            stack = exits.enter_context(_stack_for(kind, otlp_url))
+            _warm_up(stack.router_url, stack.model_name)
+            running = Running(kind, exits, stack)
+        yield running
+
+
+# The connector's own pair (tests/connector): chunked prefill (a 256-token budget, so a long
+# prompt is pushed chunk by chunk) and ``write_batch: layer``, each layer's WRITE posted from its
+# own save_kv_layer hook, the path a KV cache in device memory takes (the stacks above run the
+# DRAM default, "step"). A 30 s receive timeout bounds a D that is never written.
+CONNECTOR_EXTRA = {"receive_timeout_s": 30, "write_batch": "layer"}
+CONNECTOR_FLAGS = ("--max-num-batched-tokens", "256", *TRACKING)
+
+
+@contextlib.contextmanager
+def _connector_pair(run_dir: Path) -> Iterator[Any]:
+    from tests.connector.engines import engine_pair, pipelined
+
+    with engine_pair(run_dir, extra=CONNECTOR_EXTRA, engine_args=CONNECTOR_FLAGS) as (p, d):
+        pipelined(p, d, "warm up")  # the first request pays the NIXL handshake
+        yield p, d
