@@ -158,7 +158,7 @@ def test_client_disconnect_mid_prefill_leaves_no_blocks(pair: tuple[Engine, Engi
     and D keep no blocks, and the pair works afterwards.
 
     P's core is frozen once P runs the request, the legs are dropped, and the core is thawed
-    once both API servers have sent their aborts: the drop lands mid-prefill however slow the
+    once P's API server has sent its abort: the drop lands mid-prefill however slow the
     machine. Should P have finished the prefill before the freeze (it counts the request as
     finished), the attempt shows nothing about a mid-prefill drop and is made again."""
     p, d = pair
@@ -187,11 +187,14 @@ def _disconnect_mid_prefill(p: Engine, d: Engine, prompt: str) -> bool:
             with frozen_core(p):
                 p_leg.close()
                 d_leg.close()
-                for e in (p, d):
-                    wait_for(
-                        f"{e.spec.name} sent its core the abort",
-                        lambda e=e: logged(e, "Aborted request", xid) > 0,
-                    )
+                # A P that finished the prefill before the freeze has nothing to abort: the
+                # attempt is then made again (below).
+                wait_for(
+                    "P sent its core the abort, or had finished the prefill",
+                    lambda: logged(p, "Aborted request", xid) > 0 or finished(p) > p_done,
+                )
+                # D is not waited for: vLLM notices a streamed client's close only when it
+                # writes, and D writes nothing while it waits for KV; P's FAIL ends it.
     thawed = time.monotonic()
     assert wait_idle(p, IDLE_S) and wait_idle(d, IDLE_S - (time.monotonic() - thawed) + 0.5)
     if finished(p) > p_done:
