@@ -14,9 +14,10 @@ from scripts.gpu_check import kv
 from scripts.gpu_check.kernels import SimKernels, write
 from scripts.gpu_check.steps import CASES
 from scripts.gpu_check.worker_check import MODES, Row, render, run
+from tests.needs import need_module
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("nixl")
+torch = need_module("torch")
+need_module("nixl")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_sim_kernels_land_late_after_posted_writes_and_marks_follow_the_stream()
 @pytest.mark.parametrize("layout", sorted(kv.LAYOUTS))
 def test_caches_are_vllm_views_of_one_buffer(layout: str) -> None:
     """The views equal those vLLM 0.32 itself builds for the layout (shape, strides, address)."""
-    iface = pytest.importorskip("vllm.v1.kv_cache_interface")
+    iface = need_module("vllm.v1.kv_cache_interface")
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     shape = kv.KvShape()

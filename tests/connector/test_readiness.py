@@ -27,8 +27,9 @@ from tests.connector.helpers import (
     idle,
     make_side,
 )
+from tests.needs import need_module
 
-torch = pytest.importorskip("torch")  # real tensors: needs the engine extra
+torch = need_module("torch")  # real tensors: needs the engine extra
 
 P_IDS, D_IDS = [1, 2], [10, 11]
 
@@ -47,6 +48,14 @@ def pair(readiness: Readiness, write_per_layer: bool = True) -> tuple[Fabric, Si
 
 def send(final: bool = True) -> StepMeta:
     return StepMeta(sends=[SendSpec("p1", "t1", D_ADDR, 0, P_IDS, 8, final)])
+
+
+def launch(p: Side, step: StepMeta) -> None:
+    """One forward's hooks as vLLM calls them: bind, each layer's save, wait_for_save."""
+    p.worker.bind(step)
+    for name in p.layers():
+        p.worker.save_layer(name)
+    p.worker.end_step()
 
 
 def written(fabric: Fabric, d: Side) -> int:
@@ -104,10 +113,7 @@ def test_d_gets_the_bytes_the_kernels_write_after_the_hook(gated: bool) -> None:
     held = HeldReadiness()
     fabric, p, d = pair(held if gated else HostReadiness())
     stale = {n: t[P_IDS].clone() for n, t in p.caches.items()}
-    p.worker.bind(send())
-    for name in p.layers():
-        p.worker.save_layer(name)
-    p.worker.end_step()
+    launch(p, send())
     for i, t in enumerate(p.caches.values()):
         t[P_IDS] = float(i + 1)  # the device catches up with the launched kernels
     held.release_all()
@@ -122,10 +128,7 @@ def test_d_gets_the_bytes_the_kernels_write_after_the_hook(gated: bool) -> None:
 def test_no_done_no_finished_send_while_a_layer_is_pending() -> None:
     held = HeldReadiness()
     fabric, p, d = pair(held)
-    p.worker.bind(send())
-    for name in p.layers():
-        p.worker.save_layer(name)
-    p.worker.end_step()
+    launch(p, send())
     p.finished.add("p1")  # vLLM finished the request: it waits for finished_sending
     assert p.worker.get_finished(p.finished)[0] == set()
     for mark in held.marks[:-2]:  # all but the last layer and the step's end
@@ -143,10 +146,7 @@ def test_no_done_no_finished_send_while_a_layer_is_pending() -> None:
 def test_nothing_is_posted_after_abort_or_fail(how: str) -> None:
     held = HeldReadiness()
     fabric, p, d = pair(held)
-    p.worker.bind(send())
-    for name in p.layers():
-        p.worker.save_layer(name)
-    p.worker.end_step()
+    launch(p, send())
     if how == "d_abort":
         forward(d, StepMeta(abort_recvs={"d1": ("t1", P_ADDR)}))
         idle(p)  # P reads D's ABORT
@@ -163,10 +163,7 @@ def test_a_failed_post_stops_the_layers_released_with_it() -> None:
     send has sent FAIL, and none of the others is posted after it."""
     held = HeldReadiness()
     fabric, p, d = pair(held)
-    p.worker.bind(send())
-    for name in p.layers():
-        p.worker.save_layer(name)
-    p.worker.end_step()
+    launch(p, send())
     posts: list[int] = []
     real_post = p.agent.post_write
 
@@ -212,10 +209,7 @@ def test_a_pending_layer_is_polled_in_the_idle_wait() -> None:
     meanwhile is posted within that wait, not a step later."""
     held = HeldReadiness()
     fabric, p, d = pair(held)
-    p.worker.bind(send(final=False))
-    for name in p.layers():
-        p.worker.save_layer(name)
-    p.worker.end_step()
+    launch(p, send(final=False))
     p.worker.get_finished(set())
     naps: list[float] = []
 
@@ -291,7 +285,7 @@ def test_cuda_mark_is_ready_only_after_the_work_before_it() -> None:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 def test_the_connector_asks_vllm_for_piecewise_cuda_graphs() -> None:
-    pytest.importorskip("vllm")
+    need_module("vllm")
     from connector.connector import PipelinedPushConnector
 
     assert PipelinedPushConnector.requires_piecewise_for_cudagraph({}) is True
