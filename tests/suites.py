@@ -91,7 +91,9 @@ class SuiteClock:
         if not self._seconds:
             return
         tr = terminalreporter
-        tr.section("time per suite (setup + call + teardown)")
+        workers = getattr(tr.config.option, "numprocesses", None)
+        summed = ", summed over xdist workers" if workers else ""
+        tr.section(f"time per suite (setup + call + teardown{summed})")
         total = sum(self._seconds.values()) or 1.0
         for suite, s in sorted(self._seconds.items(), key=lambda kv: -kv[1]):
             tr.write_line(

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 from router.app import create_app
 from router.config import parse_config
 
+# One xdist worker runs this module's tests: they share module fixtures (the app, the schema).
+pytestmark = pytest.mark.xdist_group("fuzz")
 CONFIG = {
     "models": [
         {
