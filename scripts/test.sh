@@ -3,7 +3,8 @@
 # check: ruff (lint and format), mypy --strict, then the tests in two runs of pytest:
 #   1. every suite without real engines, on PD_ROUTER_TEST_WORKERS xdist workers (default 4:
 #      those tests mostly wait on sockets, so four share two cores well);
-#   2. the real-engine tests (marked e2e), one at a time: each engine stack owns the cores.
+#   2. the real-engine tests (marked e2e), one at a time: each engine stack owns the cores; and
+#      the few tests xdist cannot distribute (marked serial), first.
 # A broken change fails in run 1, within minutes; a table of seconds per step ends the output.
 # Extra arguments run one plain pytest with them instead (e.g. scripts/test.sh tests/unit -q).
 set -uo pipefail
@@ -31,8 +32,8 @@ step "ruff check" "$VENV/bin/ruff" check router connector tests scripts bench
 step "ruff format" "$VENV/bin/ruff" format --check router connector tests scripts bench
 step "mypy --strict" "$VENV/bin/mypy"
 step "pytest, no engines ($WORKERS workers)" \
-  "$VENV/bin/pytest" -m "not e2e" -n "$WORKERS" --dist loadgroup
-step "pytest, real engines" "$VENV/bin/pytest" -m e2e
+  "$VENV/bin/pytest" -m "not e2e and not serial" -n "$WORKERS" --dist loadgroup
+step "pytest, real engines (and serial)" "$VENV/bin/pytest" -m "e2e or serial"
 echo
 echo "=== seconds per step ==="
 printf '%s\n' "${STEPS[@]}"

@@ -30,6 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "destructive(order): kills or restarts engines; runs after the other tests of its "
         "engine stack (tests/engine_stacks.py), lower order first",
     )
+    config.addinivalue_line(
+        "markers",
+        "serial: runs in scripts/test.sh's one-process run, with the engine tests, not on xdist "
+        "workers (tests whose node ids are not unique)",
+    )
 
 
 @pytest.fixture(scope="session")
