@@ -227,9 +227,10 @@ def _otlp_sink(port: int) -> str:
 
 def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
-    suffix (tracing on, exported to a sink in this process) or ``+logged`` (access log on,
-    into the target's log file) is not part of the mode."""
-    spec = spec.removesuffix("+traced").removesuffix("+logged")
+    suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
+    into the target's log file) or ``+httpx`` (engine calls through httpx instead of the
+    router's HTTP/1.1 client: ``bench/httpx_router.py``) is not part of the mode."""
+    spec = spec.removesuffix("+traced").removesuffix("+logged").removesuffix("+httpx")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
 
@@ -255,6 +256,8 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             logged = name.endswith("+logged")
             cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp, logged))
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
+            if spec.endswith("+httpx"):
+                argv = [sys.executable, str(HERE / "httpx_router.py"), "--config", str(cfg)]
             if workers > 1:
                 argv += ["--workers", str(workers)]
             out.append(Target(name, argv, port, "/ready", cwd))

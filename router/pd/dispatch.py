@@ -304,7 +304,7 @@ class Dispatcher:
         exc = task.exception()
         if isinstance(exc, UpstreamError):
             opened.prefill_error = exc
-            self.settler.spawn(opened.leg.stream.aclose())
+            opened.leg.stream.close()
         elif exc is None:
             plan.prefill_done(pair, task.result())
 

@@ -7,8 +7,6 @@ cancellation included, the connection is closed before the exception leaves
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -18,11 +16,10 @@ import orjson
 
 from router.config import TimeoutConfig
 from router.engines.instance import Instance
-from router.errors import Fault, UpstreamError, UpstreamStatus, UpstreamTimeout
-from router.http1 import Http1Response
+from router.errors import Fault, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens
-from router.upstream import UpstreamClient, UpstreamStream, map_errors
+from router.upstream import UpstreamClient, UpstreamStream
 
 __all__ = [
     "ENGINE_ERROR_EVENT",
@@ -53,32 +50,6 @@ def ends_answer(prev: bytes, chunk: bytes) -> bool:
     n = len(SSE_DONE)
     tail = (prev[-n:] + chunk)[-(n + 1) :]
     return tail.endswith(SSE_DONE) and (len(tail) == n or tail[0] == ord("\n"))
-
-
-@contextlib.asynccontextmanager
-async def _bounded(inst: Instance, limit: float, code: str) -> AsyncIterator[None]:
-    """``limit`` seconds for a leg on ``inst``, cut short if the health monitor finds
-    the engine unhealthy meanwhile (a frozen engine then costs the detection time,
-    not the whole timeout). Both end as an :class:`UpstreamTimeout`."""
-    role = inst.role.value
-    try:
-        async with asyncio.timeout(limit) as cm:
-            with inst.deadline(cm):
-                yield
-    except TimeoutError:
-        if inst.healthy is False:
-            raise UpstreamTimeout(
-                f"{role} engine stopped answering health checks",
-                role=role,
-                instance=inst.url,
-                code=f"{role}_unhealthy",
-            ) from None
-        raise UpstreamTimeout(
-            f"{role} engine did not answer in time ({code})",
-            role=role,
-            instance=inst.url,
-            code=code,
-        ) from None
 
 
 @dataclass(slots=True)
@@ -164,26 +135,25 @@ class DecodeLeg:
         count, worst, now = 1, 0.0, clock()
         try:
             # Locals, not attributes, in the loop: it runs once per token of every stream.
-            with map_errors("decode", self.instance.url):
-                async for chunk in self.rest:
-                    count += 1
-                    error_event = error_event or ENGINE_ERROR_EVENT in chunk
-                    t = clock()
-                    worst = max(worst, t - now)
-                    now = t
-                    if patch is not None and MARKER in chunk:
-                        chunk = await patch(chunk)
-                    if stream.ended:
-                        last = held + chunk  # D's last bytes came with its end: one write
-                        break
-                    # A token's event ends with "}": one test per token, no call.
-                    if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
-                        held += chunk
-                        continue
-                    prev = chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                else:
-                    last = held
+            async for chunk in self.rest:
+                count += 1
+                error_event = error_event or ENGINE_ERROR_EVENT in chunk
+                t = clock()
+                worst = max(worst, t - now)
+                now = t
+                if patch is not None and MARKER in chunk:
+                    chunk = await patch(chunk)
+                if stream.ended:
+                    last = held + chunk  # D's last bytes came with its end: one write
+                    break
+                # A token's event ends with "}": one test per token, no call.
+                if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
+                    held += chunk
+                    continue
+                prev = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:
+                last = held
         except UpstreamError as exc:
             if not held:
                 self.verdict = exc.fault
@@ -216,7 +186,7 @@ class DecodeLeg:
         if self._closed:
             return
         self._closed = True
-        await _close_quietly(self.stream)
+        self.stream.close()
 
     @property
     def status(self) -> int:
@@ -226,15 +196,6 @@ class DecodeLeg:
     def content_type(self) -> str:
         content_type: str = self.stream.content_type
         return content_type
-
-
-async def _close_quietly(stream: UpstreamStream) -> None:
-    if isinstance(stream, Http1Response):
-        stream.close()  # synchronous: nothing can interrupt it
-        return
-    # Shielded so a second cancellation cannot leave the connection open.
-    with contextlib.suppress(Exception):
-        await asyncio.shield(stream.aclose())
 
 
 class LegRunner:
@@ -294,43 +255,34 @@ class LegRunner:
         traceparent: str | None,
     ) -> bytes:
         limit = self._timeouts.prefill
-        async with _bounded(inst, limit, "prefill_timeout"):
-            with map_errors("prefill", inst.url):
-                stream = await self._upstream.open(
-                    inst.url + path, body, request_id, read_timeout=limit, traceparent=traceparent
-                )
-                try:
-                    content = await stream.read_all()
-                finally:
-                    await _close_quietly(stream)
-        if stream.status != 200:
-            raise UpstreamStatus(stream.status, content, role="prefill", instance=inst.url)
-        return content
+        async with self._upstream.within(inst, limit, "prefill_timeout", watched=True):
+            answer = await self._upstream.call(
+                inst, path, body, request_id, read_timeout=limit, traceparent=traceparent
+            )
+        if answer.status != 200:
+            raise UpstreamStatus(answer.status, answer.content, role="prefill", instance=inst.url)
+        return answer.content
 
     async def tokenize(self, inst: Instance, query: dict[str, Any]) -> list[int] | None:
         """The token ids ``inst``'s ``/tokenize`` gives for ``query``; None on any failure
         (a side call: its failure costs the optimisation, never the request)."""
         limit = self._timeouts.connect + 5.0
         try:
-            async with asyncio.timeout(limit):
-                stream = await self._upstream.open(
-                    inst.url + "/tokenize", query, "tokenize", read_timeout=limit
+            async with self._upstream.within(inst, limit):
+                answer = await self._upstream.call(
+                    inst, "/tokenize", query, "tokenize", read_timeout=limit
                 )
-                try:
-                    content = await stream.read_all()
-                finally:
-                    await _close_quietly(stream)
-        except Exception:
+        except UpstreamError:
             return None
-        tokens = _json(content).get("tokens") if stream.status == 200 else None
+        tokens = _json(answer.content).get("tokens") if answer.status == 200 else None
         ok = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
         return tokens if ok else None
 
     async def metrics_text(self, inst: Instance) -> str | None:
         """``inst``'s ``/metrics`` page; None on any failure."""
         try:
-            status, body = await self._upstream.get(inst.url + "/metrics", self._timeouts.connect)
-        except Exception:
+            status, body = await self._upstream.get(inst, "/metrics", self._timeouts.connect)
+        except UpstreamError:
             return None
         return body.decode("utf-8", "replace") if status == 200 else None
 
@@ -355,28 +307,28 @@ class LegRunner:
         opened: UpstreamStream | None = None
         inst.prefilling += computes_prompt
         try:
-            async with _bounded(inst, limit, code):
-                with map_errors("decode", inst.url):
-                    opened = await self._upstream.open(
-                        inst.url + path,
-                        body,
-                        request_id,
-                        read_timeout=None if stream else limit,
-                        traceparent=traceparent,
-                    )
-                    if opened.status >= 400 or not stream:
-                        content = await _read_bounded(opened)
-                        if opened.status >= 400:
-                            raise UpstreamStatus(
-                                opened.status, content, role="decode", instance=inst.url
-                            )
-                        return DecodeLeg(inst, opened, content, None, self._clock)
-                    rest = opened.chunks().__aiter__()
-                    first = await anext(rest, b"")
-                    return DecodeLeg(inst, opened, first, rest, self._clock)
+            async with self._upstream.within(inst, limit, code, watched=True):
+                opened = await self._upstream.open(
+                    inst,
+                    path,
+                    body,
+                    request_id,
+                    read_timeout=None if stream else limit,
+                    traceparent=traceparent,
+                )
+                if opened.status >= 400 or not stream:
+                    content = await _read_bounded(opened)
+                    if opened.status >= 400:
+                        raise UpstreamStatus(
+                            opened.status, content, role="decode", instance=inst.url
+                        )
+                    return DecodeLeg(inst, opened, content, None, self._clock)
+                rest = opened.chunks().__aiter__()
+                first = await anext(rest, b"")
+                return DecodeLeg(inst, opened, first, rest, self._clock)
         except BaseException:
             if opened is not None:
-                await _close_quietly(opened)
+                opened.close()
             raise
         finally:
             inst.prefilling -= computes_prompt
