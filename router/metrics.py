@@ -116,7 +116,7 @@ class StateCollector(Collector):
                 in_use.add_metric([pool.name, d.url], d.in_use)
                 degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
             for p in pool.prefill:
-                inflight.add_metric([pool.name, p.url], p.in_flight)
+                inflight.add_metric([pool.name, p.url], p.legs_running)
             for inst in (*pool.prefill, *pool.decode):
                 labels = [pool.name, inst.role.value, inst.url]
                 breaker.add_metric(labels, int(inst.breaker.state))
@@ -195,7 +195,7 @@ class WorkerStateGauges:
             for d in pool.decode:
                 self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
             for p in pool.prefill:
-                self.prefill.labels(pool.name, p.url).set(p.in_flight)
+                self.prefill.labels(pool.name, p.url).set(p.legs_running)
             for inst in (*pool.prefill, *pool.decode):
                 labels = (pool.name, inst.role.value, inst.url)
                 self.breaker.labels(*labels).set(int(inst.breaker.state))

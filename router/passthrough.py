@@ -44,7 +44,7 @@ class PassThrough:
         for role in (Role.DECODE, Role.PREFILL):
             usable = candidates(pool.of_role(role))
             if usable:
-                return min(usable, key=lambda i: i.in_flight)
+                return min(usable, key=lambda i: i.load)
         raise refusal(Role.DECODE, pool.name, pool.decode, self._clock(), self._probe_interval)
 
     async def forward(

@@ -82,22 +82,20 @@ class HealthMonitor:
 
     async def _check(self, inst: Instance) -> None:
         ok = await self._probe(inst)
+        failures = inst.probed(ok)
         if ok:
             if inst.healthy is False:
                 log.warning("event=healthy role=%s instance=%s", inst.role, inst.url)
-            inst.health_failures = 0
             inst.healthy = True
-        else:
-            inst.health_failures += 1
-            if inst.health_failures >= self._config.unhealthy_after or inst.healthy is None:
-                if inst.healthy is not False:
-                    log.warning(
-                        "event=unhealthy role=%s instance=%s failed_checks=%d",
-                        inst.role,
-                        inst.url,
-                        inst.health_failures,
-                    )
-                inst.healthy = False
+        elif failures >= self._config.unhealthy_after or inst.healthy is None:
+            if inst.healthy is not False:
+                log.warning(
+                    "event=unhealthy role=%s instance=%s failed_checks=%d",
+                    inst.role,
+                    inst.url,
+                    failures,
+                )
+            inst.healthy = False
         inst.breaker.probe(ok)
         if ok and inst.role is Role.DECODE and (inst.suspect or inst.degraded):
             await self._check_leak(inst)
@@ -130,5 +128,4 @@ class HealthMonitor:
             )
         if not leaked and inst.degraded:
             log.warning("event=degraded_cleared role=decode instance=%s", inst.url)
-        inst.degraded = leaked
-        inst.suspect = leaked
+        inst.leak_checked(leaked)

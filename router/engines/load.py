@@ -93,8 +93,8 @@ class LoadWatcher:
         else:
             self._failures[inst.url] = 0
             others = max(0, reported - ours)
-            free = max(0, inst.slots - inst.in_flight - others)
-            inst.cap = inst.in_flight + math.ceil(free / self._replicas)
+            free = max(0, inst.slots - inst.slots_held - others)
+            inst.cap = inst.slots_held + math.ceil(free / self._replicas)
 
     async def _reported_load(self, inst: Instance) -> int | None:
         try:

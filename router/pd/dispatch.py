@@ -159,11 +159,11 @@ class Dispatcher:
                 body = kp.aggregated_body(creq.body)
                 leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
                 return Dispatch(reservation, leg, decision, ids.request_id)
-            selected = pool.select_prefill(route.key, avoid, route.session)
-            if selected is None:  # left rotation while this request waited for its slot
+            lease = pool.select_prefill(route.key, avoid, route.session)
+            if lease is None:  # left rotation while this request waited for its slot
                 raise self._no_prefill(pool)
-            p, placement = selected
-            self._count_placement(pool, Role.PREFILL, placement)
+            p = lease.instance
+            self._count_placement(pool, Role.PREFILL, lease.placement)
             pair = Pair(creq, ids, p, reservation.instance)
             self._tracing.set(pdrouter__prefill=p.url)
             plan = self._plans[decision]

@@ -109,7 +109,7 @@ class DecodeLeg:
         # until its end is read; a complete (non-streaming) body is not.
         self._counted = rest is not None  # in instance.at_engine (router/engines/load.py)
         if self._counted:
-            instance.at_engine += 1
+            instance.stream_started()
 
     async def forward(
         self,
@@ -178,7 +178,7 @@ class DecodeLeg:
     def _mark_ended(self) -> None:
         if self._counted:
             self._counted = False
-            self.instance.at_engine -= 1
+            self.instance.stream_ended()
 
     async def close(self) -> None:
         """Close D's connection (vLLM aborts the request there); idempotent."""
@@ -227,12 +227,9 @@ class LegRunner:
         With ``require_params``, a response without ``kv_transfer_params`` is an
         error (counted), never a silent recompute on D.
         """
-        inst.in_flight += 1
         inst.breaker.on_dispatch()
-        try:
+        with inst.running_leg():
             content = await self._prefill_call(inst, path, body, request_id, traceparent)
-        finally:
-            inst.in_flight -= 1
         doc = _json(content)
         params = _kv_params(doc)
         if require_params and params is None:
@@ -305,33 +302,31 @@ class LegRunner:
         limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
         opened: UpstreamStream | None = None
-        inst.prefilling += computes_prompt
-        try:
-            async with self._upstream.within(inst, limit, code, watched=True):
-                opened = await self._upstream.open(
-                    inst,
-                    path,
-                    body,
-                    request_id,
-                    read_timeout=None if stream else limit,
-                    traceparent=traceparent,
-                )
-                if opened.status >= 400 or not stream:
-                    content = await _read_bounded(opened)
-                    if opened.status >= 400:
-                        raise UpstreamStatus(
-                            opened.status, content, role="decode", instance=inst.url
-                        )
-                    return DecodeLeg(inst, opened, content, None, self._clock)
-                rest = opened.chunks().__aiter__()
-                first = await anext(rest, b"")
-                return DecodeLeg(inst, opened, first, rest, self._clock)
-        except BaseException:
-            if opened is not None:
-                opened.close()
-            raise
-        finally:
-            inst.prefilling -= computes_prompt
+        with inst.computing_prompt(computes_prompt):
+            try:
+                async with self._upstream.within(inst, limit, code, watched=True):
+                    opened = await self._upstream.open(
+                        inst,
+                        path,
+                        body,
+                        request_id,
+                        read_timeout=None if stream else limit,
+                        traceparent=traceparent,
+                    )
+                    if opened.status >= 400 or not stream:
+                        content = await _read_bounded(opened)
+                        if opened.status >= 400:
+                            raise UpstreamStatus(
+                                opened.status, content, role="decode", instance=inst.url
+                            )
+                        return DecodeLeg(inst, opened, content, None, self._clock)
+                    rest = opened.chunks().__aiter__()
+                    first = await anext(rest, b"")
+                    return DecodeLeg(inst, opened, first, rest, self._clock)
+            except BaseException:
+                if opened is not None:
+                    opened.close()
+                raise
 
 
 async def _read_bounded(stream: UpstreamStream) -> bytes:

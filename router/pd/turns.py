@@ -125,9 +125,9 @@ class Turns:
         prompt_ids = await self._prompt_ids(p, creq)
         if prompt_ids is None:
             return Reuse.UNAVAILABLE, None
+        if d.block_size is None:
+            d.learn_block_size(await self._block_size(d))
         block_size = d.block_size
-        if block_size is None:
-            block_size = d.block_size = await self._block_size(d)
         return reuse_params(kept, prompt_ids, block_size, pool.config.kv_return.min_tokens)
 
     async def _prompt_ids(self, p: Instance, creq: ClientRequest) -> list[int] | None:
