@@ -18,38 +18,13 @@ from router.config import TimeoutConfig
 from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
+from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens
 from router.upstream import UpstreamClient, UpstreamStream
 
-__all__ = [
-    "ENGINE_ERROR_EVENT",
-    "SSE_DONE",
-    "DecodeLeg",
-    "LegRunner",
-    "PrefillResult",
-    "Send",
-    "ends_answer",
-]
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
 
 _MAX_ERROR_BODY = 64 * 1024
-# How vLLM reports a failure after a streaming response has started (the JSON of
-# an error response as one SSE event). Generated text cannot contain it: inside
-# the JSON of a token event its quotes are escaped.
-ENGINE_ERROR_EVENT = b'data: {"error"'
-# The last event of an OpenAI stream. A client stops reading there, before the HTTP end that
-# follows; the router must have recorded the answer's end by then (``DecodeLeg.forward``).
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def ends_answer(prev: bytes, chunk: bytes) -> bool:
-    """True if a stream's bytes, read so far as ``prev`` then ``chunk``, end with its terminal
-    event (:data:`SSE_DONE`) at an event's start. Generated text cannot end a read so: its
-    event's JSON holds no raw newline."""
-    if not chunk.endswith(b"]\n\n"):  # the fast path: a token's event ends with "}"
-        return False
-    n = len(SSE_DONE)
-    tail = (prev[-n:] + chunk)[-(n + 1) :]
-    return tail.endswith(SSE_DONE) and (len(tail) == n or tail[0] == ord("\n"))
 
 
 @dataclass(slots=True)
@@ -260,29 +235,6 @@ class LegRunner:
             raise UpstreamStatus(answer.status, answer.content, role="prefill", instance=inst.url)
         return answer.content
 
-    async def tokenize(self, inst: Instance, query: dict[str, Any]) -> list[int] | None:
-        """The token ids ``inst``'s ``/tokenize`` gives for ``query``; None on any failure
-        (a side call: its failure costs the optimisation, never the request)."""
-        limit = self._timeouts.connect + 5.0
-        try:
-            async with self._upstream.within(inst, limit):
-                answer = await self._upstream.call(
-                    inst, "/tokenize", query, "tokenize", read_timeout=limit
-                )
-        except UpstreamError:
-            return None
-        tokens = _json(answer.content).get("tokens") if answer.status == 200 else None
-        ok = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
-        return tokens if ok else None
-
-    async def metrics_text(self, inst: Instance) -> str | None:
-        """``inst``'s ``/metrics`` page; None on any failure."""
-        try:
-            status, body = await self._upstream.get(inst, "/metrics", self._timeouts.connect)
-        except UpstreamError:
-            return None
-        return body.decode("utf-8", "replace") if status == 200 else None
-
     async def open_decode(
         self,
         inst: Instance,
@@ -301,32 +253,33 @@ class LegRunner:
         """
         limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
-        opened: UpstreamStream | None = None
         with inst.computing_prompt(computes_prompt):
-            try:
-                async with self._upstream.within(inst, limit, code, watched=True):
-                    opened = await self._upstream.open(
-                        inst,
-                        path,
-                        body,
-                        request_id,
-                        read_timeout=None if stream else limit,
-                        traceparent=traceparent,
-                    )
-                    if opened.status >= 400 or not stream:
-                        content = await _read_bounded(opened)
-                        if opened.status >= 400:
-                            raise UpstreamStatus(
-                                opened.status, content, role="decode", instance=inst.url
-                            )
-                        return DecodeLeg(inst, opened, content, None, self._clock)
-                    rest = opened.chunks().__aiter__()
-                    first = await anext(rest, b"")
-                    return DecodeLeg(inst, opened, first, rest, self._clock)
-            except BaseException:
-                if opened is not None:
+            async with self._upstream.within(inst, limit, code, watched=True):
+                opened = await self._upstream.open(
+                    inst,
+                    path,
+                    body,
+                    request_id,
+                    read_timeout=None if stream else limit,
+                    traceparent=traceparent,
+                )
+                try:
+                    return await self._first_bytes(inst, opened, stream)
+                except BaseException:
                     opened.close()
-                raise
+                    raise
+
+    async def _first_bytes(self, inst: Instance, opened: UpstreamStream, stream: bool) -> DecodeLeg:
+        """D's leg once its first bytes are read: a streaming body's first read, else the
+        whole body; an error status raises :class:`UpstreamStatus` with its body."""
+        if opened.status >= 400 or not stream:
+            content = await _read_bounded(opened)
+            if opened.status >= 400:
+                raise UpstreamStatus(opened.status, content, role="decode", instance=inst.url)
+            return DecodeLeg(inst, opened, content, None, self._clock)
+        rest = opened.chunks().__aiter__()
+        first = await anext(rest, b"")
+        return DecodeLeg(inst, opened, first, rest, self._clock)
 
 
 async def _read_bounded(stream: UpstreamStream) -> bytes:
