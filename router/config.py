@@ -193,8 +193,9 @@ class SessionConfig(_Strict):
 
 
 class KvReturnConfig(_Strict):
-    """KV that flows back (router/pd/kv_return.py): D keeps a finished turn's blocks and the
-    conversation's next P reads them instead of recomputing the history. In pull mode with
+    """KV that flows back (router/pd/kv_return.py, its table router/engines/kv_return.py): D
+    keeps a finished turn's blocks and the conversation's next P reads them instead of
+    recomputing the history. In pull mode with
     vLLM's ``bidirectional_kv_xfer`` (both engines must run with it; vLLM's D then holds
     every finished request's blocks until a P reads them or its ``decoder_kv_blocks_ttl``
     ends, which costs D capacity); in pipelined mode with this project's connector, which

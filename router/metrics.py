@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 
 from router.engines.affinity import Placement
 from router.engines.instance import Role
+from router.engines.kv_return import Reuse
 from router.errors import Outcome
-from router.pd.kv_return import Reuse
 
 if TYPE_CHECKING:
     from router.registry import ModelPool

@@ -25,10 +25,10 @@ from router.config import (
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role, candidates
+from router.engines.kv_return import KvReturns
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
 from router.errors import Fault
-from router.pd.kv_return import KvReturns
 from router.shared_slots import WorkerSlots
 
 __all__ = ["ModelPool", "PrefillLease", "Registry"]

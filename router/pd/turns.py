@@ -28,8 +28,9 @@ from connector.address import NixlAddress
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
+from router.engines.kv_return import Kept, Reuse
 from router.metrics import Metrics
-from router.pd.kv_return import Kept, Reuse, kept_from_response, reuse_params
+from router.pd.kv_return import kept_from_response, reuse_params
 from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
