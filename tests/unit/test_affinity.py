@@ -9,6 +9,7 @@ from router.config import SessionConfig
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
+from tests.fakes.clock import Clock
 from tests.fakes.instances import hold_slots
 
 
@@ -19,14 +20,6 @@ def _decodes(n: int, slots: int = 100) -> list[Instance]:
         inst.set_slots(slots)
         out.append(inst)
     return out
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_session_sticks_and_new_ones_spread() -> None:

@@ -8,15 +8,8 @@ from router.engines.breaker import Breaker, BreakerState
 from router.engines.instance import Instance, Role
 from router.engines.policies import make_policy
 from router.errors import Fault
+from tests.fakes.clock import Clock
 from tests.fakes.instances import hold_slots
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_engine_faults_eject_half_open_and_close() -> None:

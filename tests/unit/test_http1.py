@@ -32,6 +32,7 @@ from router.http1 import (
     split_url,
 )
 from router.upstream import UpstreamClient
+from tests.conftest import eventually
 
 WAIT = 10.0  # generous bound on every wait for something that should happen promptly
 CHUNKED_HEAD = (
@@ -179,14 +180,6 @@ async def echo(peer: Peer) -> None:
     """Keep-alive: answer every request with ``echo:`` and its body."""
     while (request := await peer.read_request()) is not None:
         await peer.respond(b"echo:" + request.body)
-
-
-async def eventually(condition: Callable[[], bool]) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), WAIT)
 
 
 async def closed_by_client(peer: Peer) -> None:
@@ -355,7 +348,7 @@ async def test_idle_connection_closed_by_the_server_leaves_the_pool(
     assert await fetch(pool, server.origin, b"a") == b"one"
     assert pool._idle[server.origin]
     given_back.set()
-    await eventually(lambda: not pool._idle[server.origin])
+    await eventually(lambda: not pool._idle[server.origin], WAIT)
     assert await fetch(pool, server.origin, b"b") == b"echo:b"
     assert server.accepted == 2
     assert [r.body for r in server.requests] == [b"a", b"b"]
@@ -539,7 +532,7 @@ async def test_unread_body_is_bounded_and_arrives_intact(
 
     server = await serve(script)
     response = await ask(pool, server.origin, b"a")
-    await eventually(lambda: response._buffered > _HIGH_WATER)
+    await eventually(lambda: response._buffered > _HIGH_WATER, WAIT)
     peak = 0
     for _ in range(30):
         peak = max(peak, response._buffered)
@@ -570,11 +563,11 @@ async def test_chunks_that_arrived_together_are_joined_and_ended_waits_for_the_e
     response = await ask(pool, server.origin, b"a")
     assert response.content_type == "text/event-stream" and not response.ended
     more.set()
-    await eventually(lambda: response._buffered == 4)
+    await eventually(lambda: response._buffered == 4, WAIT)
     assert await asyncio.wait_for(anext(response), WAIT) == b"abcd"
     assert not response.ended
     last.set()
-    await eventually(lambda: response._complete)
+    await eventually(lambda: response._complete, WAIT)
     assert not response.ended  # b"ef" not handed out yet
     assert await asyncio.wait_for(anext(response), WAIT) == b"ef"
     assert response.ended
@@ -663,11 +656,11 @@ async def test_finished_and_failed_exchanges_are_freed_without_the_collector(
     with pytest.raises(ReadTimeout):
         await pool.request(server.origin, post(b"c"), b"c", 0.05)
     waiting = asyncio.create_task(pool.request(server.origin, post(b"d"), b"d", WAIT))
-    await eventually(lambda: server.accepted == 4)
+    await eventually(lambda: server.accepted == 4, WAIT)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     del waiting
     for peer in server.peers[2:]:  # the others the server closed itself
         await closed_by_client(peer)
-    await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses)
+    await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses, WAIT)

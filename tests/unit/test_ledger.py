@@ -14,14 +14,7 @@ from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
 from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes.clock import Clock
 
 
 def decode(
