@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -137,7 +136,7 @@ async def handle(
         key = identify(ctx, request.scope)
         charge(ctx, key)  # before the body: a flood is refused for the price of its head
         raw = await read_body(ctx, request)
-        creq = parse_client_request(raw, endpoint)
+        creq = parse_client_request(raw, endpoint, key)
         pool = pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
         creq = await _check_bounds(ctx, pool, creq)  # before any slot or generate call
@@ -148,7 +147,6 @@ async def handle(
         if ctx.access.enabled:
             ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
         raise
-    creq = replace(creq, client_key=key)
     # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
     several = creq.num_prompts > 1 and pool.mode.uses_prefill
     return (MultiPromptResponse if several else RelayResponse)(
