@@ -67,6 +67,7 @@ class Sample:
     rss_idle_mb: float = float("nan")
     rss_peak_mb: float = float("nan")
     cpu_ms_per_req: float = float("nan")
+    requests_total: float = float("nan")  # warm-up included: what the CPU (and cProfile) saw
 
 
 @dataclass
@@ -307,11 +308,26 @@ def _profiler(
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _cprofiled(args: argparse.Namespace, target: Target, conc: int) -> list[str] | None:
+    """The target's command under ``bench/cprofile_run.py`` (``--cprofile DIR``): one pstats
+    file per target, concurrency and round, for ``bench/call_diff.py``."""
+    if args.cprofile is None or target.argv is None or target.name == "vllm-router":
+        return target.argv
+    out = Path(args.cprofile).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"{target.name}-c{conc}-*.prof")))
+    path = out / f"{target.name}-c{conc}-{n}.prof"
+    return [sys.executable, str(HERE / "cprofile_run.py"), str(path), *target.argv[1:]]
+
+
 def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) -> Sample:
     proc = None
-    if target.argv is not None:
-        proc = _spawn(target.argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
+    argv = _cprofiled(args, target, conc)
+    if argv is not None:
+        proc = _spawn(argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
         _wait_http(target.port, target.ready_path, proc, 60)
+        if argv is not target.argv:
+            proc.send_signal(signal.SIGUSR1)  # start-up left out of the profile
         time.sleep(0.3)
     sampler = RssSampler(proc.pid) if proc else None
     idle = _rss_mb(proc.pid) if proc else float("nan")
@@ -353,7 +369,7 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
     result = orjson.loads(done.stdout.splitlines()[-1])
     total_reqs = result["requests"] * (duration + args.warmup) / duration
     cpu_ms = 1e3 * (cpu1 - cpu0) / total_reqs if total_reqs else float("nan")
-    return Sample(result, idle, peak, cpu_ms)
+    return Sample(result, idle, peak, cpu_ms, total_reqs)
 
 
 # -- report ------------------------------------------------------------------
@@ -448,6 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the raw samples here")
     p.add_argument("--profile", help="py-spy every router run into this folder (raw stacks)")
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument(
+        "--cprofile", help="cProfile every router run (not -wN) into this folder (call_diff.py)"
+    )
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.targets = args.targets.split(",")
