@@ -27,8 +27,6 @@ __all__ = ["RouterApp"]
 log = logging.getLogger("pd_router")
 
 _HOT_ROUTES = {e.value: e for e in Endpoint}
-
-
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -46,13 +44,16 @@ def _cors(app: _ASGI, cors: CorsConfig) -> _ASGI:
 
 
 def _has_origin(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    return any(name == b"origin" for name, _ in headers)
+    for name, _ in headers:  # noqa: SIM110 (a loop, not any(): no generator per request)
+        if name == b"origin":
+            return True
+    return False
 
 
 class RouterApp:
     """The ASGI entry point.
 
-    The generate routes go straight to :func:`handle` and the relay: on the
+    The generate routes go straight to :func:`~router.intake.handle` and the relay: on the
     hot path, FastAPI's routing and its middleware stack (which wraps ``send``
     for every streamed chunk) cost about a sixth of the router's CPU. Everything
     else — lifespan, the other routes, the OpenAPI document, which still lists

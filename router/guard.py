@@ -20,7 +20,7 @@ uvicorn's own protocol adds, per connection (``connections`` in the config):
   transport ever pauses.
 
 The body's deadline (``body_timeout``) is the app's where it reads the body
-(``router/app.py``: a 408 before any slot is reserved); here it ends a connection whose
+(``router/intake.py``: a 408 before any slot is reserved); here it ends a connection whose
 answer is already sent while its body still trickles in (a 401, a 404: nobody reads it, and
 every byte would otherwise keep the connection alive). Each event is a metric
 (:class:`ClientEvents`) and a log line, at most one per second per kind with the count of
