@@ -25,13 +25,24 @@ from router.config import (
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role, candidates
+from router.engines.kv_return import KvReturns
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
 from router.errors import Fault
-from router.pd.kv_return import KvReturns
 from router.shared_slots import WorkerSlots
 
-__all__ = ["ModelPool", "Registry"]
+__all__ = ["ModelPool", "PrefillLease", "Registry"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLease:
+    """The prefill instance one attempt runs on, as :meth:`ModelPool.select_prefill` gives
+    it (the decode side's is the ledger's :class:`~router.engines.ledger.Reservation`).
+    P has no slots: there is nothing to give back; its legs count themselves
+    (``Instance.running_leg``)."""
+
+    instance: Instance
+    placement: Placement | None = None  # how a request with a session key got this P
 
 
 @dataclass(eq=False)
@@ -58,7 +69,7 @@ class ModelPool:
 
     def select_prefill(
         self, key: str | None, avoid: frozenset[Instance], session: str | None = None
-    ) -> tuple[Instance, Placement | None] | None:
+    ) -> PrefillLease | None:
         """A prefill instance from the best tier of :func:`candidates`, preferring
         those not in ``avoid`` (with a ``session`` key, the one its affinity picks, and
         how); None if there is none (P has no queue to wait in)."""
@@ -67,8 +78,8 @@ class ModelPool:
             return None
         preferred = [p for p in usable if p not in avoid] or usable
         if session is not None:
-            return self.affinity.select(Role.PREFILL, session, preferred)
-        return self.prefill_policy.select(preferred, key), None
+            return PrefillLease(*self.affinity.select(Role.PREFILL, session, preferred))
+        return PrefillLease(self.prefill_policy.select(preferred, key))
 
     def session_key(self, session: str | None, prefix: Callable[[], str]) -> str | None:
         """The affinity key of a request: its session id, else (with ``prefix_fallback``)
@@ -208,7 +219,7 @@ class Registry:
         for p_inst, p_cfg in zip(pool.prefill, prefill, strict=True):
             p_inst.configure_nixl(_nixl(p_cfg), p_cfg.kv_host)
         for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
-            d_inst.slots = d_cfg.slots
+            d_inst.set_slots(d_cfg.slots)
             d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}

@@ -147,7 +147,7 @@ async def assert_nothing_leaked(cluster: Cluster) -> None:
     for ctx in cluster.routers:
         await eventually(lambda ctx=ctx: ctx.registry.slots_in_use() == 0)
         for inst in ctx.registry.instances():
-            assert inst.in_flight == 0, inst.url
+            assert inst.slots_held == inst.legs_running == 0, inst.url
 
 
 async def _start_cluster(n_prefill: int, n_decode: int) -> AsyncIterator[Cluster]:

@@ -50,10 +50,6 @@ class _Entry:
     urls: dict[Role, str] = field(default_factory=dict)
 
 
-def _load(inst: Instance) -> int:
-    return inst.in_use if inst.role is Role.DECODE else inst.in_flight
-
-
 def _rank(key: str, url: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
 
@@ -78,17 +74,17 @@ class Affinity:
         self._expire(now)
         entry = self._table.get(key)
         cap = math.ceil(
-            self.config.load_factor * (sum(map(_load, candidates)) + 1) / len(candidates)
+            self.config.load_factor * (sum(i.load for i in candidates) + 1) / len(candidates)
         )
         remembered = None
         if entry is not None:
             url = entry.urls.get(role)
             remembered = next((i for i in candidates if i.url == url), None)
-        if remembered is not None and _load(remembered) + 1 <= cap:
+        if remembered is not None and remembered.load + 1 <= cap:
             chosen, how = remembered, Placement.HIT
         else:
             ranked = sorted(candidates, key=lambda i: _rank(key, i.url), reverse=True)
-            chosen = next(i for i in ranked if _load(i) + 1 <= cap)
+            chosen = next(i for i in ranked if i.load + 1 <= cap)
             over = remembered if remembered is not None else ranked[0]
             how = Placement.SPILLED if chosen is not over else Placement.PLACED
         self._remember(key, role, chosen.url, now)

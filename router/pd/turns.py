@@ -28,9 +28,11 @@ from connector.address import NixlAddress
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
+from router.engines.kv_return import Kept, Reuse
 from router.metrics import Metrics
-from router.pd.kv_return import Kept, Reuse, kept_from_response, reuse_params
-from router.pd.legs import DecodeLeg, LegRunner
+from router.pd.kv_return import kept_from_response, reuse_params
+from router.pd.legs import DecodeLeg
+from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 
 __all__ = ["TurnPlan", "Turns"]
@@ -61,8 +63,8 @@ class TurnPlan:
 
 
 class Turns:
-    def __init__(self, legs: LegRunner, metrics: Metrics) -> None:
-        self._legs = legs
+    def __init__(self, side_calls: SideCalls, metrics: Metrics) -> None:
+        self._side = side_calls
         self._metrics = metrics
 
     def plan(self, pool: ModelPool, creq: ClientRequest) -> TurnPlan | None:
@@ -125,9 +127,9 @@ class Turns:
         prompt_ids = await self._prompt_ids(p, creq)
         if prompt_ids is None:
             return Reuse.UNAVAILABLE, None
+        if d.block_size is None:
+            d.learn_block_size(await self._block_size(d))
         block_size = d.block_size
-        if block_size is None:
-            block_size = d.block_size = await self._block_size(d)
         return reuse_params(kept, prompt_ids, block_size, pool.config.kv_return.min_tokens)
 
     async def _prompt_ids(self, p: Instance, creq: ClientRequest) -> list[int] | None:
@@ -141,11 +143,11 @@ class Turns:
             query = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
         if "model" in body:
             query["model"] = body["model"]
-        return await self._legs.tokenize(p, query)
+        return await self._side.tokenize(p, query)
 
     async def _block_size(self, d: Instance) -> int | None:
         """D's KV block size, from ``vllm:cache_config_info`` on its ``/metrics``."""
-        text = await self._legs.metrics_text(d)
+        text = await self._side.metrics_text(d)
         if text is None:
             return None
         for family in text_string_to_metric_families(text):
