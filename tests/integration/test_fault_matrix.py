@@ -59,7 +59,7 @@ def expected_for(mode: str, fault: str, expected: Expected) -> Expected:
     return expected
 
 
-async def router_for(cluster: Cluster, mode: str) -> str:
+async def router_for(cluster: Cluster, mode: str, timeouts: dict[str, float] = TIMEOUTS) -> str:
     extra = IDENTITY if mode != "pull" else {}
     for e in cluster.prefill:
         e.behaviour.transfer_mode = "push" if mode == "push" else "pull"
@@ -67,7 +67,7 @@ async def router_for(cluster: Cluster, mode: str) -> str:
         mode,
         prefill_extra=extra,
         decode_extra=extra,
-        timeouts=TIMEOUTS,
+        timeouts=timeouts,
         admission={"max_wait": 1},
     )
     return url
@@ -103,7 +103,8 @@ async def test_fault(cluster: Cluster, client: httpx.AsyncClient, mode: str, fau
 async def test_client_disconnect(cluster: Cluster, mode: str, phase: str) -> None:
     p, d = cluster.prefill[0].behaviour, cluster.decode[0].behaviour
     d.tokens, d.token_delay = 500, 0.01
-    url = await router_for(cluster, mode)
+    # Timeouts far away: whatever ends a leg here is the client's leaving.
+    url = await router_for(cluster, mode, {**TIMEOUTS, "prefill": 30, "decode_first_byte": 30})
     if phase == "before_prefill_answers":
         p.gate = asyncio.Event()  # P holds its answer until the client has left
         p_holds = lambda: bool(cluster.prefill[0].received)  # noqa: E731
@@ -111,6 +112,9 @@ async def test_client_disconnect(cluster: Cluster, mode: str, phase: str) -> Non
         ctx = cluster.routers[-1]
         left = lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte")  # noqa: E731
         await eventually(lambda: left() == 1)  # the router saw it before P answered
+        (p_leg,) = cluster.prefill[0].received
+        if mode != "push":  # P's leg is aborted at once (push lets P write D's KV first)
+            await eventually(lambda: p_leg.closed_by_client)
         p.gate.set()
     else:
         await client_leaves(url + "/v1/completions", BODY)  # once the first bytes came
