@@ -24,12 +24,15 @@ async def stream_all(url: str) -> str:
 
 
 async def refused(url: str) -> bool:
-    """True once the router accepts no connection any more."""
+    """True once the router accepts no connection any more (a connection caught while the
+    listener closes, dropped unanswered, proves neither: ask again)."""
     try:
         async with httpx.AsyncClient() as c:
             await c.get(url + "/health")
     except httpx.ConnectError:
         return True
+    except httpx.RemoteProtocolError:
+        return False
     return False
 
 
