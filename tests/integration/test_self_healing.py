@@ -135,8 +135,11 @@ class Traffic:
             return
         ok = r.status_code == 200 and "[DONE]" in r.text and '{"error"' not in r.text
         code = r.json()["error"]["code"] if r.status_code >= 400 else None
-        if r.status_code == 200 and not ok:
-            code = stream_error(r.text)["code"]  # a stream cut after its first bytes
+        if r.status_code == 200 and not ok:  # a stream cut after its first bytes
+            try:
+                code = stream_error(r.text)["code"]
+            except (AssertionError, ValueError, KeyError):
+                code = "broken_stream"  # not ended as vLLM ends a failed stream
         res = Result(t0, time.monotonic(), r.status_code, ok, code, r.headers.get("retry-after"))
         self.results.append(res)
 
