@@ -190,3 +190,26 @@ def metric(ctx: AppContext, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+async def client_leaves(
+    url: str, body: dict[str, Any], when: Callable[[], bool] | None = None
+) -> None:
+    """POST ``body`` as a streaming client, then close the connection at the moment the test
+    chose: once ``when()`` holds, or (without it) once the first bytes of the answer came.
+    Fails if the answer ended before that moment."""
+    first_bytes = asyncio.Event()
+
+    async def read() -> None:
+        async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", url, json=body) as r:
+            async for _ in r.aiter_bytes():
+                first_bytes.set()
+
+    ready = first_bytes.is_set if when is None else when
+    task = asyncio.create_task(read())
+    try:
+        await eventually(lambda: ready() or task.done(), timeout=10)
+        assert not task.done(), f"the answer ended before the client left: {task}"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

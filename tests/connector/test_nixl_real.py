@@ -87,7 +87,6 @@ def until(fn: Any, timeout: float = 10.0) -> Any:
 
 def test_per_layer_writes_land_and_complete() -> None:
     with pair() as (p, d, p_addr, d_addr):
-        t0 = time.monotonic()
         d.step(StepMeta(recvs=[RecvSpec("d1", "t1", p_addr, 0, [10, 11, 12], 10)]))
         p.step(StepMeta(sends=[SendSpec("p1", "t1", d_addr, 0, [1], 4, False)]), forward=True)
         p.step(StepMeta(sends=[SendSpec("p1", "t1", d_addr, 1, [2, 3], 10, True)]), forward=True)
@@ -96,8 +95,7 @@ def test_per_layer_writes_land_and_complete() -> None:
             p.step()
             return "d1" in d.step()[1]
 
-        until(d_done)
-        elapsed = time.monotonic() - t0
+        until(d_done)  # within 10 s: D's receive timeout (120 s) cannot have ended it
         assert torch.equal(p.call("blocks", [1, 2, 3]), d.call("blocks", [10, 11, 12]))
         p.call("finish", "p1")
         until(lambda: "p1" in p.step()[0])
@@ -106,7 +104,6 @@ def test_per_layer_writes_land_and_complete() -> None:
         # per flush, never one write for the whole request.
         assert LAYERS <= stats["num_writes"] <= 2 * LAYERS
         assert stats["bytes_written"] > 0
-        assert elapsed < 5
 
 
 def test_prefill_failure_reaches_decode() -> None:
@@ -114,14 +111,14 @@ def test_prefill_failure_reaches_decode() -> None:
         d.step(StepMeta(recvs=[RecvSpec("d1", "t1", p_addr, 0, [10], 4)]))
         p.step(StepMeta(sends=[SendSpec("p1", "t1", d_addr, 0, [1], 2, False)]), forward=True)
         p.step(StepMeta(fail_sends={"p1": ("t1", d_addr)}))
-        t0 = time.monotonic()
 
         def d_failed() -> bool:
             p.step()
             return "d1" in d.step()[2]
 
+        # Within 10 s: P's FAIL, not D's receive timeout (120 s), ends D's wait.
         until(d_failed)
-        assert time.monotonic() - t0 < 1.0
+        assert d.call("stats")["failures"] == {"peer_fail": 1}  # P's FAIL notice
         p.call("finish", "p1")
         until(lambda: "p1" in p.step()[0])
 
@@ -130,10 +127,14 @@ def test_decode_abort_reaches_prefill() -> None:
     with pair() as (p, d, p_addr, d_addr):
         d.step(StepMeta(recvs=[RecvSpec("d1", "t1", p_addr, 0, [10, 11], 8)]))
         p.step(StepMeta(sends=[SendSpec("p1", "t1", d_addr, 0, [1], 4, False)]), forward=True)
-        for _ in range(20):  # let the handshake finish and REG reach P
-            p.step()
+
+        def p_writes() -> bool:  # the handshake is done and D's REG reached P: P writes
             d.step()
-            time.sleep(0.01)
+            p.step()
+            stats = p.call("stats")
+            return bool(stats and stats["num_writes"])
+
+        until(p_writes)
         finished = d.step(StepMeta(abort_recvs={"d1": ("t1", p_addr)}))
         assert finished[1] == {"d1"} and finished[2] == set()
 

@@ -207,9 +207,12 @@ def test_registration_timeout_frees_p_and_tells_d() -> None:
     clock.advance(6)
     assert idle(p)[0] == {"p1"}
     # A registration that arrives afterwards is answered with FAIL at once.
-    forward(d, recv("d1", 0, [10]))
-    settle(p, d, steps=2)
-    assert not d.worker._receiver.busy
+    failed: set[str] = set(forward(d, recv("d1", 0, [10]))[2])
+    for _ in range(2):
+        idle(p)
+        failed |= idle(d)[2]
+    assert failed == {"d1"} and not d.worker._receiver.busy
+    assert d.worker.stats.take()["failures"] == {"peer_fail": 1}  # type: ignore[index]
 
 
 def test_receive_timeout_aborts_p() -> None:

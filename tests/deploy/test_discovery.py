@@ -87,18 +87,19 @@ async def test_pool_follows_pods_and_streams_survive_removal(
     assert pool.decode[0].slots == 4
     assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
 
-    slow = cluster2.decode[0].behaviour
-    slow.tokens, slow.token_delay = 30, 0.02
+    held = cluster2.decode[0].behaviour.end_gate = asyncio.Event()  # d-0 streams, holds its end
     in_flight = asyncio.create_task(
         client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
     )
-    await eventually(lambda: cluster2.decode[0].active == 1)
+    await asyncio.wait_for(cluster2.decode[0].holding_end.wait(), 10)
     await kube.add_pod("d-1", "decode", port_of(d1), annotations={"pd-router.io/slots": "2"})
     await kube.add_pod("p-1", "prefill", port_of(p1))
     await kube.delete_pod("d-0")
     await kube.delete_pod("p-0")
     await eventually(lambda: urls(pool) == ([p1], [d1]))
     assert pool.decode[0].slots == 2
+    assert not in_flight.done() and cluster2.decode[0].active == 1  # in flight on d-0 still
+    held.set()
 
     r = await in_flight  # started on d-0 before it went away: completes normally
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
@@ -131,12 +132,24 @@ async def test_expired_watch_lists_again_and_sees_missed_changes(cluster2: Clust
     kube.compact()  # and the history those changes were in is gone
     kube.hold_watches.set()
 
-    await eventually(lambda: urls(pool) == ([p1], [d0]))
-    assert kube.lists() >= lists + 2  # both roles listed again after the 410
+    # Both roles list again after the 410, each on its own time: wait for both, not for the
+    # pool alone (the prefill role's list is enough for it).
+    await eventually(lambda: urls(pool) == ([p1], [d0]) and kube.lists() == lists + 2)
     assert any(r.watch and r.resource_version for r in kube.requests)
 
 
-async def test_api_outage_keeps_last_pods_then_recovers(cluster2: Cluster) -> None:
+def _outage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("pd_router.discovery")
+        and "keeping the last known pods" in r.getMessage()
+    ]
+
+
+async def test_api_outage_keeps_last_pods_then_recovers(
+    cluster2: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
     (p0, _), (d0, d1) = cluster2.prefill_urls, cluster2.decode_urls
     kube = FakeKube()
     await kube.add_pod("p-0", "prefill", port_of(p0))
@@ -146,9 +159,17 @@ async def test_api_outage_keeps_last_pods_then_recovers(cluster2: Cluster) -> No
     assert pool is not None
     await eventually(lambda: urls(pool) == ([p0], [d0]))
 
+    caplog.set_level(logging.WARNING, logger="pd_router.discovery")
     kube.fail_status = 503
     await kube.end_watches()
-    await asyncio.sleep(0.3)
+    # Both roles' watches ended, were retried and refused (503), and the router said so.
+    await eventually(
+        lambda: all(
+            any(f"tiny/{role}:" in line and "503" in line for line in _outage_lines(caplog))
+            for role in ("prefill", "decode")
+        ),
+        timeout=5,
+    )
     assert urls(pool) == ([p0], [d0])  # an API outage takes nothing out of rotation
     await kube.add_pod("d-1", "decode", port_of(d1))
     kube.fail_status = None

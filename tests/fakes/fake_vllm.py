@@ -44,6 +44,7 @@ class Behaviour:
     prompt_tag: bool = False  # completions: each token's text starts with "<prompt>:"
     error_event_after: int | None = None  # D: after N tokens, vLLM's SSE error event, then [DONE]
     fail_after_kv: float | None = None  # P: hand D its KV, then fail after this many seconds
+    fail_gate: asyncio.Event | None = None  # P: hand D its KV, then fail once the test sets it
     chaos: float = 0.0  # probability that a request gets one random fault (soak runs)
     chaos_hang: float = 30.0  # how long a "hang" fault lasts
     transfer_mode: str = "pull"
@@ -264,8 +265,11 @@ class FakeEngine:
             }
         if not b.omit_kv_params:  # a P without a working connector sends D nothing
             self.bus.event(rec.request_id).set()
-        if b.fail_after_kv is not None:
-            await asyncio.sleep(b.fail_after_kv)
+        if b.fail_after_kv is not None or b.fail_gate is not None:
+            if b.fail_gate is not None:
+                await b.fail_gate.wait()
+            else:
+                await asyncio.sleep(b.fail_after_kv or 0.0)
             await _respond(send, 500, b'{"error": {"message": "prefill died late"}}')
             return
         await _respond(send, 200, json.dumps(doc).encode())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,9 +32,11 @@ async def serve(app: Any, *, lifespan: str = "on", http: Any = "h11") -> AsyncIt
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
+        deadline = time.monotonic() + 30
         while not server.started:
             if task.done():
                 task.result()
+            assert time.monotonic() < deadline, "server did not start"
             await asyncio.sleep(0.005)
         yield f"http://127.0.0.1:{port}"
     finally:

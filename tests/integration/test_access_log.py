@@ -67,19 +67,16 @@ async def test_refused_and_failed_requests_are_logged_with_their_status(
             "max_tokens": 4,
         },
     )
+    assert (unknown.status_code, failed.status_code) == (404, 502)
     refused, upstream = _lines(caplog)
-    assert (refused["status"], refused["model"], refused["outcome"]) == (
-        str(unknown.status_code),
-        "-",
-        "client_error",
-    )
+    assert (refused["status"], refused["model"], refused["outcome"]) == ("404", "-", "client_error")
     assert refused["decision"] == refused["decode"] == "-"
     assert (upstream["status"], upstream["path"], upstream["outcome"]) == (
-        str(failed.status_code),
+        "502",
         "/v1/chat/completions",
         "upstream_error",
     )
-    assert upstream["ttft_ms"] == "-" and failed.status_code >= 500
+    assert upstream["ttft_ms"] == "-"
 
 
 async def test_off_by_default(
@@ -101,7 +98,7 @@ async def test_json_format_writes_every_record_as_one_object(
         async with httpx.AsyncClient(timeout=30) as c:
             assert (await c.post(f"{url}/v1/completions", json=BODY)).status_code == 200
             bad = {**BODY, "prompt": "POISON"}
-            assert (await c.post(f"{url}/v1/completions", json=bad)).status_code >= 500
+            assert (await c.post(f"{url}/v1/completions", json=bad)).status_code == 502
         proc.terminate()
         stderr = (await proc.stderr.read()).decode()  # type: ignore[union-attr]
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -111,7 +108,7 @@ async def test_json_format_writes_every_record_as_one_object(
     access = [r for r in records if r["logger"] == ACCESS_LOGGER]
     assert [(r["status"], r["outcome"]) for r in access] == [
         (200, "success"),
-        (access[1]["status"], "upstream_error"),
+        (502, "upstream_error"),
     ]
     assert access[0]["decode"] == cluster.decode_urls[0] and access[0]["ttft_ms"] > 0
     warnings = [r for r in records if r["level"] == "WARNING"]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router.config import BreakerConfig, HealthConfig
-from tests.conftest import Cluster, eventually, metric, stream_error
+from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 8}
 
@@ -74,7 +74,7 @@ async def test_api_keys(cluster: Cluster, client: httpx.AsyncClient) -> None:
     r = await client.post(
         url + "/v1/completions", json=PROMPT, headers={"authorization": "Bearer kx"}
     )
-    assert r.status_code == 401
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
     r = await client.post(
         url + "/v1/completions", json=PROMPT, headers={"authorization": "Bearer k2"}
     )
@@ -171,7 +171,9 @@ async def test_malformed_prefill_json_is_502(cluster: Cluster, client: httpx.Asy
     cluster.prefill[0].behaviour.malformed_json = True
     url, _ = await cluster.router("pull")
     r = await client.post(url + "/v1/completions", json=PROMPT)
-    assert r.status_code == 502
+    # Not JSON: no params D could read its KV with (counted as missing, not recomputed).
+    assert r.status_code == 502 and error_of(r)["code"] == "kv_transfer_params_missing"
+    assert cluster.decode[0].received == []
 
 
 async def test_prefill_hang_times_out_with_504(cluster: Cluster, client: httpx.AsyncClient) -> None:
@@ -215,15 +217,18 @@ async def test_decode_first_byte_timeout(cluster: Cluster, client: httpx.AsyncCl
 async def test_push_prefill_failure_closes_decode(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    cluster.prefill[0].behaviour.delay = 0.2
-    cluster.prefill[0].behaviour.status = 500
+    p = cluster.prefill[0].behaviour
+    p.gate, p.status = asyncio.Event(), 500
     url, ctx = await cluster.router(
         "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
     )
-    t0 = time.monotonic()
-    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
-    assert r.status_code == 502
-    assert time.monotonic() - t0 < 2.0
+    body = {**PROMPT, "stream": True}
+    answer = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+    await eventually(lambda: len(cluster.decode[0].received) == 1)  # D waits for its KV
+    p.gate.set()
+    r = await answer
+    # P's own failure (not D's first-byte timeout, 5 s away): D is closed at once.
+    assert r.status_code == 502 and error_of(r)["code"] == 500
     (d_req,) = cluster.decode[0].received
     await eventually(lambda: d_req.closed_by_client)  # D was waiting for KV; now aborted
     pool = ctx.registry.get("tiny")
@@ -325,18 +330,10 @@ async def test_malformed_sse_is_relayed_untouched(
 # -- client disconnects ----------------------------------------------------------
 
 
-async def _disconnect_after(url: str, body: dict[str, object], seconds: float) -> None:
-    async with httpx.AsyncClient(timeout=10) as c:
-        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
-            async with asyncio.timeout(seconds), c.stream("POST", url, json=body) as r:
-                async for _ in r.aiter_bytes():
-                    pass
-
-
 async def test_disconnect_before_prefill_answers_closes_prefill(cluster: Cluster) -> None:
     cluster.prefill[0].behaviour.hang = True
     url, ctx = await cluster.router("pull")
-    await _disconnect_after(url + "/v1/completions", PROMPT, 0.3)
+    await client_leaves(url + "/v1/completions", PROMPT, lambda: bool(cluster.prefill[0].received))
     await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
     assert cluster.decode[0].received == []
     await eventually(
@@ -348,27 +345,30 @@ async def test_disconnect_mid_stream_closes_decode(cluster: Cluster) -> None:
     d = cluster.decode[0].behaviour
     d.tokens, d.token_delay = 1000, 0.01
     url, ctx = await cluster.router("pull")
-    await _disconnect_after(url + "/v1/completions", {**PROMPT, "stream": True}, 0.3)
+    await client_leaves(url + "/v1/completions", {**PROMPT, "stream": True})  # after bytes
     await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
     await eventually(
         lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="streaming") == 1
     )
 
 
-async def test_disconnect_while_queued_takes_no_slot(cluster: Cluster) -> None:
+async def test_disconnect_while_queued_takes_no_slot(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
     d = cluster.decode[0].behaviour
     d.tokens, d.token_delay = 1000, 0.01
     url, ctx = await cluster.router("aggregated", decode_extra={"slots": 1})
     body = {**PROMPT, "stream": True}
-    # The holder keeps the only slot until the queued request has come and gone.
-    holder = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 30))
-    await eventually(lambda: ctx.registry.slots_in_use() == 1)
     pool = ctx.registry.get("tiny")
     assert pool is not None
-    queued = asyncio.create_task(_disconnect_after(url + "/v1/completions", body, 0.3))
-    await eventually(lambda: pool.ledger.queue_depth == 1)
-    await queued  # it waited in the queue, then left
-    await eventually(lambda: pool.ledger.queue_depth == 0)
+    # The holder keeps the only slot until the queued request has come and gone.
+    holder = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+    await eventually(lambda: ctx.registry.slots_in_use() == 1)
+    await client_leaves(url + "/v1/completions", body, lambda: pool.ledger.queue_depth == 1)
+    await eventually(lambda: pool.ledger.queue_depth == 0)  # it waited in the queue, then left
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte") == 1
+    )
     assert ctx.registry.slots_in_use() == 1 and len(cluster.decode[0].received) == 1
     holder.cancel()
     await asyncio.gather(holder, return_exceptions=True)
@@ -381,22 +381,26 @@ async def test_disconnect_while_queued_takes_no_slot(cluster: Cluster) -> None:
 async def test_queue_full_is_429_and_wait_timeout_is_503(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    d = cluster.decode[0].behaviour
-    d.tokens, d.token_delay = 100, 0.01
-    url, _ = await cluster.router(
+    gate = cluster.decode[0].behaviour.gate = asyncio.Event()  # the slot stays taken
+    url, ctx = await cluster.router(
         "aggregated", decode_extra={"slots": 1}, admission={"queue_size": 1, "max_wait": 0.3}
     )
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
     body = {**PROMPT, "stream": True}
     first = asyncio.create_task(client.post(url + "/v1/completions", json=body))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: cluster.decode[0].active == 1)
     second = asyncio.create_task(client.post(url + "/v1/completions", json=body))
-    await asyncio.sleep(0.05)
+    await eventually(lambda: pool.ledger.queue_depth == 1)
     third = await client.post(url + "/v1/completions", json=body)
-    assert third.status_code == 429 and "retry-after" in third.headers
+    assert third.status_code == 429 and error_of(third)["code"] == "queue_full"
+    assert third.headers["retry-after"] == "1"
     r2 = await second
     assert r2.status_code == 503 and error_of(r2)["code"] == "no_capacity"
     assert int(r2.headers["retry-after"]) >= 1
+    gate.set()
     assert (await first).status_code == 200
+    assert len(cluster.decode[0].received) == 1  # the refused ones reached no engine
 
 
 async def test_queued_request_gets_the_released_slot(
@@ -484,15 +488,21 @@ async def test_ready_reflects_health(cluster: Cluster, client: httpx.AsyncClient
 async def test_push_prefill_failure_after_first_byte_ends_stream_with_error(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    cluster.prefill[0].behaviour.fail_after_kv = 0.2
+    fail = cluster.prefill[0].behaviour.fail_gate = asyncio.Event()
     d = cluster.decode[0].behaviour
     d.tokens, d.token_delay = 200, 0.01
     url, _ = await cluster.router(
         "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
     )
-    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
-    assert r.status_code == 200
-    assert stream_error(r.text)["code"] == "500"  # P's, then [DONE] as vLLM ends a stream
+    body = {**PROMPT, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = r.aiter_text()
+        text = await anext(chunks)  # D's first bytes reached the client
+        fail.set()  # now P fails
+        text += "".join([t async for t in chunks])
+    assert stream_error(text)["code"] == "500"  # P's, then [DONE] as vLLM ends a stream
+    assert text.count('"text"') < d.tokens  # cut, not run to its end
     await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
 
 
@@ -501,16 +511,23 @@ async def test_push_disconnect_during_prefill_lets_decode_receive_its_kv(
 ) -> None:
     """vLLM 0.32's push connector leaks a D request closed while it waits for KV:
     after a client disconnect the router closes D only once P has written it."""
-    cluster.prefill[0].behaviour.delay = 0.6
+    gate = cluster.prefill[0].behaviour.gate = asyncio.Event()  # P prefills until set
     d = cluster.decode[0].behaviour
     d.tokens, d.token_delay = 1000, 0.01
     url, ctx = await cluster.router(
         "push", prefill_extra={"engine_id": "p", "kv_host": "h", "kv_port": 1}
     )
-    await _disconnect_after(url + "/v1/completions", {**PROMPT, "stream": True}, 0.2)
+    both = lambda: bool(cluster.prefill[0].received and cluster.decode[0].received)  # noqa: E731
+    await client_leaves(url + "/v1/completions", {**PROMPT, "stream": True}, both)
     (p_req,) = cluster.prefill[0].received
     (d_req,) = cluster.decode[0].received
-    assert ctx.registry.slots_in_use() == 1  # D still open, its slot still held
+    # The router has seen the client go (it counts the disconnect once the legs are handed
+    # over): D is still open and its slot still held while P prefills.
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte") == 1
+    )
+    assert ctx.registry.slots_in_use() == 1 and d_req.ended is None and p_req.ended is None
+    gate.set()
     await eventually(lambda: d_req.ended is not None)
     assert p_req.ended is not None and not p_req.closed_by_client  # P ran to completion
     assert d_req.closed_by_client and d_req.ended > p_req.ended
@@ -527,8 +544,9 @@ async def test_stalled_stream_hits_idle_timeout(
     url, _ = await cluster.router("pull", timeouts={"idle": 0.3})
     t0 = time.monotonic()
     r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 2.0  # the idle bound (0.3 s), not the stall (5 s)
     assert stream_error(r.text)["type"] == "timeout"
+    assert stream_error(r.text)["code"] == "decode_timeout"
     await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
 
 

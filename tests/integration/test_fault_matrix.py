@@ -11,6 +11,7 @@ process and kill it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Cluster, eventually, stream_error
+from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 from tests.fakes.router_proc import free_port
 
 MODES = ["pull", "push", "pipelined"]
@@ -31,31 +32,34 @@ TIMEOUTS = {"prefill": 1, "decode_first_byte": 1, "idle": 1, "total": 20}
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
 IDENTITY = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
 
-# fault -> (engine role, behaviour, expected: status or "sse_error")
-FAULTS: dict[str, tuple[str, dict[str, Any], int | str]] = {
-    "p_4xx": ("prefill", {"status": 400}, 400),
-    "p_5xx": ("prefill", {"status": 500}, 502),
-    "p_hang": ("prefill", {"hang": True}, 504),
-    "p_malformed_json": ("prefill", {"malformed_json": True}, 502),
-    "p_no_kv_params": ("prefill", {"omit_kv_params": True}, 502),
-    "d_4xx": ("decode", {"status": 400}, 400),
-    "d_5xx": ("decode", {"status": 503}, 502),
-    "d_hang": ("decode", {"hang": True}, 504),
-    "d_drop_mid_stream": ("decode", {"drop_after": 2}, "sse_error"),
-    "d_stall_mid_stream": ("decode", {"tokens": 4, "token_delay": 3.0}, "sse_error"),
-    "d_malformed_sse": ("decode", {"malformed_sse": True}, 200),  # relayed as is
+# The answer: its status and error code (200 with a code: the stream's SSE error event;
+# 200 without: a whole stream).
+Expected = tuple[int, str | int | None]
+# fault -> (engine role, behaviour, expected answer)
+FAULTS: dict[str, tuple[str, dict[str, Any], Expected]] = {
+    "p_4xx": ("prefill", {"status": 400}, (400, 400)),  # the engine's own error, as is
+    "p_5xx": ("prefill", {"status": 500}, (502, 500)),
+    "p_hang": ("prefill", {"hang": True}, (504, "prefill_timeout")),
+    "p_malformed_json": ("prefill", {"malformed_json": True}, (502, "kv_transfer_params_missing")),
+    "p_no_kv_params": ("prefill", {"omit_kv_params": True}, (502, "kv_transfer_params_missing")),
+    "d_4xx": ("decode", {"status": 400}, (400, 400)),
+    "d_5xx": ("decode", {"status": 503}, (502, 503)),
+    "d_hang": ("decode", {"hang": True}, (504, "decode_first_byte_timeout")),
+    "d_drop_mid_stream": ("decode", {"drop_after": 2}, (200, "decode_unreachable")),
+    "d_stall_mid_stream": ("decode", {"tokens": 4, "token_delay": 3.0}, (200, "decode_timeout")),
+    "d_malformed_sse": ("decode", {"malformed_sse": True}, (200, None)),  # relayed as is
 }
 
 
-def expected_for(mode: str, fault: str, expected: int | str) -> int | str:
+def expected_for(mode: str, fault: str, expected: Expected) -> Expected:
     if mode == "pipelined" and fault in ("p_no_kv_params", "p_malformed_json"):
         # P's body carries nothing D needs in pipelined mode, so P "succeeds"; D
         # never gets its KV and the decode first-byte timeout ends it.
-        return 504
+        return 504, "decode_first_byte_timeout"
     return expected
 
 
-async def router_for(cluster: Cluster, mode: str) -> str:
+async def router_for(cluster: Cluster, mode: str, timeouts: dict[str, float] = TIMEOUTS) -> str:
     extra = IDENTITY if mode != "pull" else {}
     for e in cluster.prefill:
         e.behaviour.transfer_mode = "push" if mode == "push" else "pull"
@@ -63,7 +67,7 @@ async def router_for(cluster: Cluster, mode: str) -> str:
         mode,
         prefill_extra=extra,
         decode_extra=extra,
-        timeouts=TIMEOUTS,
+        timeouts=timeouts,
         admission={"max_wait": 1},
     )
     return url
@@ -80,14 +84,17 @@ async def test_fault(cluster: Cluster, client: httpx.AsyncClient, mode: str, fau
     t0 = time.monotonic()
     r = await client.post(url + "/v1/completions", json=BODY)
     elapsed = time.monotonic() - t0
-    want = expected_for(mode, fault, expected)
-    if want == "sse_error":
-        assert r.status_code == 200
-        assert stream_error(r.text)["message"]
+    status, code = expected_for(mode, fault, expected)
+    assert r.status_code == status, r.text
+    if status >= 400:
+        error = r.json()["error"]
+        assert {"message", "type", "code"} <= set(error) and error["code"] == code, error
+    elif code is not None:
+        error = stream_error(r.text)
+        assert error["message"] and error["code"] == code, error
     else:
-        assert r.status_code == want, r.text
-        if r.status_code >= 400:
-            assert {"message", "type", "code"} <= set(r.json()["error"])
+        assert "data: {not json" in r.text and r.text.endswith("data: [DONE]\n\n")
+    # Within the configured timeouts (1 s each), measured from the request.
     assert elapsed < 2 * max(TIMEOUTS["prefill"], TIMEOUTS["idle"]) + 1.5
 
 
@@ -96,17 +103,21 @@ async def test_fault(cluster: Cluster, client: httpx.AsyncClient, mode: str, fau
 async def test_client_disconnect(cluster: Cluster, mode: str, phase: str) -> None:
     p, d = cluster.prefill[0].behaviour, cluster.decode[0].behaviour
     d.tokens, d.token_delay = 500, 0.01
+    # Timeouts far away: whatever ends a leg here is the client's leaving.
+    url = await router_for(cluster, mode, {**TIMEOUTS, "prefill": 30, "decode_first_byte": 30})
     if phase == "before_prefill_answers":
-        p.delay = 0.6
-    url = await router_for(cluster, mode)
-    async with httpx.AsyncClient(timeout=10) as c:
-        with pytest.raises(TimeoutError):
-            async with (
-                asyncio.timeout(0.3),
-                c.stream("POST", url + "/v1/completions", json=BODY) as r,
-            ):
-                async for _ in r.aiter_bytes():
-                    pass
+        p.gate = asyncio.Event()  # P holds its answer until the client has left
+        p_holds = lambda: bool(cluster.prefill[0].received)  # noqa: E731
+        await client_leaves(url + "/v1/completions", BODY, p_holds)
+        ctx = cluster.routers[-1]
+        left = lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte")  # noqa: E731
+        await eventually(lambda: left() == 1)  # the router saw it before P answered
+        (p_leg,) = cluster.prefill[0].received
+        if mode != "push":  # P's leg is aborted at once (push lets P write D's KV first)
+            await eventually(lambda: p_leg.closed_by_client)
+        p.gate.set()
+    else:
+        await client_leaves(url + "/v1/completions", BODY)  # once the first bytes came
     # The cluster fixture checks that every leg was closed and every slot freed.
     await eventually(lambda: all(e.active == 0 for e in cluster.engines), timeout=5)
 
@@ -123,12 +134,13 @@ async def killable_engine(behaviour: dict[str, Any]) -> AsyncIterator[tuple[str,
     )
     url = f"http://127.0.0.1:{port}"
     async with httpx.AsyncClient() as c:
-        for _ in range(200):
-            try:
-                await c.get(url + "/health")
-                break
-            except httpx.HTTPError:
-                await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await c.get(url + "/health")).status_code == 200:
+                    break
+            assert proc.returncode is None and time.monotonic() < deadline, "no fake engine"
+            await asyncio.sleep(0.05)
     try:
         yield url, proc
     finally:
@@ -137,34 +149,50 @@ async def killable_engine(behaviour: dict[str, Any]) -> AsyncIterator[tuple[str,
         await proc.wait()
 
 
-@pytest.mark.parametrize("when", ["before_answering", "during_answer"])
-@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def _open_requests(client: httpx.AsyncClient, engine_url: str) -> int:
+    """Generate requests open on a fake engine in another process (its /metrics)."""
+    text = (await client.get(engine_url + "/metrics")).text
+    (running,) = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    return int(float(running.split()[-1]))
+
+
+@pytest.mark.parametrize(
+    ("role", "when"),
+    # P answers in one piece: killed while it holds the request is killed before it answers.
+    [("prefill", "before_answering"), ("decode", "before_answering"), ("decode", "during_answer")],
+)
 async def test_engine_killed(
     cluster: Cluster, client: httpx.AsyncClient, role: str, when: str
 ) -> None:
-    behaviour = (
-        {"delay": 5.0} if when == "before_answering" else {"tokens": 500, "token_delay": 0.01}
-    )
-    if role == "prefill" and when == "during_answer":
-        behaviour = {"delay": 0.3}  # killed while computing its one token
+    """SIGKILL while the engine holds the request (P computing its one token, D before its
+    first byte) or while D streams: the answer says the engine was lost, at once (the
+    timeouts are 30 s here, so no timeout answers in its place)."""
+    behaviour: dict[str, Any] = {"tokens": 500, "token_delay": 0.01}  # D streams 5 s
+    if when == "before_answering":
+        behaviour = {"delay": 30.0}  # holds the request, no answer
+    # No timeout can end it first: only the kill does.
+    held = {**TIMEOUTS, "prefill": 30, "decode_first_byte": 30, "idle": 30}
     async with killable_engine(behaviour) as (engine_url, proc):
         if role == "prefill":
             cluster.prefill_urls = [engine_url]
         else:
             cluster.decode_urls = [engine_url]
-        url, ctx = await cluster.router("pull", timeouts=TIMEOUTS)
-
-        async def kill_soon() -> None:
-            await asyncio.sleep(0.15)
-            os.kill(proc.pid, signal.SIGKILL)
-
-        killer = asyncio.create_task(kill_soon())
-        t0 = time.monotonic()
-        r = await client.post(url + "/v1/completions", json=BODY)
-        await killer
-        assert time.monotonic() - t0 < 3
+        url, ctx = await cluster.router("pull", timeouts=held)
         if role == "decode" and when == "during_answer":
-            assert r.status_code == 200 and stream_error(r.text)["message"]
+            async with client.stream("POST", url + "/v1/completions", json=BODY) as r:
+                assert r.status_code == 200
+                chunks = r.aiter_text()
+                text = await anext(chunks)  # D streams
+                os.kill(proc.pid, signal.SIGKILL)
+                text += "".join([t async for t in chunks])
+            assert stream_error(text)["code"] == "decode_unreachable"
         else:
-            assert r.status_code == 502, r.text
+            answer = asyncio.create_task(client.post(url + "/v1/completions", json=BODY))
+            deadline = time.monotonic() + 10
+            while await _open_requests(client, engine_url) == 0:  # the engine holds it
+                assert not answer.done() and time.monotonic() < deadline, answer
+                await asyncio.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+            r = await answer
+            assert r.status_code == 502 and r.json()["error"]["code"] == f"{role}_unreachable"
         await eventually(lambda: ctx.registry.slots_in_use() == 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import httpx
@@ -128,9 +129,20 @@ async def test_a_changed_reply_reuses_the_common_prefix_blocks_only(
 
 
 async def test_a_kept_turn_expires(cluster: Cluster, client: httpx.AsyncClient) -> None:
-    url, ctx = await _router(cluster, ttl_seconds=0.2)
+    cluster.decode[0].behaviour.bidirectional = True
+    skew = [0.0]  # the router's clock runs with time, and jumps when the test says
+    model = {"kv_return": {"enabled": True, "min_tokens": 16, "ttl_seconds": 60}}
+    app = create_app(
+        parse_config(cluster.config("pull", model=model)),
+        health_checks=False,
+        clock=lambda: time.monotonic() + skew[0],
+    )
+    url = await cluster.stack.enter_async_context(serve(app))
+    ctx = app.state.ctx
+    cluster.routers.append(ctx)
     await _say(client, url, _chat(HISTORY))
-    await asyncio.sleep(0.3)  # past the TTL: the entry must not be handed out any more
+    assert _result(ctx, "kept") == 1
+    skew[0] = 61.0  # past the TTL: the entry must not be handed out any more
     await _say(client, url, _chat(_next_turn()))
     assert _last_prefill_kv(cluster)["remote_block_ids"] is None
     assert _result(ctx, "expired") == 1

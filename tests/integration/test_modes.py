@@ -67,15 +67,32 @@ async def test_client_ids_and_params_never_reach_engines(
     assert r2.headers["x-request-id"] != r.headers["x-request-id"]
 
 
+async def overlapping(
+    cluster: Cluster, client: httpx.AsyncClient, url: str, body: dict[str, object]
+) -> httpx.Response:
+    """One request whose P answers only once D holds its leg: the legs provably overlap
+    (a router that waited for P would wait forever; the test's deadline fails it)."""
+    gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
+    seen = len(cluster.decode[0].received)
+    answer = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+    try:
+        await eventually(lambda: len(cluster.decode[0].received) > seen)
+        gate.set()
+        return await answer
+    finally:
+        cluster.prefill[0].behaviour.gate = None
+        gate.set()
+        await asyncio.gather(answer, return_exceptions=True)
+
+
 async def test_push_concurrent_legs_overlap_with_same_ids(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    cluster.prefill[0].behaviour.delay = 0.3
     cluster.prefill[0].behaviour.transfer_mode = "push"
     url, _ = await cluster.router(
         "push", prefill_extra={"engine_id": "p-0", "kv_host": "127.0.0.2", "kv_port": 5601}
     )
-    r = await client.post(url + "/v1/completions", json={**PROMPT, "stream": True})
+    r = await overlapping(cluster, client, url, {**PROMPT, "stream": True})
     assert r.status_code == 200 and sse_payloads(r.text)[-1] == "[DONE]"
     (p_req,) = cluster.prefill[0].received
     (d_req,) = cluster.decode[0].received
@@ -96,11 +113,12 @@ async def test_push_learns_identity_then_goes_concurrent(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
     p = cluster.prefill[0].behaviour
-    p.transfer_mode, p.engine_id, p.kv_port, p.delay = "push", "learned-p", 5999, 0.2
+    p.transfer_mode, p.engine_id, p.kv_port = "push", "learned-p", 5999
     url, ctx = await cluster.router("push")
-    for _ in range(2):
-        r = await client.post(url + "/v1/completions", json=PROMPT)
-        assert r.status_code == 200
+    r = await client.post(url + "/v1/completions", json=PROMPT)
+    assert r.status_code == 200
+    r = await overlapping(cluster, client, url, PROMPT)
+    assert r.status_code == 200
     (p1, p2) = cluster.prefill[0].received
     (d1, d2) = cluster.decode[0].received
     assert p1.ended is not None and d1.started >= p1.ended  # first: sequential
@@ -122,21 +140,20 @@ async def test_push_sequential_waits_for_prefill(
     (p_req,) = cluster.prefill[0].received
     (d_req,) = cluster.decode[0].received
     assert p_req.ended is not None and d_req.started >= p_req.ended
-    assert d_req.kv["remote_request_id"] == p_req.kv.get(
-        "remote_request_id", d_req.kv["remote_request_id"]
-    )
+    # D reads the request P announced: P's answer's params, verbatim.
+    assert d_req.kv["remote_request_id"] == f"cmpl-{p_req.request_id}-0-1a2b3c4d"
+    assert (d_req.kv["remote_engine_id"], d_req.kv["remote_port"]) == ("fake-prefill", 5600)
 
 
 async def test_pipelined_sends_each_leg_the_other_identity(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    cluster.prefill[0].behaviour.delay = 0.2
     url, _ = await cluster.router(
         "pipelined",
         prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
         decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
     )
-    r = await client.post(url + "/v1/completions", json=PROMPT)
+    r = await overlapping(cluster, client, url, PROMPT)
     assert r.status_code == 200
     (p_req,) = cluster.prefill[0].received
     (d_req,) = cluster.decode[0].received

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from router.app import create_app
@@ -62,15 +64,34 @@ async def test_reload_swaps_instances_without_dropping_streams(
 
 
 async def test_invalid_reload_keeps_running_config(
-    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """An invalid file on SIGHUP is refused with a log line naming the problem, and the
+    pool keeps its instances (the same objects, state and all) and serves on."""
     path = tmp_path / "router.yaml"
     write(path, with_decode(cluster, cluster.decode_urls))
-    url, _ = await start(cluster, path)
+    url, app = await start(cluster, path)
+    registry = app.state.ctx.registry
+    pool = registry.get("tiny")
+    before = list(pool.decode)
     path.write_text("models: [{name: tiny, decode: []}]")
-    os.kill(os.getpid(), signal.SIGHUP)  # logged and ignored: the file is invalid
-    await asyncio.sleep(0.05)
+    caplog.set_level(logging.ERROR, logger="pd_router.reload")
+    os.kill(os.getpid(), signal.SIGHUP)
+    await eventually(lambda: bool(_rejections(caplog)))
+    (rejected,) = _rejections(caplog)
+    assert "models.0.decode" in rejected, rejected  # the problem, by its path
+    assert registry.get("tiny") is pool and pool.decode == before
+    assert [d.url for d in pool.decode] == cluster.decode_urls
     assert (await client.post(url + "/v1/completions", json=PROMPT)).status_code == 200
+    assert len(cluster.decode[0].received) == 1
+
+
+def _rejections(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "pd_router.reload" and r.getMessage().startswith("reload rejected")
+    ]
 
 
 async def test_sighup_and_file_watch_reload(

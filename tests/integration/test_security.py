@@ -37,7 +37,8 @@ async def test_upstream_key_replaces_client_credentials(
             assert name not in req.headers
     # A failure path logs, but never the key.
     cluster.prefill[0].behaviour.status = 500
-    await client.post(url + "/v1/completions", json=PROMPT, headers=headers)
+    r = await client.post(url + "/v1/completions", json=PROMPT, headers=headers)
+    assert r.status_code == 502 and "event=attempt_failed" in caplog.text  # it did log
     assert "engine-secret" not in caplog.text
     assert "engine-secret" not in repr(ctx.config)
     assert "engine-secret" not in (await client.get(url + "/ready")).text

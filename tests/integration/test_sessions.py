@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 import httpx
 import pytest
 
-from router.app import AppContext
+from router.app import AppContext, create_app
+from router.config import parse_config
 from tests.conftest import Cluster, eventually, metric
 from tests.fakes.fake_vllm import FakeEngine
+from tests.fakes.servers import serve
 
 
 def _chat(conv: str, turn: int) -> dict[str, Any]:
@@ -143,13 +146,20 @@ def _instance(ctx: AppContext, engine: FakeEngine, cluster: Cluster) -> Any:
 async def test_session_table_is_bounded_in_size_and_time(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    url, ctx = await cluster.router(
-        "pull", model={"sessions": {"max_sessions": 3, "ttl_seconds": 0.2}}
+    skew = [0.0]  # the router's clock runs with time, and jumps when the test says
+    model = {"sessions": {"max_sessions": 3, "ttl_seconds": 60}}
+    app = create_app(
+        parse_config(cluster.config("pull", model=model)),
+        health_checks=False,
+        clock=lambda: time.monotonic() + skew[0],
     )
+    url = await cluster.stack.enter_async_context(serve(app))
+    ctx = app.state.ctx
+    cluster.routers.append(ctx)
     for i in range(5):
         assert await _turns(client, url, f"c{i}", 1, headers={"x-session-id": f"c{i}"}) == [200]
     assert metric(ctx, "pdrouter_sessions") == 3
-    await asyncio.sleep(0.3)  # longer than the TTL: every entry has expired
+    skew[0] = 61.0  # longer than the TTL: every entry has expired
     assert await _turns(client, url, "late", 1, headers={"x-session-id": "late"}) == [200]
     assert metric(ctx, "pdrouter_sessions") == 1
 

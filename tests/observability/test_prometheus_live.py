@@ -108,7 +108,8 @@ async def test_router_panels_return_data_and_no_alert_goes_off_while_healthy(
         cluster.decode[0].behaviour.poison = "POISON"
         async with httpx.AsyncClient(timeout=30) as c:
             bad = {"model": "tiny", "prompt": "POISON", "max_tokens": 4}
-            assert (await c.post(f"{url}/v1/completions", json=bad)).status_code >= 500
+            r = await c.post(f"{url}/v1/completions", json=bad)
+            assert r.status_code == 502 and r.json()["error"]["code"] == 500  # D's own 500
         empty: list[str] = []
 
         async def record_empty() -> bool:

@@ -14,6 +14,7 @@ from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
 from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
+from tests.conftest import eventually
 from tests.fakes.clock import Clock
 
 
@@ -60,22 +61,26 @@ async def test_waiters_are_served_in_fifo_order() -> None:
         led.release(r)
 
     tasks = [asyncio.create_task(wait(i)) for i in range(3)]
-    await asyncio.sleep(0.01)
-    assert led.queue_depth == 3
+    await eventually(lambda: led.queue_depth == 3)
     led.release(held)
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2] and led.slots_in_use == 0
 
 
 async def test_queue_full_and_wait_timeout() -> None:
-    led = ledger(decode("a", 1), queue=1, wait=0.05)
+    led = ledger(decode("a", 1), queue=1, wait=30.0)
     held = await led.reserve()
     waiter = asyncio.create_task(led.reserve())
-    await asyncio.sleep(0)
+    await eventually(lambda: led.queue_depth == 1)
     with pytest.raises(QueueFull):
         await led.reserve()
-    with pytest.raises(NoCapacity) as info:
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
         await waiter
+    assert led.queue_depth == 0
+    led.set_limits(queue_size=1, max_wait=0.05, probe_interval=5.0)
+    with pytest.raises(NoCapacity) as info:
+        await asyncio.wait_for(led.reserve(), 10.0)
     assert info.value.retry_after and led.queue_depth == 0
     led.release(held)
     assert led.slots_in_use == 0
@@ -86,8 +91,9 @@ async def test_cancelled_waiter_returns_a_slot_it_was_handed() -> None:
     led = ledger(a)
     held = await led.reserve()
     waiter = asyncio.create_task(led.reserve())
-    await asyncio.sleep(0)
+    await eventually(lambda: led.queue_depth == 1)
     led.release(held)  # hands the slot to the waiter's future...
+    assert a.slots_held == 1 and led.queue_depth == 0  # ...at once, as the release runs
     waiter.cancel()  # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -120,7 +126,7 @@ async def test_a_waiter_is_served_when_an_ejection_ends_by_itself() -> None:
     got = await asyncio.wait_for(waiter, 10.0)
     assert got.instance is b
     later = asyncio.create_task(led.reserve())  # b half-open, its trial out: waits
-    await asyncio.sleep(0.01)
+    await eventually(lambda: led.queue_depth == 1)
     assert not later.done()
     b.breaker.record(None)  # the trial succeeded: b closes, but it is full
     led.release(held)  # a's slot goes to the waiter at once
@@ -133,7 +139,7 @@ async def test_health_and_leak_verdicts_reach_waiters_without_a_call() -> None:
     led = ledger(a, b, wait=5.0)
     held = await led.reserve()
     waiter = asyncio.create_task(led.reserve())
-    await asyncio.sleep(0.01)
+    await eventually(lambda: led.queue_depth == 1)
     assert not waiter.done()
     b.healthy = True  # nothing else: the instance tells the ledger
     assert (await asyncio.wait_for(waiter, 10.0)).instance is b
@@ -145,8 +151,7 @@ async def test_waiters_are_refused_when_the_last_decode_leaves_rotation() -> Non
     led = ledger(a, wait=30.0)
     held = await led.reserve()
     waiters = [asyncio.create_task(led.reserve()) for _ in range(3)]
-    await asyncio.sleep(0.01)
-    assert led.queue_depth == 3
+    await eventually(lambda: led.queue_depth == 3)
     a.healthy = False
     for w in waiters:
         with pytest.raises(NoHealthyEngine):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from collections.abc import Callable
 
 import pytest
 
@@ -100,14 +101,18 @@ def test_fair_queue_remove_and_longest_queue_drop() -> None:
     assert list(q) == ["f0", "f2", "f3", "q0"] and len(q) == 4
 
 
-async def settle() -> None:
-    """Let every task the ledger woke up run (no time passes)."""
-    for _ in range(10):
-        await asyncio.sleep(0)
-
-
 def _decode(slots: int) -> Instance:
     return Instance("d", Role.DECODE, "m", Breaker(3, 10.0, Clock()), slots=slots)
+
+
+async def _queued(led: SlotLedger, depth: int) -> None:
+    """Until ``depth`` requests wait in ``led``'s queue."""
+    await asyncio.wait_for(_poll(lambda: led.queue_depth == depth), 10.0)
+
+
+async def _poll(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
 
 
 async def test_ledger_gives_a_freed_slot_to_the_key_holding_fewest() -> None:
@@ -115,22 +120,24 @@ async def test_ledger_gives_a_freed_slot_to_the_key_holding_fewest() -> None:
     led = SlotLedger("m", [d], make_policy("least_loaded"), 10, 5.0, clock=Clock())
     flood = [await led.reserve(tenant="flood") for _ in range(2)]
     waiting = [asyncio.create_task(led.reserve(tenant="flood")) for _ in range(3)]
-    await settle()
+    await _queued(led, 3)
     quiet = asyncio.create_task(led.reserve(tenant="quiet"))
-    await settle()
-    assert led.queue_depth == 4 and led.held("flood") == 2
+    await _queued(led, 4)
+    assert led.held("flood") == 2
+    # A release hands the slot over at once: to quiet, the key holding none.
     led.release(flood[0])
-    await settle()
-    assert quiet.done() and not any(t.done() for t in waiting)
-    assert led.held("quiet") == 1 and led.held("flood") == 1
-    led.release(flood[1])
-    await settle()
-    assert waiting[0].done() and not waiting[1].done()
-    led.release(quiet.result())
+    assert led.held("quiet") == 1 and led.held("flood") == 1 and led.queue_depth == 3
+    quiet_slot = await asyncio.wait_for(quiet, 10.0)
+    assert not any(t.done() for t in waiting)  # still queued: three waiters, no free slot
+    led.release(flood[1])  # flood holds none now: its oldest waiter is next
+    assert led.held("flood") == 1 and led.queue_depth == 2
+    first = await asyncio.wait_for(waiting[0], 10.0)
+    assert not waiting[1].done() and not waiting[2].done()
+    led.release(quiet_slot)
     for task in waiting[1:]:
         task.cancel()
     await asyncio.gather(*waiting[1:], return_exceptions=True)
-    led.release(waiting[0].result())
+    led.release(first)
     assert led.slots_in_use == 0 and led.held("flood") == led.held("quiet") == 0
 
 
@@ -139,23 +146,23 @@ async def test_a_full_queue_refuses_the_key_holding_most_of_it() -> None:
     led = SlotLedger("m", [d], make_policy("least_loaded"), 2, 5.0, clock=Clock())
     held = await led.reserve(tenant="flood")
     waiting = [asyncio.create_task(led.reserve(tenant="flood")) for _ in range(2)]
-    await settle()
+    await _queued(led, 2)
     with pytest.raises(QueueFull) as alone:  # its own queue is full: not a share issue
         await led.reserve(tenant="flood")
     assert type(alone.value) is QueueFull
     quiet = asyncio.create_task(led.reserve(tenant="quiet"))
-    await settle()
     with pytest.raises(FairShareExceeded) as evicted:
-        await waiting[1]  # flood's newest waiter made room for quiet
+        await asyncio.wait_for(waiting[1], 10.0)  # flood's newest waiter made room for quiet
     assert evicted.value.code == "queue_share_exceeded" and evicted.value.status == 429
+    await _queued(led, 2)  # flood's oldest and quiet
     with pytest.raises(FairShareExceeded):  # and now flood is over its share
         await led.reserve(tenant="flood")
     led.release(held)  # both hold no slot now: the one served least recently goes first
-    await settle()
-    assert quiet.done() and not waiting[0].done()
-    led.release(quiet.result())
-    await settle()
-    led.release(await waiting[0])
+    assert led.held("quiet") == 1 and led.queue_depth == 1
+    quiet_slot = await asyncio.wait_for(quiet, 10.0)
+    assert not waiting[0].done()
+    led.release(quiet_slot)
+    led.release(await asyncio.wait_for(waiting[0], 10.0))
     assert led.slots_in_use == 0 and led.queue_depth == 0
 
 

@@ -15,6 +15,7 @@ from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
 from router.shared_slots import SharedSlotTable, SlotTableFull, slot_key
+from tests.conftest import eventually
 
 MP = multiprocessing.get_context("fork")
 KEY = slot_key("m", "http://d")
@@ -102,8 +103,8 @@ async def test_two_ledgers_share_slots_and_wake_each_other() -> None:
     assert inst0.free_slots == inst1.free_slots == 0
     assert (inst0.slots_held, inst0.in_use) == (1, 2)
     waiter = asyncio.create_task(led1.reserve())
-    await asyncio.sleep(0.02)
-    assert not waiter.done() and led1.queue_depth == 1
+    await eventually(lambda: led1.queue_depth == 1)
+    assert not waiter.done()
     led0.release(held[0])  # a release in the other worker wakes this one's waiter
     got = await asyncio.wait_for(waiter, 1.0)
     assert got.instance is inst1 and inst1.in_use == 2
