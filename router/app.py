@@ -37,6 +37,7 @@ from router.client_request import (
 from router.config import CorsConfig, RouterConfig
 from router.engines.health import HealthMonitor
 from router.engines.load import LoadWatcher
+from router.engines.reported import EngineLoads, own_load
 from router.errors import (
     BodyTooLarge,
     BoundExceeded,
@@ -53,6 +54,8 @@ from router.errors import (
     render,
 )
 from router.guard import ClientEvents, guarded_protocol
+from router.kvindex.index import KvIndex
+from router.kvindex.route import CacheScorer
 from router.limits import Limiter
 from router.metrics import Metrics
 from router.multi_prompt import MultiPromptResponse
@@ -91,6 +94,8 @@ class AppContext:
     limiter: Limiter
     bounds: Bounds
     clients: ClientEvents  # slow clients: the connection guard's and the body deadline's
+    kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
+    engine_loads: EngineLoads | None  # several router replicas: engine-reported load
 
 
 def _build_context(
@@ -99,17 +104,25 @@ def _build_context(
     clock: Callable[[], float],
     shared_slots: WorkerSlots | None = None,
 ) -> AppContext:
-    registry = Registry(config, clock, shared_slots)
-    metrics = Metrics(multiprocess=shared_slots is not None)
-    metrics.attach_state(registry.pools)
     key = config.auth.upstream_api_key
     upstream = UpstreamClient(
         config.timeouts, key.get_secret_value() if key else None, transport=transport
     )
+    # Several replicas judge load from the engines' reports, so that they place alike.
+    engine_loads = None
+    if config.admission.replicas > 1:
+        engine_loads = EngineLoads(upstream, config.health.load_interval, config.health.timeout)
+    engine_load = engine_loads.load if engine_loads is not None else own_load
+    registry = Registry(config, clock, shared_slots, load=engine_load)
+    metrics = Metrics(multiprocess=shared_slots is not None)
+    metrics.attach_state(registry.pools)
+    kv_index = KvIndex()
+    metrics.attach_kv_index(kv_index.streams)
     legs = LegRunner(upstream, config.timeouts, metrics, clock)
     tracing = Tracing(config.tracing)
+    scorer = CacheScorer(kv_index, engine_load, legs.tokenize)
     dispatcher = Dispatcher(
-        legs, metrics, config.retries, clock, config.health.interval, tracing=tracing
+        legs, metrics, config.retries, clock, config.health.interval, tracing, scorer
     )
 
     health = HealthMonitor(registry.instances, upstream, config.health)
@@ -147,6 +160,8 @@ def _build_context(
         limiter,
         bounds,
         ClientEvents(metrics, clock),
+        kv_index,
+        engine_loads,
     )
 
 
@@ -491,6 +506,10 @@ def create_app(
         if ctx.load is not None:
             ctx.load.initial_caps()
             tasks.append(asyncio.create_task(ctx.load.run()))
+        if ctx.engine_loads is not None:
+            await ctx.engine_loads.read_all(ctx.registry.instances())
+            tasks.append(asyncio.create_task(ctx.engine_loads.run(ctx.registry.instances)))
+        ctx.kv_index.follow(ctx.registry)
         if any(m.discovery for m in config.models):
             # Lazy: the k8s extra is needed only by configs that use discovery.
             from router.discovery import start_discovery
@@ -508,6 +527,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await ctx.kv_index.aclose()
             await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
             await asyncio.to_thread(ctx.tracing.shutdown)
