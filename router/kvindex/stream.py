@@ -23,8 +23,9 @@ How the stream is kept whole (``router/kvindex/wire.py`` for the frames):
   a restart whose messages were all missed is still found.
 * A gap or a restart no replay can fill (no replay endpoint, the buffer overran, the endpoint
   does not answer within ``replay_timeout``) clears the index and leaves it unknown; later
-  batches are still applied, and an ``AllBlocksCleared``, a batch 0 or a later full replay
-  makes it known again.
+  batches are still applied, and an ``AllBlocksCleared``, a batch 0 or a full replay (tried
+  at each verification until one shows the buffer no longer starts at 0) makes it known
+  again.
 
 vLLM's replay endpoint is a ROUTER socket that answers one request with many messages, which
 a REQ socket cannot receive: the request goes out on a DEALER socket, with the empty delimiter
@@ -149,8 +150,11 @@ class Stream:
                     self._apply(seq, payload)
                 if gap:
                     self.index.stats.gaps_filled += 1
-                return
-            self._restarted()
+                if self.index.known or self._history_gone:
+                    return
+                self._start_over()  # unknown: the engine's buffer may still hold it all
+            else:
+                self._restarted()
         elif not gap and (self.index.known or self._history_gone):
             return  # nothing published yet and known empty; or the start is gone for good
         await self._full_replay()
@@ -223,11 +227,15 @@ class Stream:
         """The engine began again: its cache is empty, its sequence numbers start at 0."""
         log.warning("event=kv_events_restart instance=%s", self.url)
         self.index.stats.restarts += 1
+        self._start_over()
+        self._history_gone = False
+
+    def _start_over(self) -> None:
+        """Forget everything applied: the next batch wanted is the engine's first."""
         self.index.clear()
         self.index.known = False
         self._next = 0
         self._recent.clear()
-        self._history_gone = False
 
     def _lost(self, resume_at: int) -> None:
         """Batches before ``resume_at`` cannot be had: the index is no longer whole."""

@@ -12,7 +12,8 @@ bytes of the prompt or of the chat template, as its ``/tokenize`` answers): P ca
 full blocks when it has computed it, D the prompt's and its reply's when the answer ends. Each
 request records what it found cached (``Received.cached``, also reported as usage
 ``cached_tokens``), and computing the rest takes ``compute_token_delay`` seconds per token
-(``receive_token_delay`` for a D that receives the prompt's KV from P).
+(``receive_token_delay`` for a D that receives the prompt's KV from P), one prompt after the
+other with ``compute_one_at_a_time``.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Behaviour:
     tokens_from_request: bool = False  # a request's max_tokens, when given, is its length
     tokenize_status: int = 200  # /tokenize answers with this status
     compute_token_delay: float = 0.0  # with a prefix cache: seconds per prompt token computed
+    compute_one_at_a_time: bool = False  # prompts computed in turn, as one engine's steps
     receive_token_delay: float = 0.0  # ... per prompt token a disaggregated D receives
 
 
@@ -134,6 +136,7 @@ class FakeEngine:
         self.gets: list[str] = []  # paths of every GET but /health
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
         self.cache: PrefixCache | None = None  # see start_kv_events
+        self._computing = asyncio.Lock()
         self.publisher: Publisher | None = None
         # A streamed answer waits before its [DONE] for the event this returns, if any (one
         # request's stream held open with all its tokens sent: a steady load).
@@ -172,9 +175,17 @@ class FakeEngine:
             if events:
                 self.publisher.publish(events)
 
-    async def _compute(self, rec: Received, tokens: list[int], per_token: float) -> None:
-        if per_token and self.cache is not None:
-            await asyncio.sleep(per_token * (len(tokens) - (rec.cached or 0)))
+    async def _compute(
+        self, rec: Received, tokens: list[int], per_token: float, serial: bool = False
+    ) -> None:
+        if not per_token or self.cache is None:
+            return
+        seconds = per_token * (len(tokens) - (rec.cached or 0))
+        if not serial:
+            await asyncio.sleep(seconds)
+            return
+        async with self._computing:  # an engine computes one prompt after the other
+            await asyncio.sleep(seconds)
 
     # -- ASGI ----------------------------------------------------------------
 
@@ -289,7 +300,7 @@ class FakeEngine:
         if self.cache is not None and b.cached_tokens is None:
             b = dataclasses.replace(b, cached_tokens=rec.cached)
         if kv.get("do_remote_decode"):
-            await self._compute(rec, prompt, b.compute_token_delay)
+            await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
             await self._prefill(rec, send, b)
             self._cache_store(prompt)
             return
@@ -299,8 +310,10 @@ class FakeEngine:
                 await self.bus.event(rec.request_id).wait()
             else:
                 await _poll_kv(b.kv_peer, rec.request_id)
-        remote = bool(kv.get("do_remote_prefill"))
-        await self._compute(rec, prompt, b.receive_token_delay if remote else b.compute_token_delay)
+        if kv.get("do_remote_prefill"):
+            await self._compute(rec, prompt, b.receive_token_delay)
+        else:
+            await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
         if rec.body.get("stream"):
             await self._stream(rec, send, b, prompt)
             return

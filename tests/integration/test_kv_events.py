@@ -123,6 +123,20 @@ async def test_a_gap_no_replay_can_fill_leaves_the_engine_unknown_until_its_cach
         assert index.known and index.blocks == 0
 
 
+async def test_an_unknown_engine_is_known_again_once_its_replay_answers() -> None:
+    async with engine() as (pub, cache), follow(pub, verify=0.1) as (kv, index):
+        await eventually(lambda: index.known)
+        pub.replay_enabled = False
+        pub.lose = 1
+        publish(pub, cache, PROMPTS[0])
+        publish(pub, cache, PROMPTS[1])
+        await caught_up(kv, pub)
+        assert not index.known
+        pub.replay_enabled = True  # its buffer still starts at 0: the whole history
+        await eventually(lambda: index.known)
+        assert held(index, PROMPTS[0]) == 4 and held(index, PROMPTS[1]) == 4
+
+
 async def test_a_history_longer_than_the_replay_buffer_stays_unknown() -> None:
     async with engine(buffer_steps=2) as (pub, cache):
         for p in PROMPTS[:4]:
