@@ -13,9 +13,12 @@ several sizes measures, ``--repeats`` times each, side by side:
   checked equal to the engine's;
 * ``router lookup``: the router's own work once it has the ids: the prompt's block keys
   (router/kvindex/blocks.py) and the longest match against 16 engines' indexes that each hold
-  the prompt's first half (router/kvindex/route.py).
+  the prompt's first half (router/kvindex/route.py), with 16-token blocks (vLLM's default on
+  GPUs; 128 on CPU means 8 times fewer keys).
 
-Prints the median and p99 in milliseconds. The engine shares the machine's cores with this
+Prints the median and p99 in milliseconds, then what following the engines costs the router:
+microseconds of its event loop per block stored (decoding a vLLM 0.32 payload and indexing its
+blocks). The engine shares the machine's cores with this
 process: on a loaded machine the HTTP call pays for the engine's API server being descheduled.
 """
 
@@ -31,13 +34,14 @@ import httpx
 
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
+from router.kvindex.blocks import pack
 from router.kvindex.engine import EngineIndex
 from router.kvindex.route import CacheRoute
-from router.kvindex.wire import Batch, Stored
+from router.kvindex.wire import Batch, Stored, decode_batch
 from router.stack import Stack
 
 WORDS = ("route", "engine", "prompt", "cache", "token", "block", "reply", "turn")
-BLOCK = 128  # vLLM's KV block on CPU
+BLOCK = 16  # vLLM's default KV block on GPUs
 ENGINES = 16
 
 
@@ -69,7 +73,7 @@ def _indexes(tokens: list[int]) -> dict[str, EngineIndex]:
         index = EngineIndex(1_000_000)
         index.known = True
         hashes = tuple(range(len(half) // BLOCK))
-        index.apply(Batch(0.0, (Stored(hashes, None, tuple(half), BLOCK, "GPU", True),), 0))
+        index.apply(Batch(0.0, (Stored(hashes, None, pack(half), BLOCK, "GPU", True),), 0))
         out[f"http://e{i}"] = index
     return out
 
@@ -82,6 +86,31 @@ def _lookup(tokens: list[int], views: dict[str, EngineIndex]) -> Callable[[], An
         return route(Role.DECODE, engines)
 
     return run
+
+
+def _apply_cost(batches: int = 2000, blocks: int = 8) -> float:
+    """Microseconds per block to decode and index vLLM payloads of ``blocks`` blocks each."""
+    import msgspec
+
+    index = EngineIndex(10_000_000)
+    payloads = []
+    for b in range(batches):
+        tokens = list(range(b * blocks * BLOCK, (b + 1) * blocks * BLOCK))
+        event = {
+            "type": "BlockStored",
+            "block_hashes": list(range(b * blocks, (b + 1) * blocks)),
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": BLOCK,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        payloads.append(msgspec.msgpack.encode([time.time(), [event], 0]))
+    t0 = time.perf_counter()
+    for payload in payloads:
+        index.apply(decode_batch(payload))
+    return (time.perf_counter() - t0) / (batches * blocks) * 1e6
 
 
 def main() -> None:
@@ -118,11 +147,14 @@ def main() -> None:
                 k_med, k_p99, _ = _timed(_lookup(ids, _indexes(ids)), args.repeats)
                 rows.append((len(ids), r_med, r_p99, l_med, l_p99, k_med, k_p99, local_ids == ids))
     print(f"\nmodel {args.variant}, {args.repeats} requests per size, milliseconds (median / p99)")
-    print("| prompt tokens | engine /tokenize | local tokenizer | router lookup (16 engines) "
-          "| local ids = engine ids |")  # fmt: skip
+    print(
+        "| prompt tokens | engine /tokenize | local tokenizer | router lookup (16 engines) "
+        "| local ids = engine ids |"
+    )
     print("|---|---|---|---|---|")
     for n, rm, rp, lm, lp, km, kp, same in rows:
         print(f"| {n} | {rm:.2f} / {rp:.2f} | {lm:.2f} / {lp:.2f} | {km:.3f} / {kp:.3f} | {same} |")
+    print(f"\nindexing vLLM events: {_apply_cost():.1f} us per {BLOCK}-token block stored")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,10 @@ class EngineIndex:
                 self.clear()
                 self.known = True  # empty now, and every later event will be applied
 
+    def holds(self, key: int) -> bool:
+        """Whether the engine holds the block with the router's key ``key``."""
+        return key in self._held
+
     def matched(self, keys: Sequence[int]) -> int:
         """How many of ``keys`` (a prompt's block keys, in order) the engine holds from the
         first on: the prefix its cache would match."""

@@ -35,7 +35,7 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.engines.instance import Instance, Role, candidates
-from router.kvindex.blocks import ROOT, block_key, prefix_keys
+from router.kvindex.blocks import ROOT, TOKEN_BYTES, block_key, pack
 from router.kvindex.engine import EngineIndex
 from router.kvindex.index import KvIndex
 from router.kvindex.tokens import tokenize_query
@@ -74,6 +74,7 @@ class CacheRoute:
         load_cost: int,
     ) -> None:
         self.tokens = tokens
+        self._packed = memoryview(pack(tokens))
         self._tie = tie
         self._view = view
         self._load = load
@@ -106,15 +107,23 @@ class CacheRoute:
         return chosen[0]
 
     def cached_tokens(self, index: EngineIndex) -> int:
-        """Prompt tokens ``index``'s engine would find in its prefix cache (module doc)."""
+        """Prompt tokens ``index``'s engine would find in its prefix cache (module doc).
+        The prompt's block keys are made as far as some engine matches, no further."""
         size = index.block_size
         if size is None:
             return 0
-        keys = self._keys.get(size)
-        if keys is None:
-            keys = self._keys[size] = prefix_keys(self.tokens, size)
-        blocks = min(index.matched(keys), (len(self.tokens) - 1) // size)
-        return max(0, blocks) * size
+        keys = self._keys.setdefault(size, [])
+        step = size * TOKEN_BYTES
+        limit = (len(self.tokens) - 1) // size
+        found = 0
+        while found < limit:
+            if found == len(keys):
+                parent = keys[-1] if keys else ROOT
+                keys.append(block_key(parent, self._packed[found * step : (found + 1) * step]))
+            if not index.holds(keys[found]):
+                break
+            found += 1
+        return found * size
 
     def holder(self, instances: Sequence[Instance], min_tokens: int) -> Instance | None:
         """The engine among ``instances`` whose known index predicts the most cached prompt
@@ -151,7 +160,7 @@ class CacheScorer:
         tokens = await self._tokens(pool, creq, events.tokenize_timeout)
         if not tokens:
             return None
-        tie = creq.session or str(block_key(ROOT, tokens[:_TIE_TOKENS]))
+        tie = creq.session or str(block_key(ROOT, pack(tokens[:_TIE_TOKENS])))
         factor = pool.config.sessions.load_factor
         return CacheRoute(tokens, tie, self.index.view, self._load, factor, events.load_cost_tokens)
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import msgspec
 
+from router.kvindex.blocks import TOKEN_BYTES, pack
+
 __all__ = [
     "END_SEQ",
     "Batch",
@@ -75,7 +77,7 @@ class Stored:
 
     hashes: tuple[BlockHash, ...]
     parent: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: bytes  # packed (router/kvindex/blocks.py)
     block_size: int
     medium: str | None
     plain: bool
@@ -178,8 +180,12 @@ def _stored(f: dict[str, Any]) -> Stored:
     if parent is not None and not _is_hash(parent):
         raise EventError("parent_block_hash must be an integer, bytes or nil")
     tokens = f.get("token_ids")
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if not isinstance(tokens, list):
         raise EventError("token_ids must be a list of integers")
+    try:
+        packed = pack(tokens)  # in C: what is not a 64-bit integer raises
+    except (TypeError, OverflowError):
+        raise EventError("token_ids must be a list of integers") from None
     size = f.get("block_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise EventError("block_size must be a positive integer")
@@ -189,9 +195,9 @@ def _stored(f: dict[str, Any]) -> Stored:
         and f.get("lora_name") is None
         and _group(f) in (None, 0)
         and (extra is None or all(e is None for e in _seq(extra)))
-        and len(tokens) == size * len(hashes)
+        and len(packed) == size * len(hashes) * TOKEN_BYTES
     )
-    return Stored(hashes, parent, tuple(tokens), size, _medium(f), plain)
+    return Stored(hashes, parent, packed, size, _medium(f), plain)
 
 
 def _hashes(value: Any) -> tuple[BlockHash, ...]:

@@ -9,7 +9,7 @@ import pytest
 from router.config import parse_config
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
-from router.kvindex.blocks import prefix_keys
+from router.kvindex.blocks import pack, prefix_keys
 from router.kvindex.engine import EngineIndex
 from router.kvindex.index import sources
 from router.kvindex.route import CacheRoute, Result
@@ -32,7 +32,7 @@ def from_fake(events: Sequence[object]) -> Batch:
     for e in events:
         if isinstance(e, FakeStored):
             out.append(
-                Stored(tuple(e.hashes), e.parent, tuple(e.token_ids), e.block_size, "GPU", True)
+                Stored(tuple(e.hashes), e.parent, pack(e.token_ids), e.block_size, "GPU", True)
             )
         elif isinstance(e, FakeRemoved):
             out.append(Removed(tuple(e.hashes), "GPU", True))
@@ -70,7 +70,7 @@ def test_a_block_stored_twice_stays_until_removed_twice() -> None:
     """Two requests computing one block in the same step: two stores, two removals."""
     index, cache = indexed(PROMPT[:8])
     h = cache.hashes(PROMPT[:8])
-    index.apply(batch(Stored((h[0], h[1]), None, tuple(PROMPT[:8]), BS, "GPU", True)))
+    index.apply(batch(Stored((h[0], h[1]), None, pack(PROMPT[:8]), BS, "GPU", True)))
     index.apply(batch(Removed((h[1],), "GPU", True)))
     assert index.matched(prefix_keys(PROMPT[:8], BS)) == 2
     index.apply(batch(Removed((h[1],), "GPU", True)))
@@ -79,8 +79,8 @@ def test_a_block_stored_twice_stays_until_removed_twice() -> None:
 
 def test_an_unknown_parent_and_blocks_not_keyed_by_tokens_alone_are_not_indexed() -> None:
     index = EngineIndex(100)
-    index.apply(batch(Stored((7,), 999, tuple(PROMPT[4:8]), BS, "GPU", True)))
-    index.apply(batch(Stored((8,), None, tuple(PROMPT[:4]), BS, "GPU", False)))
+    index.apply(batch(Stored((7,), 999, pack(PROMPT[4:8]), BS, "GPU", True)))
+    index.apply(batch(Stored((8,), None, pack(PROMPT[:4]), BS, "GPU", False)))
     assert index.blocks == 0 and index.stats.unkeyed == 2
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from router.kvindex.blocks import pack
 from router.kvindex.wire import (
     Cleared,
     EventError,
@@ -43,8 +44,8 @@ EVENTS: list[fake.Event] = [
     fake.Cleared(),
 ]
 DECODED = (
-    Stored((11, 12), None, tuple(range(8)), 4, "GPU", True),
-    Stored((U64,), 12, (8, 9, 10, 11), 4, "GPU", True),
+    Stored((11, 12), None, pack(range(8)), 4, "GPU", True),
+    Stored((U64,), 12, pack([8, 9, 10, 11]), 4, "GPU", True),
     Removed((11,), "GPU", True),
     Cleared(),
 )
@@ -89,7 +90,7 @@ def test_a_batch_without_rank_and_with_bytes_hashes_and_a_new_event_kind() -> No
     ]
     batch = decode_batch(msgspec.msgpack.encode(doc))
     assert batch.rank is None and batch.unknown == ("BlockReused",)
-    assert batch.events == (Stored((b"\x01" * 32,), None, (1, 2), 2, None, True),)
+    assert batch.events == (Stored((b"\x01" * 32,), None, pack([1, 2]), 2, None, True),)
 
 
 @pytest.mark.parametrize(
