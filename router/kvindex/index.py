@@ -11,7 +11,8 @@ over), and stops those of engines that left. Every router replica (and every wor
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from router.kvindex.stream import Source, Stream
 from router.registry import ModelPool, Registry
 
 __all__ = ["KvIndex", "sources"]
+
+log = logging.getLogger("pd_router.kv_events")
 
 
 def _host(url: AnyHttpUrl) -> str:
@@ -111,7 +114,7 @@ class KvIndex:
             self._ctx.setsockopt(zmq.IPV6, 1)
         stream = Stream(url, source, EngineIndex(source.max_blocks), self._ctx)
         task = asyncio.get_running_loop().create_task(stream.run(), name=f"kv-events {url}")
-        task.add_done_callback(_retrieve)
+        task.add_done_callback(functools.partial(_ended, stream))
         self._followed[url] = _Followed(stream, task)
 
 
@@ -122,6 +125,12 @@ def _wanted(pools: Iterable[ModelPool]) -> dict[str, Source]:
     return wanted
 
 
-def _retrieve(task: asyncio.Task[None]) -> None:
-    with contextlib.suppress(asyncio.CancelledError):
-        task.exception()
+def _ended(stream: Stream, task: asyncio.Task[None]) -> None:
+    """A stream ends only when cancelled; one that failed no longer follows its engine, whose
+    index is then unknown, never stale."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        stream.index.known = False
+        log.error("event=kv_events_stopped instance=%s", stream.url, exc_info=exc)

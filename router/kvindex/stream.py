@@ -51,6 +51,7 @@ __all__ = ["Source", "Stream"]
 log = logging.getLogger("pd_router.kv_events")
 
 _RECENT = 1024  # digests of the last batches applied: duplicates from a replay are skipped
+_QUEUED = 10_000  # batches the SUB socket may hold before the router reads them
 _ERROR_PAUSE_S = 1.0
 
 
@@ -102,7 +103,8 @@ class Stream:
         sub = self._ctx.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 0)  # never drop: a dropped batch costs a replay
+            # Bounded: past this many queued batches ZMQ drops, and the gap costs a replay.
+            sub.setsockopt(zmq.RCVHWM, _QUEUED)
             sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
             sub.connect(self.source.endpoint)
             await self._catch_up(gap=False)

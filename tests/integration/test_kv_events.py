@@ -12,7 +12,7 @@ import pytest
 from router.kvindex.blocks import prefix_keys
 from router.kvindex.engine import EngineIndex
 from router.kvindex.index import KvIndex
-from router.kvindex.stream import Source
+from router.kvindex.stream import Source, Stream
 from tests.conftest import eventually
 from tests.fakes.kv_events import Encoding, PrefixCache, Publisher
 
@@ -182,3 +182,19 @@ async def test_without_a_replay_endpoint_an_engine_is_known_only_from_its_first_
             publish(pub, cache, PROMPTS[2])
             await caught_up(kv, pub)
             assert not index.known and held(index, PROMPTS[2]) == 4
+
+
+async def test_a_stream_that_fails_leaves_its_engine_unknown_not_stale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with engine() as (pub, cache), follow(pub) as (kv, index):
+        publish(pub, cache, PROMPTS[0])
+        await caught_up(kv, pub)
+        assert index.known
+
+        async def broken(self: object, frames: list[bytes]) -> None:
+            raise RuntimeError("a bug while applying a batch")
+
+        monkeypatch.setattr(Stream, "_on_message", broken)
+        publish(pub, cache, PROMPTS[1])
+        await eventually(lambda: not index.known)
