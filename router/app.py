@@ -506,8 +506,7 @@ def create_app(
         if ctx.load is not None:
             ctx.load.initial_caps()
             tasks.append(asyncio.create_task(ctx.load.run()))
-        if ctx.engine_loads is not None:
-            await ctx.engine_loads.read_all(ctx.registry.instances())
+        if ctx.engine_loads is not None:  # reads at once, then every load_interval
             tasks.append(asyncio.create_task(ctx.engine_loads.run(ctx.registry.instances)))
         ctx.kv_index.follow(ctx.registry)
         if any(m.discovery for m in config.models):
