@@ -67,6 +67,7 @@ class Sample:
     rss_idle_mb: float = float("nan")
     rss_peak_mb: float = float("nan")
     cpu_ms_per_req: float = float("nan")
+    requests_total: float = float("nan")  # warm-up included: what the CPU (and cProfile) saw
 
 
 @dataclass
@@ -227,9 +228,10 @@ def _otlp_sink(port: int) -> str:
 
 def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
-    suffix (tracing on, exported to a sink in this process) or ``+logged`` (access log on,
-    into the target's log file) is not part of the mode."""
-    spec = spec.removesuffix("+traced").removesuffix("+logged")
+    suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
+    into the target's log file) or ``+httpx`` (engine calls through httpx instead of the
+    router's HTTP/1.1 client: ``bench/httpx_router.py``) is not part of the mode."""
+    spec = spec.removesuffix("+traced").removesuffix("+logged").removesuffix("+httpx")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
 
@@ -255,6 +257,8 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             logged = name.endswith("+logged")
             cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp, logged))
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
+            if spec.endswith("+httpx"):
+                argv = [sys.executable, str(HERE / "httpx_router.py"), "--config", str(cfg)]
             if workers > 1:
                 argv += ["--workers", str(workers)]
             out.append(Target(name, argv, port, "/ready", cwd))
@@ -304,11 +308,26 @@ def _profiler(
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _cprofiled(args: argparse.Namespace, target: Target, conc: int) -> list[str] | None:
+    """The target's command under ``bench/cprofile_run.py`` (``--cprofile DIR``): one pstats
+    file per target, concurrency and round, for ``bench/call_diff.py``."""
+    if args.cprofile is None or target.argv is None or target.name == "vllm-router":
+        return target.argv
+    out = Path(args.cprofile).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"{target.name}-c{conc}-*.prof")))
+    path = out / f"{target.name}-c{conc}-{n}.prof"
+    return [sys.executable, str(HERE / "cprofile_run.py"), str(path), *target.argv[1:]]
+
+
 def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) -> Sample:
     proc = None
-    if target.argv is not None:
-        proc = _spawn(target.argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
+    argv = _cprofiled(args, target, conc)
+    if argv is not None:
+        proc = _spawn(argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
         _wait_http(target.port, target.ready_path, proc, 60)
+        if argv is not target.argv:
+            proc.send_signal(signal.SIGUSR1)  # start-up left out of the profile
         time.sleep(0.3)
     sampler = RssSampler(proc.pid) if proc else None
     idle = _rss_mb(proc.pid) if proc else float("nan")
@@ -350,7 +369,7 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
     result = orjson.loads(done.stdout.splitlines()[-1])
     total_reqs = result["requests"] * (duration + args.warmup) / duration
     cpu_ms = 1e3 * (cpu1 - cpu0) / total_reqs if total_reqs else float("nan")
-    return Sample(result, idle, peak, cpu_ms)
+    return Sample(result, idle, peak, cpu_ms, total_reqs)
 
 
 # -- report ------------------------------------------------------------------
@@ -445,6 +464,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the raw samples here")
     p.add_argument("--profile", help="py-spy every router run into this folder (raw stacks)")
     p.add_argument("--profile-rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument(
+        "--cprofile", help="cProfile every router run (not -wN) into this folder (call_diff.py)"
+    )
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     args.targets = args.targets.split(",")

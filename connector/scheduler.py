@@ -140,7 +140,6 @@ class SchedulerSide:
         self._recv_started: set[str] = set()  # D: registration planned (or nothing to receive)
         self._recv_waiting: set[str] = set()  # D: worker owns a receive not yet reported
         self._awaiting_send: set[str] = set()  # P: blocks held until finished_sending
-        self._kept: set[str] = set()  # D: finished turns kept, until finished_sending
         self._pulls: dict[str, tuple[str, NixlAddress]] = {}  # P: kept tid and D, until received
         self._lookups = Lookups(block_size, reuse_timeout_s, clock)
         self._step = StepMeta()
@@ -269,7 +268,6 @@ class SchedulerSide:
     ) -> None:
         """Forget transfers the workers reported done (vLLM frees their blocks itself)."""
         self._awaiting_send -= finished_sending
-        self._kept -= finished_sending
         self._recv_waiting -= finished_recving
         for req_id in finished_recving:
             self._pulls.pop(req_id, None)
@@ -296,7 +294,6 @@ class SchedulerSide:
         if spec is None:
             return False
         self._step.keeps.append(spec)
-        self._kept.add(request.request_id)
         return True
 
     def _plan_sends(self, so: Any) -> list[SendSpec]:

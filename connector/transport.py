@@ -1,6 +1,6 @@
 """The NIXL seam: a narrow ``NixlAgent`` Protocol and the real adapter over the ``nixl`` package.
 
-The worker only ever talks to a ``NixlAgent``; tests inject ``tests/connector/fake_nixl.py``.
+The worker only ever talks to a ``NixlAgent``; tests inject ``tests/fakes/fake_nixl.py``.
 ``nixl`` is imported lazily, inside ``RealNixlAgent.__init__``, so the scheduler process and the
 unit tests never load it.
 

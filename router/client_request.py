@@ -293,8 +293,11 @@ _MODELS: dict[Endpoint, type[_Common]] = {
 }
 
 
-def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
-    """Validate ``raw``; raises :class:`InvalidRequest` (HTTP 400) with the field's path."""
+def parse_client_request(
+    raw: bytes, endpoint: Endpoint, client_key: str = "anonymous"
+) -> ClientRequest:
+    """Validate ``raw`` (sent with the API key named ``client_key``); raises
+    :class:`InvalidRequest` (HTTP 400) with the field's path."""
     body = parse_json_object(raw)
     max_output: int | None
     try:
@@ -332,6 +335,7 @@ def parse_client_request(raw: bytes, endpoint: Endpoint) -> ClientRequest:
         prompt_is_tokens=is_tokens,
         max_output=max_output,
         max_output_field=field,
+        client_key=client_key,
     )
 
 

@@ -8,21 +8,14 @@ ratios within [0, 1]), and fields that only make sense together are checked toge
 message naming both (``retries.backoff_max: must be at least backoff_initial (0.5), got
 0.1``).
 Secrets (API keys) are resolved here, once, and kept as ``SecretStr`` so they
-never end up in logs or reprs.
-
-Any string value may name environment variables, read once when the file is
-loaded: ``${NAME}`` (required: unset or empty is an error) and ``${NAME:-default}``
-(``default`` when unset or empty, as in the shell); ``$${`` is a literal ``${``.
-Every variable that is missing is reported, each with its path in the file
-(``auth.api_keys.0: environment variable PDR_API_KEY is not set``), together with
-the file's other mistakes. A value is substituted as text, never parsed as YAML.
+never end up in logs or reprs. ``${VAR}`` references in the file are expanded before
+validation (:mod:`router.config_env`), their problems reported with the file's others.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -39,6 +32,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from router.config_env import ConfigPath, env_problem, expand_env, require_env
 
 __all__ = [
     "AdmissionConfig",
@@ -215,8 +210,9 @@ class SessionConfig(_Strict):
 
 
 class KvReturnConfig(_Strict):
-    """KV that flows back (router/pd/kv_return.py): D keeps a finished turn's blocks and the
-    conversation's next P reads them instead of recomputing the history. In pull mode with
+    """KV that flows back (router/pd/kv_return.py, its table router/engines/kv_return.py): D
+    keeps a finished turn's blocks and the conversation's next P reads them instead of
+    recomputing the history. In pull mode with
     vLLM's ``bidirectional_kv_xfer`` (both engines must run with it; vLLM's D then holds
     every finished request's blocks until a P reads them or its ``decoder_kv_blocks_ttl``
     ends, which costs D capacity); in pipelined mode with this project's connector, which
@@ -517,7 +513,7 @@ class AuthConfig(_Strict):
     @classmethod
     def _env_is_set(cls, name: str | None) -> str | None:
         # A field validator, so that each missing variable is reported at its own path.
-        problem = _env_problem(name) if name else None
+        problem = env_problem(name) if name else None
         if problem:
             raise ValueError(problem)
         return name
@@ -526,11 +522,11 @@ class AuthConfig(_Strict):
     def _resolve_env(self) -> AuthConfig:
         keys = list(self.api_keys)
         if self.api_keys_env:
-            raw = _require_env(self.api_keys_env)
+            raw = require_env(self.api_keys_env)
             keys += [SecretStr(k.strip()) for k in raw.split(",") if k.strip()]
         upstream = self.upstream_api_key
         if self.upstream_api_key_env:
-            upstream = SecretStr(_require_env(self.upstream_api_key_env))
+            upstream = SecretStr(require_env(self.upstream_api_key_env))
         object.__setattr__(self, "api_keys", keys)
         object.__setattr__(self, "upstream_api_key", upstream)
         values = [k.key.get_secret_value() for k in self.named_keys()]
@@ -581,76 +577,7 @@ class ConnectionsConfig(_Strict):
     max_headers: int = Field(default=100, ge=8, le=10_000)
 
 
-def _env_problem(name: str) -> str | None:
-    """Why the environment variable ``name`` cannot be used, or None if it can."""
-    value = os.environ.get(name)
-    if value is None:
-        return f"environment variable {name} is not set"
-    if not value:
-        return f"environment variable {name} is empty"
-    return None
-
-
-def _require_env(name: str) -> str:
-    problem = _env_problem(name)
-    if problem:
-        raise ValueError(problem)
-    return os.environ[name]
-
-
-# ``$${`` (a literal ``${``), ``${NAME}``, ``${NAME:-default}``, or any other ``${``
-# (a mistake: reported rather than kept as text). The default is literal text up to
-# the first ``}``.
-_ENV_REF = re.compile(
-    r"(?P<escape>\$\$\{)"
-    r"|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<has_default>:-(?P<default>[^}]*))?\}"
-    r"|(?P<bad>\$\{[^}]*\}?)"
-)
-
-_Path = tuple[object, ...]
-
-
-def _expand_env(data: Any, path: _Path, missing: list[tuple[_Path, str]]) -> Any:
-    """``data`` with ``${...}`` in its strings substituted; adds problems to ``missing``.
-
-    An unusable variable is replaced by an empty string, so that the rest of the
-    document can still be validated.
-    """
-    if isinstance(data, dict):
-        return {k: _expand_env(v, (*path, k), missing) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_expand_env(v, (*path, i), missing) for i, v in enumerate(data)]
-    if not isinstance(data, str) or "${" not in data:
-        return data
-
-    def substitute(m: re.Match[str]) -> str:
-        if m["escape"]:
-            return "${"
-        if m["bad"]:
-            # Not echoed under auth: the text may be part of an inline key.
-            shown = "" if path[:1] == ("auth",) else f" {m['bad']!r}"
-            missing.append(
-                (
-                    path,
-                    f"malformed environment reference{shown} "
-                    "(write ${NAME} or ${NAME:-default}; $${ for a literal ${)",
-                )
-            )
-            return ""
-        name: str = m["name"]
-        value = os.environ.get(name)
-        if value:
-            return value
-        if m["has_default"]:
-            default: str = m["default"]
-            return default
-        missing.append((path, _env_problem(name) or f"environment variable {name} is not set"))
-        return ""
-
-    return _ENV_REF.sub(substitute, data)
-
-
-def _format_path(loc: _Path) -> str:
+def _format_path(loc: ConfigPath) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
@@ -757,8 +684,8 @@ def parse_config(data: Any, source: str = "<config>") -> RouterConfig:
     """Validate an already-parsed YAML/JSON document, ``${VAR}`` references included."""
     if not isinstance(data, dict):
         raise ConfigError(source, ["  (top level): expected a mapping"])
-    missing: list[tuple[_Path, str]] = []
-    data = _expand_env(data, (), missing)
+    missing: list[tuple[ConfigPath, str]] = []
+    data = expand_env(data, (), missing)
     env_problems = [f"  {_format_path(path)}: {msg}" for path, msg in missing]
     try:
         cfg = RouterConfig.model_validate(data)

@@ -20,7 +20,7 @@ uvicorn's own protocol adds, per connection (``connections`` in the config):
   transport ever pauses.
 
 The body's deadline (``body_timeout``) is the app's where it reads the body
-(``router/app.py``: a 408 before any slot is reserved); here it ends a connection whose
+(``router/intake.py``: a 408 before any slot is reserved); here it ends a connection whose
 answer is already sent while its body still trickles in (a 401, a 404: nobody reads it, and
 every byte would otherwise keep the connection alive). Each event is a metric
 (:class:`ClientEvents`) and a log line, at most one per second per kind with the count of
@@ -127,6 +127,11 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             self._body_timer: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
             self._in_head = True  # bytes now received belong to a request's head
+            # A request's head begun / its body still to come: the head or body timer is
+            # armed once the bytes at hand are parsed, and only if the head or body is
+            # still incomplete then (most requests arrive whole in one read: no timer).
+            self._head_begun = False
+            self._body_due = False
             self._head_bytes = 0
             self._header_count = 0
             self._shut = False  # refused or cut: the parser's callbacks do nothing more
@@ -164,14 +169,19 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
                     self._refuse_head("size", config.max_header_bytes)
                     return
             super().data_received(data)
+            if self._shut:
+                return
+            if self._head_begun and self._head_timer is None:
+                self._arm_head()  # a later request on a kept-alive connection, head in parts
+            if self._body_due and self._body_timer is None:
+                self._body_timer = self.loop.call_later(config.body_timeout, self._body_late)
 
         # -- the parser's callbacks ----------------------------------------------------
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._header_count = 0
-            if self._head_timer is None:
-                self._arm_head()  # a later request on a kept-alive connection
+            self._head_begun = True
 
         def on_url(self, url: bytes) -> None:
             if not self._shut:
@@ -189,9 +199,9 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
         def on_headers_complete(self) -> None:
             if self._shut:
                 return
-            self._in_head = False
+            self._in_head = self._head_begun = False
             self._cancel(head=True)
-            self._body_timer = self.loop.call_later(config.body_timeout, self._body_late)
+            self._body_due = True
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
@@ -201,6 +211,7 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
         def on_message_complete(self) -> None:
             if self._shut:
                 return
+            self._body_due = False
             self._cancel(body=True)
             super().on_message_complete()
             self._in_head, self._head_bytes = True, 0

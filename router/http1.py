@@ -1,20 +1,23 @@
 """The HTTP/1.1 client for engine calls: an asyncio protocol, httptools, a keep-alive pool.
 
-Why not httpx's transport or aiohttp: at 256 streams the engine-call path through
-httpx + aiohttp profiled as ~38% of the router's CPU (request/response object
-layers, header multidicts, three async-iterator layers per chunk). Engine calls
-use a sliver of HTTP: a POST of a JSON body with headers the router builds
-itself, a GET of ``/health`` or ``/metrics``, a response read whole or chunk by
-chunk. This module does exactly that; httptools (the parser uvicorn uses) parses.
+Why not httpx: its default transport (httpcore on anyio) costs the router several times
+its CPU per request on the router benchmark (``bench/router_bench.py --targets
+pull,pull+httpx``; figures in docs/benchmarks.md): request/response object layers, a
+connection pool scanned on every request and release, async-iterator layers per chunk.
+Engine calls use a sliver of HTTP: a POST of a JSON body with headers the router builds
+itself, a GET of ``/health`` or ``/metrics``, a response read whole or chunk by chunk.
+This module does exactly that; httptools (the parser uvicorn uses) parses.
 
 Contract:
 
 * :meth:`Http1Pool.request` returns an :class:`Http1Response` once the status
   line and headers are in; its body is then read with ``async for`` or
   :meth:`Http1Response.read_all`.
-* Failures are raised as httpx's exception types (``ConnectError``,
-  ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``RemoteProtocolError``),
-  the vocabulary :func:`router.upstream.map_errors` translates for the router.
+* Failures are this module's :class:`Http1Error` classes (``ConnectError``,
+  ``ConnectTimeout``, ``ReadTimeout``, ``ReadError``, ``RemoteProtocolError``, named as
+  httpx names them), each raised as what the caller's ``errors`` function makes of it
+  (:mod:`router.upstream` gives one that turns them into the router's errors; without
+  one they are raised as they are). The raised error's ``__cause__`` is the original.
 * ``read_timeout`` bounds every wait for bytes (headers, then each body read).
 * Closing a response before its end closes the connection: that is how vLLM
   learns to abort the request. A response read to its end gives its keep-alive
@@ -38,9 +41,70 @@ from typing import Final, NamedTuple, NoReturn, cast
 from urllib.parse import urlsplit
 
 import httptools
-import httpx
 
-__all__ = ["Http1Pool", "Http1Response", "Origin", "split_url"]
+__all__ = [
+    "ConnectError",
+    "ConnectTimeout",
+    "Errors",
+    "Http1Error",
+    "Http1Pool",
+    "Http1Response",
+    "Http1Timeout",
+    "Origin",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "split_url",
+]
+
+
+class Http1Error(Exception):
+    """An engine call that failed in transport (never an HTTP status: that is an answer)."""
+
+
+class Http1Timeout(Http1Error):
+    """No connection, or no bytes, within the time allowed."""
+
+
+class ConnectError(Http1Error):
+    """No connection could be made: nothing listens there, or it refused."""
+
+
+class ConnectTimeout(Http1Timeout):
+    pass
+
+
+class ReadTimeout(Http1Timeout):
+    pass
+
+
+class ReadError(Http1Error):
+    """The connection broke (or was closed by this side) before the response's end."""
+
+
+class RemoteProtocolError(Http1Error):
+    """The engine closed the connection early or sent what is not HTTP/1.1."""
+
+
+# What a caller makes of a failure: the exception raised in its place.
+Errors = Callable[[Http1Error], BaseException]
+
+
+def _as_is(error: Http1Error) -> BaseException:
+    return error
+
+
+def _raise(errors: Errors, error: Http1Error) -> NoReturn:
+    """Raise what ``errors`` makes of ``error``, caused by it (unless it is ``error``: an
+    error that is its own cause is a cycle only the collector frees)."""
+    raised = errors(error)
+    try:
+        if raised is error:
+            raise error
+        raise raised from error
+    finally:
+        del raised, error  # this frame is in the traceback: no locals that hold it
+
 
 # Unread body bytes above this pause reading from the socket (back-pressure to the engine).
 _HIGH_WATER: Final = 256 * 1024
@@ -89,6 +153,7 @@ class Http1Response:
         "_conn",
         "_deadline",
         "_error",
+        "_errors",
         "_headers_in",
         "_keep_alive",
         "_loop",
@@ -101,7 +166,11 @@ class Http1Response:
     )
 
     def __init__(
-        self, conn: _Conn, loop: asyncio.AbstractEventLoop, read_timeout: float | None
+        self,
+        conn: _Conn,
+        loop: asyncio.AbstractEventLoop,
+        read_timeout: float | None,
+        errors: Errors = _as_is,
     ) -> None:
         self.status = 0
         self.content_type = "application/json"
@@ -112,7 +181,8 @@ class Http1Response:
         self._buffered = 0
         self._headers_in = False
         self._complete = False
-        self._error: Exception | None = None
+        self._error: Http1Error | None = None
+        self._errors = errors
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -147,16 +217,14 @@ class Http1Response:
             return
         if self._error is None:
             if exc is None:
-                self._error = httpx.RemoteProtocolError("the engine closed the connection")
+                self._error = RemoteProtocolError("the engine closed the connection")
             else:
-                self._error = httpx.ReadError(f"{type(exc).__name__}: {exc}")
+                self._error = ReadError(f"{type(exc).__name__}: {exc}")
         self._wake()
 
     def _on_malformed(self, message: str) -> None:
         if self._error is None:
-            self._error = httpx.RemoteProtocolError(
-                f"malformed response from the engine: {message}"
-            )
+            self._error = RemoteProtocolError(f"malformed response from the engine: {message}")
         self._wake()
 
     def _wake(self) -> None:
@@ -189,17 +257,23 @@ class Http1Response:
             self._timer = self._loop.call_at(self._deadline, self._on_timer)
             return
         if self._error is None:
-            self._error = httpx.ReadTimeout(f"no bytes from the engine for {self._read_timeout:g}s")
+            self._error = ReadTimeout(f"no bytes from the engine for {self._read_timeout:g}s")
         waiter.set_result(None)
 
+    @property
+    def failure(self) -> Http1Error | None:
+        """The transport failure that ended this response, as this module raised it."""
+        return self._error
+
     def _raise_error(self) -> NoReturn:
-        """Raise a fresh copy of the stored error. Raised itself, it would carry the caller's
-        frames in its traceback while this response holds it: a cycle that reference counting
-        cannot free, keeping the response, its connection and those frames for the collector.
+        """Raise what ``errors`` makes of a fresh copy of the stored error. Raised itself,
+        it would carry the caller's frames in its traceback while this response holds it: a
+        cycle that reference counting cannot free, keeping the response, its connection and
+        those frames for the collector.
         """
         error = self._error
         assert error is not None
-        raise type(error)(*error.args)
+        _raise(self._errors, type(error)(*error.args))
 
     async def wait_headers(self) -> None:
         while not self._headers_in:
@@ -245,9 +319,6 @@ class Http1Response:
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and self._error is None
 
-    async def aclose(self) -> None:
-        self.close()
-
     def close(self) -> None:
         """Give the connection back (response complete) or close it (vLLM aborts); idempotent.
 
@@ -260,7 +331,7 @@ class Http1Response:
                 self._timer.cancel()
                 self._timer = None
             if not self._complete and self._error is None:
-                self._error = httpx.ReadError("the response was closed before its end")
+                self._error = ReadError("the response was closed before its end")
                 self._wake()
             self._conn.release(self)
 
@@ -341,9 +412,11 @@ class _Conn(asyncio.Protocol):
 
     # -- used by the pool and the response ---------------------------------------
 
-    def start(self, head: bytes, body: bytes, read_timeout: float | None) -> Http1Response:
+    def start(
+        self, head: bytes, body: bytes, read_timeout: float | None, errors: Errors
+    ) -> Http1Response:
         assert self.transport is not None
-        response = self._response = Http1Response(self, self._pool.loop, read_timeout)
+        response = self._response = Http1Response(self, self._pool.loop, read_timeout, errors)
         self.got_bytes = False
         self.transport.write(head + body if body else head)
         return response
@@ -403,27 +476,44 @@ class Http1Pool:
         return self._loop
 
     async def request(
-        self, origin: Origin, head: bytes, body: bytes, read_timeout: float | None
+        self,
+        origin: Origin,
+        head: bytes,
+        body: bytes,
+        read_timeout: float | None,
+        errors: Errors = _as_is,
     ) -> Http1Response:
-        """Send one request; return once its response headers are in."""
+        """Send one request; return once its response headers are in. Every failure, then
+        and while the body is read, is raised as ``errors`` makes it (see module doc)."""
         conn = self._checkout(origin)
         if conn is not None:
             try:
-                return await self._send(conn, head, body, read_timeout, reused=True)
+                return await self._send(conn, head, body, read_timeout, errors, reused=True)
             except _StaleConnection:
                 pass
-        conn = await self._connect(origin)
-        return await self._send(conn, head, body, read_timeout, reused=False)
+        try:
+            conn = await self._connect(origin)
+        except Http1Error as exc:
+            _raise(errors, exc)
+        return await self._send(conn, head, body, read_timeout, errors, reused=False)
 
     async def _send(
-        self, conn: _Conn, head: bytes, body: bytes, read_timeout: float | None, *, reused: bool
+        self,
+        conn: _Conn,
+        head: bytes,
+        body: bytes,
+        read_timeout: float | None,
+        errors: Errors,
+        *,
+        reused: bool,
     ) -> Http1Response:
-        response = conn.start(head, body, read_timeout)
+        response = conn.start(head, body, read_timeout, errors)
         try:
             await response.wait_headers()
         except BaseException as exc:
+            failure = response.failure
             response.close()
-            if reused and not conn.got_bytes and isinstance(exc, httpx.RemoteProtocolError):
+            if reused and not conn.got_bytes and isinstance(failure, RemoteProtocolError):
                 raise _StaleConnection from exc
             raise
         return response
@@ -466,11 +556,11 @@ class Http1Pool:
                     ssl=self._ssl_context() if origin.scheme == "https" else None,
                 )
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout(
+            raise ConnectTimeout(
                 f"connecting to {origin.netloc} took over {self._connect_timeout:g}s"
             ) from exc
         except OSError as exc:
-            raise httpx.ConnectError(f"cannot connect to {origin.netloc}: {exc}") from exc
+            raise ConnectError(f"cannot connect to {origin.netloc}: {exc}") from exc
         return conn
 
     def _ssl_context(self) -> ssl.SSLContext:

@@ -18,7 +18,7 @@ breaker and degraded flags take the worst (max) and health the worst (min) view.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,9 +27,9 @@ from prometheus_client.registry import Collector
 
 from router.engines.affinity import Placement
 from router.engines.instance import Role
+from router.engines.kv_return import Reuse
 from router.errors import Outcome
 from router.kvindex.route import Result
-from router.pd.kv_return import Reuse
 
 if TYPE_CHECKING:
     from router.kvindex.stream import Stream
@@ -67,6 +67,44 @@ _LATENCY_BUCKETS = (
 )
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class _CachedLabels:
+    """``labels()`` served from a cache of the children by their label values.
+
+    prometheus_client's own ``labels()`` converts every value with ``str()`` and takes a
+    lock on every call; the request path makes about ten such calls per request. The
+    children are the ones prometheus_client made (the cache only remembers them); label
+    values are the router's strings and string enums, whose hash and equality are those of
+    their text.
+    """
+
+    _children: dict[tuple[object, ...], Any]
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        if not by_name:
+            try:
+                return self._children[values]
+            except AttributeError:
+                self._children = {}
+            except KeyError:
+                pass
+        child = super().labels(*values, **by_name)  # type: ignore[misc]
+        if not by_name:
+            self._children[values] = child
+        return child
+
+
+class _Counter(_CachedLabels, Counter):
+    pass
+
+
+class _Gauge(_CachedLabels, Gauge):
+    pass
+
+
+class _Histogram(_CachedLabels, Histogram):
+    pass
 
 
 class StateCollector(Collector):
@@ -119,7 +157,7 @@ class StateCollector(Collector):
                 in_use.add_metric([pool.name, d.url], d.in_use)
                 degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
             for p in pool.prefill:
-                inflight.add_metric([pool.name, p.url], p.in_flight)
+                inflight.add_metric([pool.name, p.url], p.legs_running)
             for inst in (*pool.prefill, *pool.decode):
                 labels = [pool.name, inst.role.value, inst.url]
                 breaker.add_metric(labels, int(inst.breaker.state))
@@ -234,42 +272,42 @@ class WorkerStateGauges:
 
     def __init__(self, r: CollectorRegistry) -> None:
         mi, mri = ["model", "engine"], ["model", "role", "engine"]
-        self.queue = Gauge(
+        self.queue = _Gauge(
             "pdrouter_queue_depth",
             "Requests waiting for a decode slot",
             ["model"],
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.prefill = Gauge(
+        self.prefill = _Gauge(
             "pdrouter_prefill_in_flight",
             "Prefill legs in flight",
             mi,
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.breaker = Gauge(
+        self.breaker = _Gauge(
             "pdrouter_breaker_state",
             "Circuit breaker state (0 closed, 1 open, 2 half-open), worst worker",
             mri,
             registry=r,
             multiprocess_mode="livemax",
         )
-        self.healthy = Gauge(
+        self.healthy = _Gauge(
             "pdrouter_instance_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown), worst worker",
             mri,
             registry=r,
             multiprocess_mode="livemin",
         )
-        self.degraded = Gauge(
+        self.degraded = _Gauge(
             "pdrouter_instance_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             mi,
             registry=r,
             multiprocess_mode="livemax",
         )
-        self.sessions = Gauge(
+        self.sessions = _Gauge(
             "pdrouter_sessions",
             "Sessions in the affinity tables (each worker has its own)",
             ["model"],
@@ -286,7 +324,7 @@ class WorkerStateGauges:
             for d in pool.decode:
                 self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
             for p in pool.prefill:
-                self.prefill.labels(pool.name, p.url).set(p.in_flight)
+                self.prefill.labels(pool.name, p.url).set(p.legs_running)
             for inst in (*pool.prefill, *pool.decode):
                 labels = (pool.name, inst.role.value, inst.url)
                 self.breaker.labels(*labels).set(int(inst.breaker.state))
@@ -306,10 +344,10 @@ class Metrics:
             # A scrape reads every worker's files, never this process's registry.
             self._scrape = CollectorRegistry()
             MultiProcessCollector(self._scrape)  # type: ignore[no-untyped-call]
-        self.requests = Counter(
+        self.requests = _Counter(
             "pdrouter_requests", "Client requests", ["model", "mode", "outcome"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = _Histogram(
             "pdrouter_ttft_seconds",
             "Client-observed time to first byte",
             ["model", "mode"],
@@ -320,72 +358,72 @@ class Metrics:
         # CPU with --workers (each observation is a locked write to a shared file),
         # and the per-token distribution is the engine's own metric
         # (vllm:inter_token_latency_seconds). The router's share is the worst stall.
-        self.max_chunk_gap = Histogram(
+        self.max_chunk_gap = _Histogram(
             "pdrouter_stream_max_chunk_gap_seconds",
             "Longest client-observed time between two chunks of a stream",
             ["model", "decision"],
             buckets=_ITL_BUCKETS,
             registry=r,
         )
-        self.chunks = Counter(
+        self.chunks = _Counter(
             "pdrouter_streamed_chunks", "Body chunks relayed to clients", ["model"], registry=r
         )
-        self.prefill_duration = Histogram(
+        self.prefill_duration = _Histogram(
             "pdrouter_prefill_duration_seconds",
             "Prefill leg duration",
             ["model", "mode"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.handoff = Histogram(
+        self.handoff = _Histogram(
             "pdrouter_handoff_seconds",
             "Prefill done to first decode byte",
             ["model", "mode"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.retries = Counter("pdrouter_retries", "Dispatch retries", ["model"], registry=r)
-        self.kv_params_missing = Counter(
+        self.retries = _Counter("pdrouter_retries", "Dispatch retries", ["model"], registry=r)
+        self.kv_params_missing = _Counter(
             "pdrouter_kv_params_missing",
             "Prefill responses without kv_transfer_params",
             ["model", "engine"],
             registry=r,
         )
-        self.disconnects = Counter(
+        self.disconnects = _Counter(
             "pdrouter_client_disconnects",
             "Clients gone before their response ended",
             ["model", "phase"],
             registry=r,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = _Counter(
             "pdrouter_upstream_errors", "Upstream failures", ["model", "role", "code"], registry=r
         )
-        self.decisions = Counter(
+        self.decisions = _Counter(
             "pdrouter_disagg_decisions",
             "How requests were dispatched",
             ["model", "decision"],
             registry=r,
         )
-        self.session_routes = Counter(
+        self.session_routes = _Counter(
             "pdrouter_session_routes",
             "Requests with a session key by how affinity placed them (hit, placed, spilled)",
             ["model", "role", "result"],
             registry=r,
         )
-        self.kv_returns = Counter(
+        self.kv_returns = _Counter(
             "pdrouter_kv_return",
             "Finished turns kept on D for the next P, and what became of them "
             "(kept, reused, partial, mismatch, expired, unavailable, offered)",
             ["model", "result"],
             registry=r,
         )
-        self.kv_returns_kept = Gauge(
+        self.kv_returns_kept = _Gauge(
             "pdrouter_kv_return_entries",
             "Finished turns kept on D and not yet taken by a next turn",
             ["model"],
             registry=r,
         )
-        self.cache_routes = Counter(
+        self.cache_routes = _Counter(
             "pdrouter_cache_routes",
             "Engine choices of cache-aware routing (kv_events): cached (the chosen engine holds "
             "part of the prompt), cold (none does: by load), unknown (an engine's index is "
@@ -394,28 +432,28 @@ class Metrics:
             ["model", "role", "result"],
             registry=r,
         )
-        self.cache_predicted = Histogram(
+        self.cache_predicted = _Histogram(
             "pdrouter_cache_predicted_tokens",
             "Prompt tokens the chosen engine was predicted to hold, per cache-aware choice",
             ["model", "role"],
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.cache_prompt_tokens = Counter(
+        self.cache_prompt_tokens = _Counter(
             "pdrouter_cache_prompt_tokens",
             "Prompt tokens of the requests routed by cache (with pdrouter_cache_predicted_tokens"
             "_sum: the predicted hit ratio)",
             ["model", "role"],
             registry=r,
         )
-        self.cache_tokenize = Histogram(
+        self.cache_tokenize = _Histogram(
             "pdrouter_cache_tokenize_seconds",
             "Time to get a request's token ids for cache-aware routing (an engine's /tokenize)",
             ["model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.push_fallbacks = Counter(
+        self.push_fallbacks = _Counter(
             "pdrouter_push_sequential_dispatches",
             "Push requests sent sequentially because P's identity was not yet known",
             ["model"],
@@ -426,13 +464,13 @@ class Metrics:
     def _abuse(self, r: CollectorRegistry) -> None:
         """Families of the rules against abuse: keys, limits, bounds, slow clients. Keys
         appear by their configured name, never by the key."""
-        self.auth_failures = Counter(
+        self.auth_failures = _Counter(
             "pdrouter_auth_failures",
             "Requests refused for their credentials (missing, scheme, invalid)",
             ["reason"],
             registry=r,
         )
-        self.key_requests = Counter(
+        self.key_requests = _Counter(
             "pdrouter_key_requests",
             "Requests by API key name: admitted, or refused by the key's limits "
             "(rate_limited, concurrency_limited) or its share of the queue "
@@ -440,44 +478,44 @@ class Metrics:
             ["key", "result"],
             registry=r,
         )
-        self.key_in_flight = Gauge(
+        self.key_in_flight = _Gauge(
             "pdrouter_key_in_flight",
             "Requests in flight by API key name",
             ["key"],
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.key_queue_wait = Histogram(
+        self.key_queue_wait = _Histogram(
             "pdrouter_key_queue_wait_seconds",
             "Time a dispatch waited for a decode slot, by API key name",
             ["key"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.bounds_refused = Counter(
+        self.bounds_refused = _Counter(
             "pdrouter_bounds_refusals",
             "Requests refused before any work, by bound (prompts, n, max_tokens, context)",
             ["model", "bound"],
             registry=r,
         )
-        self.client_connections = Gauge(
+        self.client_connections = _Gauge(
             "pdrouter_client_connections",
             "Client connections open",
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.connections_refused = Counter(
+        self.connections_refused = _Counter(
             "pdrouter_client_connections_refused",
             "Client connections closed at once, over connections.max_open",
             registry=r,
         )
-        self.client_timeouts = Counter(
+        self.client_timeouts = _Counter(
             "pdrouter_client_timeouts",
             "Client connections cut for slowness: request head, body, or a response not read",
             ["phase"],
             registry=r,
         )
-        self.headers_refused = Counter(
+        self.headers_refused = _Counter(
             "pdrouter_client_headers_refused",
             "Requests refused with 431 for their headers (size, count)",
             ["reason"],

@@ -21,8 +21,8 @@ import orjson
 
 from router.client_request import ClientRequest
 from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
-from router.pd.legs import ENGINE_ERROR_EVENT
 from router.pd.opened import Dispatch
+from router.pd.sse import ENGINE_ERROR_EVENT
 from router.relay import RelayResponse, Send
 
 __all__ = ["MultiPromptResponse", "StreamMerge", "merge_bodies", "split"]

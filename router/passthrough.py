@@ -9,7 +9,6 @@ rotation a 503 ``no_healthy_<role>``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +16,9 @@ from typing import Any
 from fastapi.responses import Response
 
 from router.engines.instance import Instance, Role, candidates, refusal
-from router.errors import UpstreamError, UpstreamTimeout
+from router.errors import UpstreamError
 from router.registry import ModelPool
-from router.upstream import UpstreamClient, map_errors
+from router.upstream import UpstreamClient
 
 __all__ = ["POST_PATHS", "PassThrough"]
 
@@ -45,7 +44,7 @@ class PassThrough:
         for role in (Role.DECODE, Role.PREFILL):
             usable = candidates(pool.of_role(role))
             if usable:
-                return min(usable, key=lambda i: i.in_flight)
+                return min(usable, key=lambda i: i.load)
         raise refusal(Role.DECODE, pool.name, pool.decode, self._clock(), self._probe_interval)
 
     async def forward(
@@ -67,36 +66,17 @@ class PassThrough:
         None), within ``timeout`` (default: the whole exchange's). Raises
         :class:`UpstreamError` for a 5xx or an engine that cannot be reached in time."""
         inst = self.engine(pool)
-        role = inst.role.value
         limit = self._timeout if timeout is None else timeout
-        try:
-            async with asyncio.timeout(limit):
-                with map_errors(role, inst.url):
-                    if body is None:
-                        status, content = await self._upstream.get(inst.url + path, limit)
-                        media_type = "application/json"
-                    else:
-                        status, content, media_type = await self._post(
-                            inst, path, body, request_id, limit
-                        )
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"{role} engine did not answer in time",
-                role=role,
-                instance=inst.url,
-                code=f"{role}_timeout",
-            ) from None
+        async with self._upstream.within(inst, limit):
+            if body is None:
+                status, content = await self._upstream.get(inst, path, limit)
+                media_type = "application/json"
+            else:
+                answer = await self._upstream.call(inst, path, body, request_id, limit)
+                status, content, media_type = answer.status, answer.content, answer.content_type
         if status >= 500:
+            role = inst.role.value
             raise UpstreamError(
                 f"{role} engine returned HTTP {status}", role=role, instance=inst.url
             )
         return status, content, media_type
-
-    async def _post(
-        self, inst: Instance, path: str, body: dict[str, Any], request_id: str, timeout: float
-    ) -> tuple[int, bytes, str]:
-        stream = await self._upstream.open(inst.url + path, body, request_id, read_timeout=timeout)
-        try:
-            return stream.status, await stream.read_all(), stream.content_type
-        finally:
-            await stream.aclose()

@@ -26,13 +26,24 @@ from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.choice import Chooser
 from router.engines.instance import Instance, Role, candidates
+from router.engines.kv_return import KvReturns
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
 from router.errors import Fault
-from router.pd.kv_return import KvReturns
 from router.shared_slots import WorkerSlots
 
-__all__ = ["ModelPool", "Registry"]
+__all__ = ["ModelPool", "PrefillLease", "Registry"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLease:
+    """The prefill instance one attempt runs on, as :meth:`ModelPool.select_prefill` gives
+    it (the decode side's is the ledger's :class:`~router.engines.ledger.Reservation`).
+    P has no slots: there is nothing to give back; its legs count themselves
+    (``Instance.running_leg``)."""
+
+    instance: Instance
+    placement: Placement | None = None  # how a request with a session key got this P
 
 
 @dataclass(eq=False)
@@ -63,7 +74,7 @@ class ModelPool:
         avoid: frozenset[Instance],
         session: str | None = None,
         choose: Chooser | None = None,
-    ) -> tuple[Instance, Placement | None] | None:
+    ) -> PrefillLease | None:
         """A prefill instance from the best tier of :func:`candidates`, preferring
         those not in ``avoid``: the one ``choose`` picks, if it picks one; else with a
         ``session`` key the one its affinity picks, and how; else the policy's. None if
@@ -74,10 +85,10 @@ class ModelPool:
         preferred = [p for p in usable if p not in avoid] or usable
         chosen = choose(Role.PREFILL, preferred) if choose is not None else None
         if chosen is not None:
-            return chosen, None
+            return PrefillLease(chosen)
         if session is not None:
-            return self.affinity.select(Role.PREFILL, session, preferred)
-        return self.prefill_policy.select(preferred, key), None
+            return PrefillLease(*self.affinity.select(Role.PREFILL, session, preferred))
+        return PrefillLease(self.prefill_policy.select(preferred, key))
 
     def session_key(self, session: str | None, prefix: Callable[[], str]) -> str | None:
         """The affinity key of a request: its session id, else (with ``prefix_fallback``)
@@ -228,7 +239,7 @@ class Registry:
         for p_inst, p_cfg in zip(pool.prefill, prefill, strict=True):
             p_inst.configure_nixl(_nixl(p_cfg), p_cfg.kv_host)
         for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
-            d_inst.slots = d_cfg.slots
+            d_inst.set_slots(d_cfg.slots)
             d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}
@@ -252,11 +263,7 @@ class Registry:
 
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
         admission = self._config.admission
-        affinity = (
-            Affinity(cfg.sessions, self._clock)
-            if self._load is None
-            else Affinity(cfg.sessions, self._clock, self._load)
-        )
+        affinity = Affinity(cfg.sessions, self._clock, self._load)
         ledger = SlotLedger(
             cfg.name,
             [],

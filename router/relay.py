@@ -32,8 +32,9 @@ from router.errors import (
 )
 from router.metrics import Metrics
 from router.pd.dispatch import Dispatcher
-from router.pd.legs import DecodeLeg, ends_answer
+from router.pd.legs import DecodeLeg
 from router.pd.opened import Dispatch
+from router.pd.sse import ends_answer
 from router.registry import ModelPool
 from router.tracing import Tracing
 

@@ -1,20 +1,30 @@
-"""The one HTTP client the router uses to talk to engines.
+"""The one HTTP client the router uses to talk to engines, and the one place where a
+failed engine call becomes one of the router's errors.
 
 Built once by the composition root around a single keep-alive pool
-(:mod:`router.http1`, an asyncio protocol on httptools: the engine-call path is
-the router's hot path, and httpx's default transport, then httpx on aiohttp,
-profiled as its largest cost). Tests may inject an httpx transport instead
-(e.g. ``httpx.MockTransport``), which then carries every engine call. Transport
-failures, raised as httpx exception types by both, are translated into the
-router's error tree by :func:`map_errors`, naming the role and instance.
+(:mod:`router.http1`, an asyncio protocol on httptools: the engine-call path is the
+router's hot path: ``bench/router_bench.py --targets pull,pull+httpx`` measures it
+against httpx, docs/benchmarks.md has the figures). Tests may inject an httpx transport
+instead (e.g. ``httpx.MockTransport``), which then carries every engine call.
+
+Contract: whatever carries the call, its callers see only
+:class:`~router.errors.UpstreamError` and its subclasses, naming the engine's role
+and URL (the messages name the role only: clients see them). Transport failures are
+translated here, by :func:`_translate`, whether raised while connecting, waiting for
+the headers or reading the body; the deadlines of :meth:`UpstreamClient.within`
+expire here too. :class:`UpstreamStream` is the one seam between this module and the
+legs: an open response whose body the caller reads, closed synchronously.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
@@ -22,62 +32,38 @@ import orjson
 
 from router.config import TimeoutConfig
 from router.errors import Fault, UpstreamError, UpstreamTimeout
-from router.http1 import Http1Pool, Origin, split_url
+from router.http1 import ConnectError, Http1Pool, Http1Timeout, Origin, ReadTimeout, split_url
 
-__all__ = ["UpstreamClient", "UpstreamStream", "map_errors"]
+__all__ = ["Answer", "Engine", "UpstreamClient", "UpstreamStream"]
 
 # Below vLLM's (uvicorn's) 5 s keep-alive timeout: the router drops an idle
 # connection before the engine would close it under a request being written.
 KEEPALIVE_EXPIRY_S = 4.0
 
 
-def _dumps(body: dict[str, Any]) -> bytes:
-    """JSON bytes of a leg's body; integers past 64 bits (which orjson refuses) go
-    through the standard library, so they reach the engine as the client sent them."""
-    try:
-        return orjson.dumps(body)
-    except TypeError:
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+class Engine(Protocol):
+    """An engine as an engine call names it (:class:`~router.engines.instance.Instance`)."""
 
+    @property
+    def url(self) -> str: ...
 
-@contextmanager
-def map_errors(role: str, instance: str) -> Iterator[None]:
-    """Turn httpx transport errors into :class:`UpstreamError` / :class:`UpstreamTimeout`.
+    @property
+    def role(self) -> str: ...
 
-    Messages name the role, never the instance (clients see them); the instance
-    travels on the error for logs, retries and outlier detection.
-    """
-    try:
-        yield
-    except httpx.TimeoutException as exc:
-        raise UpstreamTimeout(
-            f"{role} engine timed out ({type(exc).__name__})",
-            role=role,
-            instance=instance,
-            code=f"{role}_timeout",
-        ) from exc
-    except httpx.ConnectError as exc:
-        raise UpstreamError(
-            f"cannot connect to the {role} engine",
-            role=role,
-            instance=instance,
-            code=f"{role}_unreachable",
-            fault=Fault.REFUSED,
-        ) from exc
-    except (httpx.TransportError, httpx.StreamError) as exc:
-        raise UpstreamError(
-            f"{role} engine failed: {type(exc).__name__}",
-            role=role,
-            instance=instance,
-            code=f"{role}_unreachable",
-        ) from exc
+    @property
+    def healthy(self) -> bool | None: ...
+
+    def deadline(self, cm: asyncio.Timeout) -> AbstractContextManager[None]:
+        """Register a running deadline that expires at once if the engine turns unhealthy."""
+        ...
 
 
 class UpstreamStream(Protocol):
     """An open response whose headers have arrived; the body is read by the caller.
 
-    ``aclose()`` before the end closes the connection, which makes vLLM abort
-    the request; it is idempotent.
+    Reading raises only :class:`~router.errors.UpstreamError`. ``close()`` before the
+    end closes the connection, which makes vLLM abort the request; it is synchronous
+    (nothing can interrupt it) and idempotent.
     """
 
     @property
@@ -95,14 +81,88 @@ class UpstreamStream(Protocol):
 
     async def read_all(self) -> bytes: ...
 
-    async def aclose(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole response: status, body and content type."""
+
+    status: int
+    content: bytes
+    content_type: str
+
+
+def _translate(role: str, instance: str, exc: BaseException) -> UpstreamError:
+    """A transport failure (this router's HTTP/1.1 client's or httpx's) as the router's
+    error, its cause the original (logged as the attempt's ``cause``)."""
+    if isinstance(exc, (Http1Timeout, httpx.TimeoutException)):
+        error: UpstreamError = UpstreamTimeout(
+            f"{role} engine timed out ({type(exc).__name__})",
+            role=role,
+            instance=instance,
+            code=f"{role}_timeout",
+        )
+    elif isinstance(exc, (ConnectError, httpx.ConnectError)):
+        error = UpstreamError(
+            f"cannot connect to the {role} engine",
+            role=role,
+            instance=instance,
+            code=f"{role}_unreachable",
+            fault=Fault.REFUSED,
+        )
+    else:
+        error = UpstreamError(
+            f"{role} engine failed: {type(exc).__name__}",
+            role=role,
+            instance=instance,
+            code=f"{role}_unreachable",
+        )
+    error.__cause__ = exc
+    return error
+
+
+def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
+    role = str(engine.role)
+    if engine.healthy is False:
+        return UpstreamTimeout(
+            f"{role} engine stopped answering health checks",
+            role=role,
+            instance=engine.url,
+            code=f"{role}_unhealthy",
+        )
+    message = f"{role} engine did not answer in time"
+    return UpstreamTimeout(
+        message if code is None else f"{message} ({code})",
+        role=role,
+        instance=engine.url,
+        code=f"{role}_timeout" if code is None else code,
+    )
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """JSON bytes of a leg's body; integers past 64 bits (which orjson refuses) go
+    through the standard library, so they reach the engine as the client sent them."""
+    try:
+        return orjson.dumps(body)
+    except TypeError:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class _HttpxStream:
     """:class:`UpstreamStream` over an httpx response (injected transports)."""
 
-    def __init__(self, response: httpx.Response) -> None:
+    def __init__(
+        self,
+        response: httpx.Response,
+        role: str,
+        instance: str,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+    ) -> None:
         self._response = response
+        self._role, self._instance = role, instance
+        self._spawn = spawn
+        self._closed = False
         self.status = response.status_code
         self.content_type: str = response.headers.get("content-type", "application/json")
 
@@ -110,14 +170,24 @@ class _HttpxStream:
     def ended(self) -> bool:
         return False  # httpx does not tell before the next read
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._response.aiter_raw()
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_raw():
+                yield chunk
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise _translate(self._role, self._instance, exc) from exc
 
     async def read_all(self) -> bytes:
-        return await self._response.aread()
+        try:
+            return await self._response.aread()
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise _translate(self._role, self._instance, exc) from exc
 
-    async def aclose(self) -> None:
-        await self._response.aclose()
+    def close(self) -> None:
+        # httpx closes an async response only asynchronously: the client owns the task.
+        if not self._closed:
+            self._closed = True
+            self._spawn(self._response.aclose())
 
 
 class UpstreamClient:
@@ -138,6 +208,7 @@ class UpstreamClient:
         self._transport = transport
         self._timeout = httpx.Timeout(timeouts.idle, connect=timeouts.connect)
         self._httpx: httpx.AsyncClient | None = None
+        self._closing: set[asyncio.Task[None]] = set()
         if transport is not None:
             self._httpx = self._new_httpx()
 
@@ -155,24 +226,42 @@ class UpstreamClient:
             known = self._posts[url] = (origin, head.encode("latin-1"))
         return known
 
+    @contextlib.asynccontextmanager
+    async def within(
+        self, engine: Engine, seconds: float, code: str | None = None, *, watched: bool = False
+    ) -> AsyncIterator[None]:
+        """At most ``seconds`` for what runs inside, else :class:`UpstreamTimeout` (``code``,
+        default ``<role>_timeout``). ``watched``: cut short, as ``<role>_unhealthy``, if the
+        health monitor finds the engine unhealthy meanwhile (a frozen engine then costs the
+        detection time, not the whole timeout)."""
+        try:
+            async with asyncio.timeout(seconds) as cm:
+                if watched:
+                    with engine.deadline(cm):
+                        yield
+                else:
+                    yield
+        except TimeoutError:
+            raise _expired(engine, code) from None
+
     async def open(
         self,
-        url: str,
+        engine: Engine,
+        path: str,
         body: dict[str, Any],
         request_id: str,
         read_timeout: float | None = None,
         traceparent: str | None = None,
     ) -> UpstreamStream:
-        """POST ``body`` and return once the response headers are in.
-
-        ``read_timeout`` overrides the idle timeout between body bytes (a
-        non-streaming vLLM response sends nothing until it is complete).
-        ``traceparent`` (W3C trace context) is sent when given.
-        """
+        """POST ``body`` to ``path`` on ``engine`` and return once the response headers are
+        in. ``read_timeout`` overrides the idle timeout between body bytes (a non-streaming
+        vLLM response sends nothing until it is complete). ``traceparent`` (W3C trace
+        context) is sent when given."""
         content = _dumps(body)
         timeout = self._idle if read_timeout is None else read_timeout
+        url = engine.url + path
         if self._httpx is not None:
-            return await self._open_httpx(url, content, request_id, timeout, traceparent)
+            return await self._open_httpx(engine, url, content, request_id, timeout, traceparent)
         origin, head = self._post_head(url)
         if traceparent is not None:
             head += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
@@ -180,10 +269,33 @@ class UpstreamClient:
             request_id.encode("latin-1"),
             len(content),
         )
-        return await self._pool.request(origin, head, content, timeout)
+        errors = functools.partial(_translate, str(engine.role), engine.url)
+        return await self._pool.request(origin, head, content, timeout, errors)
+
+    async def call(
+        self,
+        engine: Engine,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        read_timeout: float | None = None,
+        traceparent: str | None = None,
+    ) -> Answer:
+        """:meth:`open`, the whole body read, the connection given back."""
+        stream = await self.open(engine, path, body, request_id, read_timeout, traceparent)
+        try:
+            return Answer(stream.status, await stream.read_all(), stream.content_type)
+        finally:
+            stream.close()
 
     async def _open_httpx(
-        self, url: str, content: bytes, request_id: str, timeout: float, traceparent: str | None
+        self,
+        engine: Engine,
+        url: str,
+        content: bytes,
+        request_id: str,
+        timeout: float,
+        traceparent: str | None,
     ) -> UpstreamStream:
         assert self._httpx is not None
         headers = {"content-type": "application/json", "x-request-id": request_id}
@@ -194,27 +306,47 @@ class UpstreamClient:
         request = self._httpx.build_request(
             "POST", url, content=content, headers=headers, timeout=httpx.Timeout(timeout)
         )
-        return _HttpxStream(await self._httpx.send(request, stream=True))
+        role = str(engine.role)
+        try:
+            response = await self._httpx.send(request, stream=True)
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise _translate(role, engine.url, exc) from exc
+        return _HttpxStream(response, role, engine.url, self._spawn_close)
 
-    async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        """GET ``url`` (probes, engine metrics): its status and whole body within ``timeout``."""
+    def _spawn_close(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def get(self, engine: Engine, path: str, timeout: float) -> tuple[int, bytes]:
+        """GET ``path`` on ``engine`` (probes, engine metrics): its status and whole body
+        within ``timeout``."""
+        role, url = str(engine.role), engine.url + path
         if self._httpx is not None:
-            answer = await self._httpx.get(url, timeout=timeout)
+            try:
+                answer = await self._httpx.get(url, timeout=timeout)
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                raise _translate(role, engine.url, exc) from exc
             return answer.status_code, answer.content
         origin, target = split_url(url)
         head = f"GET {target} HTTP/1.1\r\nhost: {origin.netloc}\r\n{self._auth}\r\n"
+        errors = functools.partial(_translate, role, engine.url)
         try:
             async with asyncio.timeout(timeout):
-                response = await self._pool.request(origin, head.encode("latin-1"), b"", timeout)
+                response = await self._pool.request(
+                    origin, head.encode("latin-1"), b"", timeout, errors
+                )
                 try:
                     return response.status, await response.read_all()
                 finally:
                     response.close()
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout(f"GET {url} took over {timeout:g}s") from exc
+        except TimeoutError:
+            cause = ReadTimeout(f"GET {url} took over {timeout:g}s")
+            raise errors(cause) from cause
 
     async def aclose(self) -> None:
         self._pool.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._httpx is not None:
             await self._httpx.aclose()
             # Ready for another lifespan of the same app (ASGI test clients run one per

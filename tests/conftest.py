@@ -30,6 +30,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "destructive(order): kills or restarts engines; runs after the other tests of its "
         "engine stack (tests/engine_stacks.py), lower order first",
     )
+    config.addinivalue_line(
+        "markers",
+        "serial: runs in scripts/test.sh's one-process run, with the engine tests, not on xdist "
+        "workers (tests whose node ids are not unique)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -50,19 +55,24 @@ def engine_stack(
     """The real-engine stack named by the test's indirect parameter (one of
     ``engine_stacks.KINDS``). Session scope: every test of a kind shares one stack, and pytest
     stops it before it starts another kind's, so no two stacks ever run at once. A kind whose
-    tests compare with the aggregated reference has it computed first (its engine gone before
-    this stack starts)."""
+    tests compare with the aggregated reference gets it: from a main stack's D once it runs,
+    otherwise from an engine of its own stopped before this stack starts (tests/e2e)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         missing("needs vLLM and NIXL: run scripts/setup.sh (engine-cpu extra)")
     kind: str = request.param
+    references = None
     if kind in engine_stacks.NEEDS_REFERENCE:
-        request.getfixturevalue("reference")
+        references = request.getfixturevalue("references")
+        if kind not in engine_stacks.MAIN:
+            references.standalone()
     otlp_url = None
     if kind in engine_stacks.MAIN:
         otlp_url, _ = request.getfixturevalue("otlp_receiver")
     with engine_stacks.start(kind, tmp_path_factory.mktemp(kind), otlp_url) as running:
+        if references is not None:
+            references.from_engine(running.stack.decode.url)
         yield running
 
 
@@ -137,7 +147,7 @@ async def assert_nothing_leaked(cluster: Cluster) -> None:
     for ctx in cluster.routers:
         await eventually(lambda ctx=ctx: ctx.registry.slots_in_use() == 0)
         for inst in ctx.registry.instances():
-            assert inst.in_flight == 0, inst.url
+            assert inst.slots_held == inst.legs_running == 0, inst.url
 
 
 async def _start_cluster(n_prefill: int, n_decode: int) -> AsyncIterator[Cluster]:

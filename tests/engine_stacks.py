@@ -23,7 +23,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["ENGINE_FLAGS", "KINDS", "NEEDS_REFERENCE", "P_MAX_MODEL_LEN", "Running", "start"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "KINDS",
+    "NEEDS_REFERENCE",
+    "P_MAX_MODEL_LEN",
+    "RECEIVE_TIMEOUT_S",
+    "Running",
+    "start",
+]
 
 T = TypeVar("T")
 MODEL = "tiny"
@@ -143,7 +151,8 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
 # prompt is pushed chunk by chunk) and ``write_batch: layer``, each layer's WRITE posted from its
 # own save_kv_layer hook, the path a KV cache in device memory takes (the stacks above run the
 # DRAM default, "step"). A 30 s receive timeout bounds a D that is never written.
-CONNECTOR_EXTRA = {"receive_timeout_s": 30, "write_batch": "layer"}
+RECEIVE_TIMEOUT_S = 30
+CONNECTOR_EXTRA = {"receive_timeout_s": RECEIVE_TIMEOUT_S, "write_batch": "layer"}
 CONNECTOR_FLAGS = ("--max-num-batched-tokens", "256", *TRACKING)
 
 

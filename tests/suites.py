@@ -52,6 +52,20 @@ def _engine_order(item: pytest.Item) -> tuple[int, int]:
     return rank, stage
 
 
+def _refuse_shared_ids(items: list[pytest.Item]) -> None:
+    """xdist runs one test per node id: tests sharing one would be lost without a word on its
+    workers, so they must be marked ``serial`` (run in the one-process run)."""
+    seen: set[str] = set()
+    shared = set()
+    for item in items:
+        if item.get_closest_marker("serial") is None:
+            if item.nodeid in seen:
+                shared.add(item.nodeid)
+            seen.add(item.nodeid)
+    if shared:
+        raise pytest.UsageError(f"tests share a node id (mark them serial): {sorted(shared)}")
+
+
 class SuiteClock:
     """A pytest plugin (registered by ``tests/conftest.py``): orders modules, times suites."""
 
@@ -66,6 +80,7 @@ class SuiteClock:
         """Cheap suites first, module by module; engine tests last, by stack (each stack
         starts once) and destructive ones last in their stack; otherwise stable. Runs after
         pytest's own reordering."""
+        _refuse_shared_ids(items)
         engines = {_module(i) for i in items if i.get_closest_marker("e2e")}
         first: dict[str, int] = {}
         for n, item in enumerate(items):
@@ -91,7 +106,9 @@ class SuiteClock:
         if not self._seconds:
             return
         tr = terminalreporter
-        tr.section("time per suite (setup + call + teardown)")
+        workers = getattr(tr.config.option, "numprocesses", None)
+        summed = ", summed over xdist workers" if workers else ""
+        tr.section(f"time per suite (setup + call + teardown{summed})")
         total = sum(self._seconds.values()) or 1.0
         for suite, s in sorted(self._seconds.items(), key=lambda kv: -kv[1]):
             tr.write_line(

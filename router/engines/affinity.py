@@ -53,8 +53,8 @@ class _Entry:
     urls: dict[Role, str] = field(default_factory=dict)
 
 
-def _load(inst: Instance) -> int:
-    return inst.in_use if inst.role is Role.DECODE else inst.in_flight
+def _own_load(inst: Instance) -> int:
+    return inst.load
 
 
 def _rank(key: str, url: str) -> bytes:
@@ -68,12 +68,13 @@ class Affinity:
         self,
         config: SessionConfig,
         clock: Callable[[], float],
-        load: Callable[[Instance], int] = _load,
+        load: Callable[[Instance], int] | None = None,
     ) -> None:
-        """``load``: an instance's load for the bound (default: this router's own count)."""
+        """``load``: an instance's load for the bound (default: this router's own count,
+        ``Instance.load``)."""
         self.config = config
         self._clock = clock
-        self._load = load
+        self._load = load or _own_load
         self._table: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:

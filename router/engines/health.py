@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import HealthConfig
 from router.engines.instance import Instance, Role
+from router.errors import UpstreamError
 from router.upstream import UpstreamClient
 
 __all__ = ["EngineLoad", "HealthMonitor", "parse_engine_load"]
@@ -40,13 +41,17 @@ _WANTED = {
 
 
 def parse_engine_load(text: str) -> EngineLoad | None:
-    """Running/waiting requests and KV usage from a vLLM ``/metrics`` page."""
+    """Running/waiting requests and KV usage from a vLLM ``/metrics`` page; None if the
+    page lacks one of them or is not Prometheus text."""
     found: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        field = _WANTED.get(family.name)
-        if field is None:
-            continue
-        found[field] = sum(s.value for s in family.samples if s.name == family.name)
+    try:
+        for family in text_string_to_metric_families(text):
+            field = _WANTED.get(family.name)
+            if field is None:
+                continue
+            found[field] = sum(s.value for s in family.samples if s.name == family.name)
+    except ValueError:
+        return None
     if len(found) != len(_WANTED):
         return None
     return EngineLoad(**found)
@@ -76,40 +81,38 @@ class HealthMonitor:
         await asyncio.gather(*(self._check(i) for i in self._instances()))
 
     async def _check(self, inst: Instance) -> None:
-        ok = await self._probe(inst.url + "/health")
+        ok = await self._probe(inst)
+        failures = inst.probed(ok)
         if ok:
             if inst.healthy is False:
                 log.warning("event=healthy role=%s instance=%s", inst.role, inst.url)
-            inst.health_failures = 0
             inst.healthy = True
-        else:
-            inst.health_failures += 1
-            if inst.health_failures >= self._config.unhealthy_after or inst.healthy is None:
-                if inst.healthy is not False:
-                    log.warning(
-                        "event=unhealthy role=%s instance=%s failed_checks=%d",
-                        inst.role,
-                        inst.url,
-                        inst.health_failures,
-                    )
-                inst.healthy = False
+        elif failures >= self._config.unhealthy_after or inst.healthy is None:
+            if inst.healthy is not False:
+                log.warning(
+                    "event=unhealthy role=%s instance=%s failed_checks=%d",
+                    inst.role,
+                    inst.url,
+                    failures,
+                )
+            inst.healthy = False
         inst.breaker.probe(ok)
         if ok and inst.role is Role.DECODE and (inst.suspect or inst.degraded):
             await self._check_leak(inst)
 
-    async def _probe(self, url: str) -> bool:
+    async def _probe(self, inst: Instance) -> bool:
         try:
-            status, _ = await self._upstream.get(url, self._config.timeout)
-        except Exception:
+            status, _ = await self._upstream.get(inst, "/health", self._config.timeout)
+        except UpstreamError:
             return False
         return status == 200
 
     async def _check_leak(self, inst: Instance) -> None:
         try:
-            status, body = await self._upstream.get(inst.url + "/metrics", self._config.timeout)
-            load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
-        except Exception:
+            status, body = await self._upstream.get(inst, "/metrics", self._config.timeout)
+        except UpstreamError:
             return
+        load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
         if load is None:
             return
         if load.running or load.waiting:
@@ -125,5 +128,4 @@ class HealthMonitor:
             )
         if not leaked and inst.degraded:
             log.warning("event=degraded_cleared role=decode instance=%s", inst.url)
-        inst.degraded = leaked
-        inst.suspect = leaked
+        inst.leak_checked(leaked)

@@ -30,6 +30,13 @@ def _nothing() -> None:
 class Instance:
     """Mutable state of one engine, owned by the router's :class:`Registry`.
 
+    Every field has one writer and is written through a method or setter here, never
+    assigned from outside: the counters (``slots_held`` by the ledger, ``legs_running``
+    and ``prefilling`` by the legs, ``at_engine`` by the decode leg, ``health_failures``
+    and the leak verdict by the health monitor) say in their docstrings who writes them.
+    ``slots_held`` (a decode engine's slots) and ``legs_running`` (a prefill engine's
+    legs) are two counts, never one name for both; ``load`` reads the one of the role.
+
     ``healthy`` is None until the first active health check answers; such an
     instance is routable (outlier detection guards it) but does not make
     ``/ready`` pass. ``degraded`` marks a decode engine that holds leaked KV
@@ -55,21 +62,23 @@ class Instance:
         self.role = role
         self.model = model
         self.breaker = breaker
-        self.slots = slots  # decode: capacity offered to this router
-        self.in_flight = 0  # requests currently using the instance
-        self.at_engine = 0  # decode: streams with first bytes in and no end seen yet
-        self.prefilling = 0  # decode: legs of D alone still before their first bytes
-        self.health_failures = 0
-        self.suspect = False  # decode: a leg was closed while waiting for KV
+        self._slots = slots  # decode: capacity offered to this router
+        # The counters, each written by one method below (see "counters").
+        self._slots_held = 0
+        self._legs_running = 0
+        self._at_engine = 0
+        self._prefilling = 0
+        self._health_failures = 0
+        self._suspect = False
         # The engine's NIXL address: configured (or discovered), else learned from
         # P's responses in push mode. ``kv_host`` overrides the host P reports.
         self.kv_host: str | None = None
-        self.block_size: int | None = None  # decode: KV tokens per block, once learned
+        self._block_size: int | None = None
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
         # Decode, ``--workers N``: reads the router-wide count of this instance from the
         # shared slot table (set by the ledger); None = this process is the router.
-        self.shared_in_use: Callable[[], int] | None = None
+        self._shared_in_use: Callable[[], int] | None = None
         self.on_change: Callable[[], None] = _nothing
         self._healthy = healthy
         self._degraded = False
@@ -119,6 +128,10 @@ class Instance:
         if value != self._cap:
             self._cap = value
             self._changed()
+
+    def watch(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change`` on every change that can make a waiter fit (the ledger)."""
+        self.on_change = on_change
 
     def detach(self) -> None:
         """No longer watched (dropped by a reload or discovery)."""
@@ -204,6 +217,116 @@ class Instance:
             return max(0.0, self.breaker.reopens_at - now)
         return 0.0 if self.in_rotation else probe_interval
 
+    # -- counters: each has one writer, named in its docstring ------------------------
+
+    @property
+    def slots(self) -> int:
+        """Decode: the slots this engine offers the router (the registry sets it)."""
+        return self._slots
+
+    def set_slots(self, slots: int) -> None:
+        self._slots = slots
+
+    @property
+    def slots_held(self) -> int:
+        """Decode: slots this process holds here (the ledger's reservations)."""
+        return self._slots_held
+
+    def take_slot(self) -> None:
+        """The ledger granted a reservation here."""
+        self._slots_held += 1
+
+    def give_slot(self) -> None:
+        """The ledger released a reservation here."""
+        self._slots_held -= 1
+
+    @property
+    def legs_running(self) -> int:
+        """Prefill: P legs sent here whose answer is not read yet."""
+        return self._legs_running
+
+    @contextlib.contextmanager
+    def running_leg(self) -> Iterator[None]:
+        """One P leg runs here for the length of the block (router/pd/legs.py)."""
+        self._legs_running += 1
+        try:
+            yield
+        finally:
+            self._legs_running -= 1
+
+    @property
+    def at_engine(self) -> int:
+        """Decode: streams with first bytes in and no end seen yet (router/engines/load.py
+        subtracts them from the engine's own report)."""
+        return self._at_engine
+
+    def stream_started(self) -> None:
+        """A streaming D leg's first bytes are in (router/pd/legs.py's DecodeLeg)."""
+        self._at_engine += 1
+
+    def stream_ended(self) -> None:
+        """That leg's end was read, or it was closed."""
+        self._at_engine -= 1
+
+    @property
+    def prefilling(self) -> int:
+        """Decode: legs of D alone (D computes the prompt) still before their first bytes."""
+        return self._prefilling
+
+    @contextlib.contextmanager
+    def computing_prompt(self, computes: bool) -> Iterator[None]:
+        """A D leg before its first bytes; it counts in ``prefilling`` if it ``computes``
+        the prompt (D alone)."""
+        self._prefilling += computes
+        try:
+            yield
+        finally:
+            self._prefilling -= computes
+
+    @property
+    def health_failures(self) -> int:
+        """Health checks failed in a row (the health monitor's)."""
+        return self._health_failures
+
+    def probed(self, ok: bool) -> int:
+        """One health check's result; returns the failures in a row."""
+        self._health_failures = 0 if ok else self._health_failures + 1
+        return self._health_failures
+
+    @property
+    def suspect(self) -> bool:
+        """Decode: a leg was closed while it waited for KV; it may have leaked blocks
+        (vLLM 0.32's push connector) until the health monitor's leak check says."""
+        return self._suspect
+
+    def suspect_leak(self) -> None:
+        self._suspect = True
+
+    def leak_checked(self, leaked: bool) -> None:
+        """The health monitor's verdict on an idle engine: ``degraded`` while it leaks."""
+        self.degraded = leaked
+        self._suspect = leaked
+
+    @property
+    def block_size(self) -> int | None:
+        """Decode: KV tokens per block, once learned from the engine's ``/metrics``."""
+        return self._block_size
+
+    def learn_block_size(self, block_size: int | None) -> None:
+        self._block_size = block_size
+
+    def share_slots(self, total: Callable[[], int]) -> None:
+        """``--workers N``: ``in_use`` reads ``total()``, the router-wide count (the ledger)."""
+        if self._shared_in_use is None:
+            self._shared_in_use = total
+
+    @property
+    def load(self) -> int:
+        """What this router runs here: slots held router-wide (decode), legs (prefill)."""
+        return self.in_use if self.role is Role.DECODE else self._legs_running
+
+    # -- capacity -----------------------------------------------------------------
+
     @property
     def limit(self) -> int:
         """Slots this router may hold here now (``slots``, or its replica ``cap``)."""
@@ -211,9 +334,10 @@ class Instance:
 
     @property
     def in_use(self) -> int:
-        """Slots held here by the whole router: every worker's with a shared table,
-        else this process's ``in_flight``."""
-        return self.in_flight if self.shared_in_use is None else self.shared_in_use()
+        """Decode: slots held here by the whole router: every worker's with a shared
+        table, else this process's ``slots_held``."""
+        shared = self._shared_in_use
+        return self._slots_held if shared is None else shared()
 
     @property
     def free_slots(self) -> int:

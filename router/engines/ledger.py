@@ -1,7 +1,7 @@
 """The decode slot ledger: "decode slot first".
 
 Before any upstream call, a request reserves a slot on one decode engine. The
-ledger is the single owner of every decode instance's ``in_flight`` count. When
+ledger is the single writer of every decode instance's ``slots_held`` count. When
 no slot is free the request waits in a bounded queue shared fairly between API keys
 (:mod:`router.engines.fair_queue`: FIFO per key, a freed slot to the key holding the
 fewest, the one served least recently among equals); a full queue answers 429 (to the
@@ -121,7 +121,7 @@ class SlotLedger:
 
     @property
     def slots_in_use(self) -> int:
-        return sum(i.in_flight for i in self._instances)
+        return sum(i.slots_held for i in self._instances)
 
     def set_instances(self, instances: Sequence[Instance]) -> None:
         """Replace the decode instances (reload, discovery); waiters may now fit."""
@@ -130,7 +130,7 @@ class SlotLedger:
             gone.detach()
         self._instances = wanted
         for inst in wanted:
-            inst.on_change = self.poke
+            inst.watch(self.poke)
         self._attach(wanted)
         self.poke()
 
@@ -217,7 +217,7 @@ class SlotLedger:
             return
         reservation.released = True
         inst = reservation.instance
-        inst.in_flight -= 1
+        inst.give_slot()
         held = self._held[reservation.tenant] - 1
         if held:
             self._held[reservation.tenant] = held
@@ -290,7 +290,7 @@ class SlotLedger:
             else:
                 inst = self._policy.select(preferred, key)
             if self._acquire(inst):
-                inst.in_flight += 1
+                inst.take_slot()
                 inst.breaker.on_dispatch()
                 self._held[tenant] = self._held.get(tenant, 0) + 1
                 self._granted[tenant] = next(self._grants)
@@ -336,8 +336,7 @@ class SlotLedger:
         if shared is None:
             return
         for inst in instances:
-            if inst.shared_in_use is None:
-                inst.shared_in_use = functools.partial(shared.total, slot_key(self.model, inst.url))
+            inst.share_slots(functools.partial(shared.total, slot_key(self.model, inst.url)))
 
     def _schedule_poll(self) -> None:
         if self._shared is not None and self._poll is None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 
 from router.engines.health import parse_engine_load
 from router.engines.instance import Instance
+from router.errors import UpstreamError
 from router.upstream import UpstreamClient
 
 __all__ = ["LoadWatcher", "static_share"]
@@ -92,13 +93,13 @@ class LoadWatcher:
         else:
             self._failures[inst.url] = 0
             others = max(0, reported - ours)
-            free = max(0, inst.slots - inst.in_flight - others)
-            inst.cap = inst.in_flight + math.ceil(free / self._replicas)
+            free = max(0, inst.slots - inst.slots_held - others)
+            inst.cap = inst.slots_held + math.ceil(free / self._replicas)
 
     async def _reported_load(self, inst: Instance) -> int | None:
         try:
-            status, body = await self._upstream.get(inst.url + "/metrics", self._timeout)
-        except Exception:
+            status, body = await self._upstream.get(inst, "/metrics", self._timeout)
+        except UpstreamError:
             return None
         load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
         return None if load is None else round(load.running + load.waiting)

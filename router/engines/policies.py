@@ -26,8 +26,8 @@ class Policy(Protocol):
 
 def _load(inst: Instance) -> float:
     # Decode load is relative to its slot count (every worker's, with --workers);
-    # prefill load is its in-flight count.
-    return inst.in_use / inst.slots if inst.slots else float(inst.in_flight)
+    # prefill load is its running legs.
+    return inst.in_use / inst.slots if inst.slots else float(inst.legs_running)
 
 
 class RoundRobin:

@@ -39,11 +39,11 @@ class _Report:
 
 def own_load(inst: Instance) -> int:
     """This router's own count on ``inst``: reserved slots (decode), legs in flight (prefill)."""
-    return inst.in_use if inst.role is Role.DECODE else inst.in_flight
+    return inst.load
 
 
 def _own_at_engine(inst: Instance) -> int:
-    return inst.at_engine if inst.role is Role.DECODE else inst.in_flight
+    return inst.at_engine if inst.role is Role.DECODE else inst.legs_running
 
 
 class EngineLoads:
@@ -91,7 +91,7 @@ class EngineLoads:
 
     async def _reported(self, inst: Instance) -> int | None:
         try:
-            status, body = await self._upstream.get(inst.url + "/metrics", self._timeout)
+            status, body = await self._upstream.get(inst, "/metrics", self._timeout)
         except Exception:
             return None
         load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None

@@ -174,7 +174,7 @@ class CacheScorer:
         usable = candidates(pool.prefill) or candidates(pool.decode)
         if not usable:
             return None
-        engine = min(usable, key=lambda i: i.in_flight)
+        engine = min(usable, key=lambda i: i.load)
         try:
             async with asyncio.timeout(timeout):
                 return await self._tokenize(engine, query)

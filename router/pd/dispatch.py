@@ -49,6 +49,7 @@ class Dispatcher:
     def __init__(
         self,
         legs: LegRunner,
+        turns: Turns,
         metrics: Metrics,
         retries: RetryConfig,
         clock: Callable[[], float] = time.monotonic,
@@ -64,7 +65,7 @@ class Dispatcher:
         self._legs = legs
         self._metrics = metrics
         self.settler = Settler(legs.timeouts)
-        self._turns = Turns(legs, metrics)
+        self._turns = turns
         self._retries = retries
         self._clock = clock
         self._plans: dict[Decision, Plan] = plans(
@@ -170,14 +171,7 @@ class Dispatcher:
         if decision.uses_prefill and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
             raise self._no_prefill(pool)
-        waited_from = self._clock()
-        with self._tracing.span("slot_wait"):
-            reservation = await pool.ledger.reserve(
-                route.key, avoid, route.session, creq.client_key, route.cache
-            )
-        self._metrics.key_queue_wait.labels(creq.client_key).observe(self._clock() - waited_from)
-        self._count_placement(pool, Role.DECODE, reservation.placement)
-        self._count_choice(pool, Role.DECODE, route.cache)
+        reservation = await self._reserve(pool, creq, route, avoid)
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:
             self._tracing.set(
@@ -186,29 +180,56 @@ class Dispatcher:
                 pdrouter__transfer_id=ids.transfer_id,
             )
         try:
-            if not decision.uses_prefill:
-                body = kp.aggregated_body(creq.body)
-                leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
-                return Dispatch(reservation, leg, decision, ids.request_id)
-            selected = pool.select_prefill(route.key, avoid, route.session, route.cache)
-            if selected is None:  # left rotation while this request waited for its slot
-                raise self._no_prefill(pool)
-            p, placement = selected
-            self._count_placement(pool, Role.PREFILL, placement)
-            self._count_choice(pool, Role.PREFILL, route.cache)
-            pair = Pair(creq, ids, p, reservation.instance)
-            self._tracing.set(pdrouter__prefill=p.url)
-            plan = self._plans[decision]
-            turn = self._turns.plan(pool, creq, route.cache, reservation.instance)
-            if plan.concurrent(pair):
-                return await self._concurrent(pool, plan, pair, decision, reservation, turn)
-            return await self._sequential(pool, plan, pair, decision, reservation, turn)
+            if decision.uses_prefill:
+                return await self._split(pool, creq, decision, route, avoid, reservation, ids)
+            body = kp.aggregated_body(creq.body)
+            leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
+            return Dispatch(reservation, leg, decision, ids.request_id)
         except BaseException as exc:
             if isinstance(exc, UpstreamError):
                 exc.request_id = ids.request_id  # for the attempt's log line
             if not reservation.detached:
                 pool.ledger.release(reservation)
             raise
+
+    async def _reserve(
+        self, pool: ModelPool, creq: ClientRequest, route: Route, avoid: frozenset[Instance]
+    ) -> Reservation:
+        """A decode slot (may queue: the wait is the key's queue-wait metric)."""
+        waited_from = self._clock()
+        with self._tracing.span("slot_wait"):
+            reservation = await pool.ledger.reserve(
+                route.key, avoid, route.session, creq.client_key, route.cache
+            )
+        self._metrics.key_queue_wait.labels(creq.client_key).observe(self._clock() - waited_from)
+        self._count_placement(pool, Role.DECODE, reservation.placement)
+        self._count_choice(pool, Role.DECODE, route.cache)
+        return reservation
+
+    async def _split(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        decision: Decision,
+        route: Route,
+        avoid: frozenset[Instance],
+        reservation: Reservation,
+        ids: kp.DispatchIds,
+    ) -> Dispatch:
+        """A disaggregated attempt, its decode slot held: select P, run the plan."""
+        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
+        if lease is None:  # left rotation while this request waited for its slot
+            raise self._no_prefill(pool)
+        p = lease.instance
+        self._count_placement(pool, Role.PREFILL, lease.placement)
+        self._count_choice(pool, Role.PREFILL, route.cache)
+        pair = Pair(creq, ids, p, reservation.instance)
+        self._tracing.set(pdrouter__prefill=p.url)
+        plan = self._plans[decision]
+        turn = self._turns.plan(pool, creq, route.cache, reservation.instance)
+        if plan.concurrent(pair):
+            return await self._concurrent(pool, plan, pair, decision, reservation, turn)
+        return await self._sequential(pool, plan, pair, decision, reservation, turn)
 
     async def _sequential(
         self,
@@ -278,37 +299,7 @@ class Dispatcher:
             tid, d = pair.ids.transfer_id, pair.decode
             on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)
         d_body = kp.decode_body(pair.creq.body, d_params)
-        p_task = asyncio.create_task(self._prefill(pool, plan, pair, p_params))
-        d_task = asyncio.create_task(self._decode(pool, pair.decode, pair.creq, d_body, pair.ids))
-        try:
-            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
-            p_error = p_task.exception() if p_task in done else None
-            d_ok = d_task in done and d_task.exception() is None
-            if p_error is not None and not d_ok:
-                await discard_decode(d_task)
-                plan.prefill_failed_first(pair)
-                raise p_error
-            leg = await d_task
-        except asyncio.CancelledError:
-            both_running = not p_task.done() and not d_task.done()
-            if both_running and plan.abandon(
-                pair, p_task, d_task, lambda: pool.ledger.release(res)
-            ):
-                res.detached = True  # released by the plan once the legs are settled
-            else:
-                await discard_decode(d_task)
-                await cancel_task(p_task)
-            raise
-        except BaseException:
-            delivered = p_task.done() and not p_task.cancelled() and p_task.exception() is None
-            await discard_decode(d_task)
-            await cancel_task(p_task)
-            plan.decode_failed(pair, delivered)
-            # The failed task holds the exception, whose traceback holds this frame:
-            # without these locals that is not a cycle (which only the collector frees).
-            del p_task, d_task
-            p_error, done = None, set()
-            raise
+        leg, p_task = await self._race(pool, plan, pair, res, p_params, d_body)
         opened = Dispatch(
             res,
             leg,
@@ -325,6 +316,43 @@ class Dispatcher:
             self._observe_handoff(pool, p_task.result().finished_at)
         return opened
 
+    async def _race(
+        self,
+        pool: ModelPool,
+        plan: Plan,
+        pair: Pair,
+        res: Reservation,
+        p_params: dict[str, Any],
+        d_body: dict[str, Any],
+    ) -> tuple[DecodeLeg, asyncio.Task[PrefillResult]]:
+        """Start both legs; return D's once its first bytes are in, with P's task (maybe
+        still running). On any failure neither leg is left running, unless the plan took
+        both over (the client left: :meth:`Plan.abandon`)."""
+        p_task = asyncio.create_task(self._prefill(pool, plan, pair, p_params))
+        d_task = asyncio.create_task(self._decode(pool, pair.decode, pair.creq, d_body, pair.ids))
+        try:
+            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            p_error = p_task.exception() if p_task in done else None
+            d_ok = d_task in done and d_task.exception() is None
+            if p_error is not None and not d_ok:
+                await discard_decode(d_task)
+                plan.prefill_failed_first(pair)
+                raise p_error
+            return await d_task, p_task
+        except asyncio.CancelledError:
+            await _client_left(pool, plan, pair, res, p_task, d_task)
+            raise
+        except BaseException:
+            delivered = p_task.done() and not p_task.cancelled() and p_task.exception() is None
+            await discard_decode(d_task)
+            await cancel_task(p_task)
+            plan.decode_failed(pair, delivered)
+            # The failed task holds the exception, whose traceback holds this frame:
+            # without these locals that is not a cycle (which only the collector frees).
+            del p_task, d_task
+            p_error, done = None, set()
+            raise
+
     def _watch_prefill(
         self, opened: Dispatch, plan: Plan, pair: Pair, task: asyncio.Task[PrefillResult]
     ) -> None:
@@ -336,7 +364,7 @@ class Dispatcher:
         exc = task.exception()
         if isinstance(exc, UpstreamError):
             opened.prefill_error = exc
-            self.settler.spawn(opened.leg.stream.aclose())
+            opened.leg.stream.close()
         elif exc is None:
             plan.prefill_done(pair, task.result())
 
@@ -445,6 +473,24 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
         str(exc.__cause__ or exc.code),
         "yes" if retry else "no",
     )
+
+
+async def _client_left(
+    pool: ModelPool,
+    plan: Plan,
+    pair: Pair,
+    res: Reservation,
+    p_task: asyncio.Task[PrefillResult],
+    d_task: asyncio.Task[DecodeLeg],
+) -> None:
+    """The client left during a concurrent attempt: the plan takes both legs over if it
+    must (the slot then released by it once they are settled), else both are closed."""
+    both_running = not p_task.done() and not d_task.done()
+    if both_running and plan.abandon(pair, p_task, d_task, lambda: pool.ledger.release(res)):
+        res.detached = True  # released by the plan once the legs are settled
+        return
+    await discard_decode(d_task)
+    await cancel_task(p_task)
 
 
 def _all(pool: ModelPool) -> list[Instance]:

@@ -16,9 +16,10 @@ KV from D and compute only the rest. vLLM does not check that those tokens start
 prompt: an edited history would be served with the old history's KV, and P's prefix cache
 would keep it for later requests. Here the check is made before P is asked:
 
-* :meth:`KvReturns.keep` records, per session, D's params and the token ids its KV holds (D's
-  prompt and output ids, asked for with ``return_token_ids``, cut at ``remote_num_tokens``).
-* :meth:`KvReturns.take` hands an entry out at most once, within its TTL.
+* the model's table (:class:`~router.engines.kv_return.KvReturns`) records, per session, D's
+  params and the token ids its KV holds (D's prompt and output ids, asked for with
+  ``return_token_ids``, cut at ``remote_num_tokens``), and hands an entry out at most once,
+  within its TTL.
 * :func:`reuse_params` compares it with the new prompt's token ids (from P's ``/tokenize``).
   The common prefix is reused only if it is at least ``min_tokens`` long. Where it is
   shorter than what D holds, only the blocks covering it are named (D's block size, learned
@@ -33,68 +34,13 @@ are kept (any turn, streaming or not, can reuse one).
 
 from __future__ import annotations
 
-import enum
 import json
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from router.config import KvReturnConfig
+from router.engines.kv_return import Kept, Reuse
 
-__all__ = ["Kept", "KvReturns", "Reuse", "kept_from_response", "reuse_params"]
-
-
-class Reuse(enum.StrEnum):
-    """What became of a kept turn (``result`` label of ``pdrouter_kv_return_total``)."""
-
-    KEPT = "kept"  # a finished turn's params recorded
-    REUSED = "reused"  # the new prompt starts with everything D holds
-    PARTIAL = "partial"  # a shorter common prefix, its blocks only
-    MISMATCH = "mismatch"  # the history was edited: too short a common prefix
-    EXPIRED = "expired"  # taken after its TTL
-    UNAVAILABLE = "unavailable"  # D gone or unhealthy, or its block size unknown
-    OFFERED = "offered"  # pipelined: handed to P, which checks it (connector/reuse.py)
-
-
-@dataclass(frozen=True, slots=True)
-class Kept:
-    """One finished turn on D: its params, the token ids its KV holds, where, until when."""
-
-    params: dict[str, Any]
-    token_ids: tuple[int, ...]
-    decode_url: str
-    expires_at: float
-
-
-class KvReturns:
-    """The kept turns of one model, by session key (the only owner of that state)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._entries: OrderedDict[str, Kept] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def keep(self, config: KvReturnConfig, session: str, params: dict[str, Any],
-             token_ids: Sequence[int], decode_url: str) -> None:  # fmt: skip
-        """Record a finished turn for ``session`` (replacing an older one: D frees that
-        one at its own TTL); the least recently kept entries go first past the bound."""
-        expires = self._clock() + config.ttl_seconds
-        self._entries.pop(session, None)
-        self._entries[session] = Kept(dict(params), tuple(token_ids), decode_url, expires)
-        while len(self._entries) > config.max_entries:
-            self._entries.popitem(last=False)
-
-    def take(self, session: str) -> Kept | Reuse | None:
-        """The session's kept turn, removed (each is used at most once); ``Reuse.EXPIRED``
-        if its TTL has passed, None if there is none."""
-        kept = self._entries.pop(session, None)
-        if kept is None:
-            return None
-        return Reuse.EXPIRED if self._clock() >= kept.expires_at else kept
+__all__ = ["kept_from_response", "reuse_params"]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -7,8 +7,6 @@ cancellation included, the connection is closed before the exception leaves
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -18,67 +16,15 @@ import orjson
 
 from router.config import TimeoutConfig
 from router.engines.instance import Instance
-from router.errors import Fault, UpstreamError, UpstreamStatus, UpstreamTimeout
-from router.http1 import Http1Response
+from router.errors import Fault, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
+from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens
-from router.upstream import UpstreamClient, UpstreamStream, map_errors
+from router.upstream import UpstreamClient, UpstreamStream
 
-__all__ = [
-    "ENGINE_ERROR_EVENT",
-    "SSE_DONE",
-    "DecodeLeg",
-    "LegRunner",
-    "PrefillResult",
-    "Send",
-    "ends_answer",
-]
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
 
 _MAX_ERROR_BODY = 64 * 1024
-# How vLLM reports a failure after a streaming response has started (the JSON of
-# an error response as one SSE event). Generated text cannot contain it: inside
-# the JSON of a token event its quotes are escaped.
-ENGINE_ERROR_EVENT = b'data: {"error"'
-# The last event of an OpenAI stream. A client stops reading there, before the HTTP end that
-# follows; the router must have recorded the answer's end by then (``DecodeLeg.forward``).
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def ends_answer(prev: bytes, chunk: bytes) -> bool:
-    """True if a stream's bytes, read so far as ``prev`` then ``chunk``, end with its terminal
-    event (:data:`SSE_DONE`) at an event's start. Generated text cannot end a read so: its
-    event's JSON holds no raw newline."""
-    if not chunk.endswith(b"]\n\n"):  # the fast path: a token's event ends with "}"
-        return False
-    n = len(SSE_DONE)
-    tail = (prev[-n:] + chunk)[-(n + 1) :]
-    return tail.endswith(SSE_DONE) and (len(tail) == n or tail[0] == ord("\n"))
-
-
-@contextlib.asynccontextmanager
-async def _bounded(inst: Instance, limit: float, code: str) -> AsyncIterator[None]:
-    """``limit`` seconds for a leg on ``inst``, cut short if the health monitor finds
-    the engine unhealthy meanwhile (a frozen engine then costs the detection time,
-    not the whole timeout). Both end as an :class:`UpstreamTimeout`."""
-    role = inst.role.value
-    try:
-        async with asyncio.timeout(limit) as cm:
-            with inst.deadline(cm):
-                yield
-    except TimeoutError:
-        if inst.healthy is False:
-            raise UpstreamTimeout(
-                f"{role} engine stopped answering health checks",
-                role=role,
-                instance=inst.url,
-                code=f"{role}_unhealthy",
-            ) from None
-        raise UpstreamTimeout(
-            f"{role} engine did not answer in time ({code})",
-            role=role,
-            instance=inst.url,
-            code=code,
-        ) from None
 
 
 @dataclass(slots=True)
@@ -138,7 +84,7 @@ class DecodeLeg:
         # until its end is read; a complete (non-streaming) body is not.
         self._counted = rest is not None  # in instance.at_engine (router/engines/load.py)
         if self._counted:
-            instance.at_engine += 1
+            instance.stream_started()
 
     async def forward(
         self,
@@ -164,26 +110,25 @@ class DecodeLeg:
         count, worst, now = 1, 0.0, clock()
         try:
             # Locals, not attributes, in the loop: it runs once per token of every stream.
-            with map_errors("decode", self.instance.url):
-                async for chunk in self.rest:
-                    count += 1
-                    error_event = error_event or ENGINE_ERROR_EVENT in chunk
-                    t = clock()
-                    worst = max(worst, t - now)
-                    now = t
-                    if patch is not None and MARKER in chunk:
-                        chunk = await patch(chunk)
-                    if stream.ended:
-                        last = held + chunk  # D's last bytes came with its end: one write
-                        break
-                    # A token's event ends with "}": one test per token, no call.
-                    if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
-                        held += chunk
-                        continue
-                    prev = chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                else:
-                    last = held
+            async for chunk in self.rest:
+                count += 1
+                error_event = error_event or ENGINE_ERROR_EVENT in chunk
+                t = clock()
+                worst = max(worst, t - now)
+                now = t
+                if patch is not None and MARKER in chunk:
+                    chunk = await patch(chunk)
+                if stream.ended:
+                    last = held + chunk  # D's last bytes came with its end: one write
+                    break
+                # A token's event ends with "}": one test per token, no call.
+                if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
+                    held += chunk
+                    continue
+                prev = chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            else:
+                last = held
         except UpstreamError as exc:
             if not held:
                 self.verdict = exc.fault
@@ -208,7 +153,7 @@ class DecodeLeg:
     def _mark_ended(self) -> None:
         if self._counted:
             self._counted = False
-            self.instance.at_engine -= 1
+            self.instance.stream_ended()
 
     async def close(self) -> None:
         """Close D's connection (vLLM aborts the request there); idempotent."""
@@ -216,7 +161,7 @@ class DecodeLeg:
         if self._closed:
             return
         self._closed = True
-        await _close_quietly(self.stream)
+        self.stream.close()
 
     @property
     def status(self) -> int:
@@ -226,15 +171,6 @@ class DecodeLeg:
     def content_type(self) -> str:
         content_type: str = self.stream.content_type
         return content_type
-
-
-async def _close_quietly(stream: UpstreamStream) -> None:
-    if isinstance(stream, Http1Response):
-        stream.close()  # synchronous: nothing can interrupt it
-        return
-    # Shielded so a second cancellation cannot leave the connection open.
-    with contextlib.suppress(Exception):
-        await asyncio.shield(stream.aclose())
 
 
 class LegRunner:
@@ -266,12 +202,9 @@ class LegRunner:
         With ``require_params``, a response without ``kv_transfer_params`` is an
         error (counted), never a silent recompute on D.
         """
-        inst.in_flight += 1
         inst.breaker.on_dispatch()
-        try:
+        with inst.running_leg():
             content = await self._prefill_call(inst, path, body, request_id, traceparent)
-        finally:
-            inst.in_flight -= 1
         doc = _json(content)
         params = _kv_params(doc)
         if require_params and params is None:
@@ -294,45 +227,13 @@ class LegRunner:
         traceparent: str | None,
     ) -> bytes:
         limit = self._timeouts.prefill
-        async with _bounded(inst, limit, "prefill_timeout"):
-            with map_errors("prefill", inst.url):
-                stream = await self._upstream.open(
-                    inst.url + path, body, request_id, read_timeout=limit, traceparent=traceparent
-                )
-                try:
-                    content = await stream.read_all()
-                finally:
-                    await _close_quietly(stream)
-        if stream.status != 200:
-            raise UpstreamStatus(stream.status, content, role="prefill", instance=inst.url)
-        return content
-
-    async def tokenize(self, inst: Instance, query: dict[str, Any]) -> list[int] | None:
-        """The token ids ``inst``'s ``/tokenize`` gives for ``query``; None on any failure
-        (a side call: its failure costs the optimisation, never the request)."""
-        limit = self._timeouts.connect + 5.0
-        try:
-            async with asyncio.timeout(limit):
-                stream = await self._upstream.open(
-                    inst.url + "/tokenize", query, "tokenize", read_timeout=limit
-                )
-                try:
-                    content = await stream.read_all()
-                finally:
-                    await _close_quietly(stream)
-        except Exception:
-            return None
-        tokens = _json(content).get("tokens") if stream.status == 200 else None
-        ok = isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
-        return tokens if ok else None
-
-    async def metrics_text(self, inst: Instance) -> str | None:
-        """``inst``'s ``/metrics`` page; None on any failure."""
-        try:
-            status, body = await self._upstream.get(inst.url + "/metrics", self._timeouts.connect)
-        except Exception:
-            return None
-        return body.decode("utf-8", "replace") if status == 200 else None
+        async with self._upstream.within(inst, limit, "prefill_timeout", watched=True):
+            answer = await self._upstream.call(
+                inst, path, body, request_id, read_timeout=limit, traceparent=traceparent
+            )
+        if answer.status != 200:
+            raise UpstreamStatus(answer.status, answer.content, role="prefill", instance=inst.url)
+        return answer.content
 
     async def open_decode(
         self,
@@ -352,34 +253,33 @@ class LegRunner:
         """
         limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
-        opened: UpstreamStream | None = None
-        inst.prefilling += computes_prompt
-        try:
-            async with _bounded(inst, limit, code):
-                with map_errors("decode", inst.url):
-                    opened = await self._upstream.open(
-                        inst.url + path,
-                        body,
-                        request_id,
-                        read_timeout=None if stream else limit,
-                        traceparent=traceparent,
-                    )
-                    if opened.status >= 400 or not stream:
-                        content = await _read_bounded(opened)
-                        if opened.status >= 400:
-                            raise UpstreamStatus(
-                                opened.status, content, role="decode", instance=inst.url
-                            )
-                        return DecodeLeg(inst, opened, content, None, self._clock)
-                    rest = opened.chunks().__aiter__()
-                    first = await anext(rest, b"")
-                    return DecodeLeg(inst, opened, first, rest, self._clock)
-        except BaseException:
-            if opened is not None:
-                await _close_quietly(opened)
-            raise
-        finally:
-            inst.prefilling -= computes_prompt
+        with inst.computing_prompt(computes_prompt):
+            async with self._upstream.within(inst, limit, code, watched=True):
+                opened = await self._upstream.open(
+                    inst,
+                    path,
+                    body,
+                    request_id,
+                    read_timeout=None if stream else limit,
+                    traceparent=traceparent,
+                )
+                try:
+                    return await self._first_bytes(inst, opened, stream)
+                except BaseException:
+                    opened.close()
+                    raise
+
+    async def _first_bytes(self, inst: Instance, opened: UpstreamStream, stream: bool) -> DecodeLeg:
+        """D's leg once its first bytes are read: a streaming body's first read, else the
+        whole body; an error status raises :class:`UpstreamStatus` with its body."""
+        if opened.status >= 400 or not stream:
+            content = await _read_bounded(opened)
+            if opened.status >= 400:
+                raise UpstreamStatus(opened.status, content, role="decode", instance=inst.url)
+            return DecodeLeg(inst, opened, content, None, self._clock)
+        rest = opened.chunks().__aiter__()
+        first = await anext(rest, b"")
+        return DecodeLeg(inst, opened, first, rest, self._clock)
 
 
 async def _read_bounded(stream: UpstreamStream) -> bytes:

@@ -230,11 +230,11 @@ class Push(PushSequential):
 
     def prefill_failed_first(self, pair: Pair) -> None:
         super().prefill_failed_first(pair)
-        pair.decode.suspect = True
+        pair.decode.suspect_leak()
 
     def decode_failed(self, pair: Pair, kv_delivered: bool) -> None:
         if not kv_delivered:
-            pair.decode.suspect = True  # closed while it waited for KV: it may leak
+            pair.decode.suspect_leak()  # closed while it waited for KV: it may leak
 
     def abandon(
         self,

@@ -56,6 +56,6 @@ def prefill_busy(pool: ModelPool) -> bool:
     usable = candidates(pool.prefill) if limit else []
     if not usable:
         return False
-    queue = min(p.in_flight for p in usable)
+    queue = min(p.legs_running for p in usable)
     decode = candidates(pool.decode)
     return queue >= limit and bool(decode) and min(d.prefilling for d in decode) < queue

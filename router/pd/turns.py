@@ -34,11 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
+from router.engines.kv_return import Kept, Reuse
 from router.kvindex.route import CacheRoute
 from router.kvindex.tokens import tokenize_query
 from router.metrics import Metrics
-from router.pd.kv_return import Kept, Reuse, kept_from_response, reuse_params
-from router.pd.legs import DecodeLeg, LegRunner
+from router.pd.kv_return import kept_from_response, reuse_params
+from router.pd.legs import DecodeLeg
+from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 
 __all__ = ["TurnPlan", "Turns", "keep_id"]
@@ -77,8 +79,8 @@ def _first_turn(creq: ClientRequest) -> bool:
 
 
 class Turns:
-    def __init__(self, legs: LegRunner, metrics: Metrics) -> None:
-        self._legs = legs
+    def __init__(self, side_calls: SideCalls, metrics: Metrics) -> None:
+        self._side = side_calls
         self._metrics = metrics
 
     def plan(
@@ -154,20 +156,20 @@ class Turns:
         prompt_ids = await self._prompt_ids(p, creq)
         if prompt_ids is None:
             return Reuse.UNAVAILABLE, None
+        if d.block_size is None:
+            d.learn_block_size(await self._block_size(d))
         block_size = d.block_size
-        if block_size is None:
-            block_size = d.block_size = await self._block_size(d)
         return reuse_params(kept, prompt_ids, block_size, pool.config.kv_return.min_tokens)
 
     async def _prompt_ids(self, p: Instance, creq: ClientRequest) -> list[int] | None:
         query = tokenize_query(creq)
         if query is None or isinstance(query, list):
             return query
-        return await self._legs.tokenize(p, query)
+        return await self._side.tokenize(p, query)
 
     async def _block_size(self, d: Instance) -> int | None:
         """D's KV block size, from ``vllm:cache_config_info`` on its ``/metrics``."""
-        text = await self._legs.metrics_text(d)
+        text = await self._side.metrics_text(d)
         if text is None:
             return None
         for family in text_string_to_metric_families(text):

@@ -224,7 +224,7 @@ def kv_usage(engine: Engine) -> float:
     return engine.metrics().total("vllm:kv_cache_usage_perc")
 
 
-def wait_idle(engine: Engine, timeout_s: float = 5.0) -> bool:
+def wait_idle(engine: Engine, timeout_s: float = 30.0) -> bool:
     """True once the engine has no running/waiting request and no KV blocks in use."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -10,7 +10,8 @@ from connector.address import NixlAddress
 from connector.metadata import CONNECTOR_VERSION, agent_name
 from connector.readiness import Readiness
 from connector.worker import Timeouts, WorkerSide
-from tests.connector.fake_nixl import Fabric, FakeAgent
+from tests.fakes import clock as fakes_clock
+from tests.fakes.fake_nixl import Fabric, FakeAgent
 
 if TYPE_CHECKING:
     import torch
@@ -24,15 +25,11 @@ P_ADDR = NixlAddress("prefill-0", "127.0.0.1", 6600)
 D_ADDR = NixlAddress("decode-0", "127.0.0.1", 6700)
 
 
-@dataclass
-class Clock:
-    now: float = 1000.0
+class Clock(fakes_clock.Clock):
+    """The tests' clock, started at 1000 s (the connector's times are never near 0)."""
 
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+    def __init__(self, now: float = 1000.0) -> None:
+        super().__init__(now)
 
 
 def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:

@@ -32,13 +32,16 @@ from tests.connector.engines import (
     wait_for,
     wait_idle,
 )
-from tests.engine_stacks import Running
+from tests.engine_stacks import RECEIVE_TIMEOUT_S, Running
 
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.parametrize("engine_stack", ["connector-pair"], indirect=True),
 ]
 LONG = "All work and no play makes Jack a dull boy. " * 170  # about 3400 tokens
+# Well before D's receive timeout (RECEIVE_TIMEOUT_S): an engine idle again by then was
+# freed by the failure the test caused, not by the timeout (whose counter is checked too).
+BEFORE_TIMEOUT_S = 0.6 * RECEIVE_TIMEOUT_S
 PROMPTS = [
     "def fibonacci(n):\n    return ",
     "The quick brown fox " * 40,
@@ -132,34 +135,44 @@ def test_through_router(stack: tuple[Engine, Engine, str]) -> None:
 
 
 def test_client_disconnect_mid_prefill_through_router(stack: tuple[Engine, Engine, str]) -> None:
-    """The client leaves while P holds the prefill: both engines idle within 2 s of P's core
-    resuming. P's core is frozen before the request and thawed once P's API server has sent
-    it the request and then the abort (the router closed P's leg): P cannot finish the
-    prefill first, however fast, nor see the abort before the request."""
+    """The client leaves while P holds the prefill: both engines idle again, D freed by P's
+    notice, not by its receive timeout. P's core is frozen before the request and thawed once
+    P's API server has sent it the request and then the abort (the router closed P's leg): P
+    cannot finish the prefill first, however fast, nor see the abort before the request."""
     p, d, url = stack
     added, aborted = logged(p, "Added request"), logged(p, "Aborted request")
+    timeouts0 = recv_timeouts(d)
     body = {"model": "tiny", "prompt": LONG, "max_tokens": 32, "temperature": 0}
     with frozen_core(p):
         with open_post(f"{url}/v1/completions", body, {}):
             assert wait_busy(d, 10.0), "the decode leg never reached D"
             wait_for("P sent its core the request", lambda: logged(p, "Added request") > added)
         wait_for("P sent its core the abort", lambda: logged(p, "Aborted request") > aborted)
-    assert wait_idle(p, 2.0) and wait_idle(d, 2.0)
+    assert wait_idle(p, BEFORE_TIMEOUT_S) and wait_idle(d, BEFORE_TIMEOUT_S)
+    assert recv_timeouts(d) == timeouts0
 
 
 @pytest.mark.destructive(order=1)
 def test_prefill_killed_mid_prefill(stack: tuple[Engine, Engine, str]) -> None:
-    """P killed mid-prefill: the client gets an error within 2 s, D keeps no blocks (vLLM's own
-    push connector leaks them here). The frozen core holds the prefill; D holding the request
-    shows that both legs are under way. Last on the pair: P stays dead."""
+    """P killed mid-prefill: the client gets the router's upstream error at once (not after a
+    timeout), D keeps no blocks (vLLM's own push connector leaks them here). The frozen core
+    holds the prefill; D holding the request shows that both legs are under way. Last on the
+    pair: P stays dead."""
     p, d, url = stack
+    timeouts0 = recv_timeouts(d)
     with cf.ThreadPoolExecutor(1) as pool, frozen_core(p):
         fut = pool.submit(complete, url, LONG + "Again. ", 32)
         assert wait_busy(d, 10.0), "the decode leg never reached D"
         p.proc.signal_group(signal.SIGKILL)
         killed = time.monotonic()
-        r = fut.result(timeout=30)
+        r = fut.result(timeout=BEFORE_TIMEOUT_S)
         took = time.monotonic() - killed
-    assert r.status_code >= 500, r.text
-    assert took < 2.0
-    assert wait_idle(d, 2.0)
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["type"] == "upstream_error", r.text
+    assert took < BEFORE_TIMEOUT_S  # the router's prefill timeout is 120 s
+    assert wait_idle(d, BEFORE_TIMEOUT_S)
+    assert recv_timeouts(d) == timeouts0
+
+
+def recv_timeouts(d: Engine) -> float:
+    return d.metrics().total("vllm:pdr_failures_total", kind="recv_timeout")

@@ -19,6 +19,10 @@ from tests.needs import need_module
 torch = need_module("torch")
 need_module("nixl")
 
+# One xdist worker runs the real-NIXL modules (kv-ports): their agents pick ports from one
+# range, and two workers probing it at once could both pick the same one.
+pytestmark = pytest.mark.xdist_group("kv-ports")
+
 
 @pytest.fixture(scope="module")
 def rows() -> list[Row]:

@@ -29,7 +29,6 @@ from connector.metadata import (
 )
 from connector.peers import LinkState, PeerTable
 from connector.worker import WorkerSide
-from tests.connector.fake_nixl import Fabric, FakeAgent
 from tests.connector.helpers import (
     D_ADDR,
     P_ADDR,
@@ -41,6 +40,7 @@ from tests.connector.helpers import (
     make_side,
 )
 from tests.connector.layouts import LAYOUTS, strided_caches
+from tests.fakes.fake_nixl import Fabric, FakeAgent
 from tests.needs import need_module
 
 torch = need_module("torch")  # real tensors: needs the engine extra

@@ -15,7 +15,6 @@ import pytest
 from connector.metadata import KeepSpec, Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.readiness import CudaReadiness, HostReadiness, Readiness, readiness_for
 from connector.reuse import prefix_hashes
-from tests.connector.fake_nixl import Fabric
 from tests.connector.fake_readiness import HeldReadiness
 from tests.connector.helpers import (
     D_ADDR,
@@ -27,6 +26,7 @@ from tests.connector.helpers import (
     idle,
     make_side,
 )
+from tests.fakes.fake_nixl import Fabric
 from tests.needs import need_module
 
 torch = need_module("torch")  # real tensors: needs the engine extra

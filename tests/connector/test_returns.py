@@ -14,7 +14,6 @@ from connector.reuse import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.scheduler import SchedulerSide
 from connector.worker import Timeouts
 from router.pd.pipelined_params import decode_params, prefill_params
-from tests.connector.fake_nixl import Fabric
 from tests.connector.helpers import (
     D_ADDR,
     LAYERS,
@@ -25,6 +24,7 @@ from tests.connector.helpers import (
     make_side,
     sched_output,
 )
+from tests.fakes.fake_nixl import Fabric
 from tests.needs import need_module
 
 BS = 16

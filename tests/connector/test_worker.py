@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.worker import Timeouts
-from tests.connector.fake_nixl import Fabric
 from tests.connector.helpers import (
     D_ADDR,
     LAYERS,
@@ -15,6 +14,7 @@ from tests.connector.helpers import (
     idle,
     make_side,
 )
+from tests.fakes.fake_nixl import Fabric
 from tests.needs import need_module
 
 torch = need_module("torch")  # real tensors: needs the engine extra

@@ -120,22 +120,55 @@ def prompts(engines_available: None) -> list[str]:
     return h.prompts_of_lengths(model_dir / "tokenizer.json", PROMPT_LENGTHS)
 
 
-@pytest.fixture(scope="session")
-def reference(prompts: list[str]) -> Reference:
-    """Run the aggregated engine once, record its outputs, and stop it before P/D stacks."""
-    flags = {"aggregated-0": ENGINE_FLAGS}
-    with Stack(variant=h.FAST, mode="aggregated", with_router=False, engine_args=flags) as stack:
-        client = h.client_for(stack.decode.url)
-        completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
-        chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
-        answers = {case.name: cf.ask(stack.decode.url, case) for case in cf.CASES}
-        turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
-        replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
+class References:
+    """The aggregated reference, computed once per run. On the first main stack's D (a whole
+    vLLM engine without prefix caching, like the reference engine: a request without
+    ``kv_transfer_params`` is served by it alone), so the run starts no engine for it; where a
+    run starts no main stack, by a one-engine stack of its own, stopped before the P/D stack
+    that needs it starts."""
+
+    def __init__(self, prompts: list[str]) -> None:
+        self._prompts = prompts
+        self.value: Reference | None = None
+
+    def from_engine(self, url: str) -> None:
+        if self.value is None:
+            self.value = _reference_from(url, self._prompts)
+
+    def standalone(self) -> None:
+        if self.value is None:
+            flags = {"aggregated-0": ENGINE_FLAGS}
+            mode = "aggregated"
+            with Stack(variant=h.FAST, mode=mode, with_router=False, engine_args=flags) as st:
+                self.value = _reference_from(st.decode.url, self._prompts)
+
+
+def _reference_from(url: str, prompts: list[str]) -> Reference:
+    client = h.client_for(url)
+    completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
+    chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
+    answers = {case.name: cf.ask(url, case) for case in cf.CASES}
+    turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
+    replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.
     assert len({o.token_ids for o in completions + chats}) == len(completions + chats)
     return Reference(prompts, completions, chats, answers, turns, replies)
+
+
+@pytest.fixture(scope="session")
+def references(prompts: list[str]) -> References:
+    return References(prompts)
+
+
+@pytest.fixture
+def reference(request: pytest.FixtureRequest, references: References) -> Reference:
+    """The aggregated outputs; the test's stack is set up first (``engine_stack`` computes
+    the reference as it starts a stack that needs it)."""
+    request.getfixturevalue("engine_stack")
+    assert references.value is not None, "no stack of this test computed the reference"
+    return references.value
 
 
 @pytest.fixture

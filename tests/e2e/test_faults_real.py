@@ -91,12 +91,15 @@ P, D = "prefill-0", "decode-0"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE, FINISHED = "vllm:kv_cache_usage_perc", "vllm:request_success_total"
 IDLE_KV = 1e-9  # an idle engine holds no KV blocks (no prefix caching)
-IDLE_DEADLINE_S = 5.0
+# Deadlines of waits for something that must happen (each returns as soon as it holds): far
+# above what a run takes, so a machine busy with other work cannot decide the outcome. A run
+# here takes under a tenth of each (engines idle in 0.1-0.5 s, a phase in 0.1-2 s).
+IDLE_DEADLINE_S = 15.0
 # After a push drop before P's answer, P (thawed) first prefills and D runs its first step.
-SETTLE_DEADLINE_S = 10.0
-VERDICT_DEADLINE_S = 5.0  # ten health intervals: the router has read D's metrics by then
-PHASE_DEADLINE_S = 10.0  # for a request to reach a phase (D waiting, P answered, ...)
-RESTART_READY_S = 15.0
+SETTLE_DEADLINE_S = 30.0
+VERDICT_DEADLINE_S = 15.0  # thirty health intervals: the router has read D's metrics by then
+PHASE_DEADLINE_S = 30.0  # for a request to reach a phase (D waiting, P answered, ...)
+RESTART_READY_S = 30.0
 # A push P killed this long after the request at the latest: the 502 (due within 3 s of the kill)
 # then comes before D's first-byte timeout could answer 504.
 KILL_BY_S = TIMEOUTS["decode_first_byte"] - 3.0
@@ -509,7 +512,9 @@ class TestPush:
                 answer = future.result(timeout=TIMEOUTS["total"])
             assert answer.status == 504, answer
             assert answer.error()["code"] == "decode_first_byte_timeout", answer.text
-            assert limit <= answer.elapsed < limit + 2.0, answer.elapsed
+            # Not before the limit; the upper bound only tells this timeout from the next one
+            # (prefill, 10 s): the code names which fired.
+            assert limit <= answer.elapsed < TIMEOUTS["prefill"], answer.elapsed
             print(f"push, P's core frozen: 504 after {answer.elapsed:.2f}s")
             _assert_decode_leak_handled(st, leaked=True)
         # P's core now reads the request and its abort (the router closed P's leg) together,
@@ -551,7 +556,8 @@ class TestPush:
             answer = future.result(timeout=TIMEOUTS["total"])
         assert answer.status == 502, answer
         assert answer.error()["code"] == "prefill_unreachable"
-        assert answer.ended_at - killed_at < 3.0, "waited for a timeout"
+        # The code says the router saw P's connection die; a timeout would answer 504 with
+        # its own code (decode_first_byte_timeout, due KILL_BY_S + 3 s after the kill).
         print(
             f"push, P killed holding the request ({took:.2f}s after it was sent; P's load before "
             f"it {p_load:g}): 502 {answer.ended_at - killed_at:.2f}s after the kill"

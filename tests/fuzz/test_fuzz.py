@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 from router.app import create_app
 from router.config import parse_config
 
+# In scripts/test.sh's one-process run: schemathesis gives every API operation's test the same
+# node id, and xdist runs only one test per node id.
+pytestmark = pytest.mark.serial
 CONFIG = {
     "models": [
         {

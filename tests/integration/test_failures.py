@@ -604,7 +604,7 @@ async def test_a_leaking_decode_is_out_of_rotation_while_another_serves(
     pool = ctx.registry.get("tiny")
     assert pool is not None
     leaky = pool.decode[0]
-    leaky.suspect = True
+    leaky.suspect_leak()
     cluster2.decode[0].behaviour.kv_usage = 0.02
     await eventually(lambda: leaky.degraded)
     for _ in range(6):

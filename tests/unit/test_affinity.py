@@ -9,23 +9,17 @@ from router.config import SessionConfig
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
+from tests.fakes.clock import Clock
+from tests.fakes.instances import hold_slots
 
 
 def _decodes(n: int, slots: int = 100) -> list[Instance]:
     out = []
     for i in range(n):
         inst = Instance(f"http://d{i}:8000", Role.DECODE, "m", Breaker(3, 10.0, lambda: 0.0))
-        inst.slots = slots
+        inst.set_slots(slots)
         out.append(inst)
     return out
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_session_sticks_and_new_ones_spread() -> None:
@@ -56,11 +50,11 @@ def test_no_instance_exceeds_the_bound() -> None:
     ds = _decodes(3)
     for _ in range(2000):
         for d in ds:
-            d.in_flight = rng.randint(0, 20)
-        total = sum(d.in_flight for d in ds)
+            hold_slots(d, rng.randint(0, 20))
+        total = sum(d.slots_held for d in ds)
         cap = math.ceil(1.25 * (total + 1) / 3)
         chosen, _ = aff.select(Role.DECODE, rng.choice("abc"), ds)
-        assert chosen.in_flight + 1 <= cap
+        assert chosen.slots_held + 1 <= cap
 
 
 def test_an_overloaded_sticky_instance_spills() -> None:
@@ -68,7 +62,7 @@ def test_an_overloaded_sticky_instance_spills() -> None:
     ds = _decodes(2)
     home, how = aff.select(Role.DECODE, "s", ds)
     assert how is Placement.PLACED
-    home.in_flight = 10
+    hold_slots(home, 10)
     other, how = aff.select(Role.DECODE, "s", ds)
     assert other is not home and how is Placement.SPILLED
 

@@ -8,14 +8,8 @@ from router.engines.breaker import Breaker, BreakerState
 from router.engines.instance import Instance, Role
 from router.engines.policies import make_policy
 from router.errors import Fault
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes.clock import Clock
+from tests.fakes.instances import hold_slots
 
 
 def test_engine_faults_eject_half_open_and_close() -> None:
@@ -120,14 +114,15 @@ def test_round_robin_cycles() -> None:
 
 def test_least_loaded_prefers_free_capacity_and_spreads_ties() -> None:
     pol, xs = make_policy("least_loaded"), insts(3)
-    xs[0].in_flight, xs[1].in_flight, xs[2].in_flight = 3, 1, 1
+    for inst, held in zip(xs, (3, 1, 1), strict=True):
+        hold_slots(inst, held)
     picks = {pol.select(xs, None).url for _ in range(4)}
     assert picks == {"u1", "u2"}
 
 
 def test_power_of_two_never_picks_the_most_loaded_of_two() -> None:
     pol, xs = make_policy("power_of_two"), insts(2)
-    xs[0].in_flight = 4
+    hold_slots(xs[0], 4)
     assert all(pol.select(xs, None).url == "u1" for _ in range(20))
 
 

@@ -13,7 +13,8 @@ import pytest
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError
-from router.pd.legs import SSE_DONE, DecodeLeg, ends_answer
+from router.pd.legs import DecodeLeg
+from router.pd.sse import SSE_DONE, ends_answer
 
 TOKEN = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
 # Generated text that looks like the terminal event: JSON-escaped, inside a token's event.

@@ -13,13 +13,26 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
-import httpx
 import orjson
 import pytest
 
 from router.config import TimeoutConfig
-from router.http1 import _HIGH_WATER, Http1Pool, Http1Response, Origin, _Conn, split_url
+from router.engines.breaker import Breaker
+from router.engines.instance import Instance, Role
+from router.http1 import (
+    _HIGH_WATER,
+    ConnectError,
+    Http1Pool,
+    Http1Response,
+    Origin,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    _Conn,
+    split_url,
+)
 from router.upstream import UpstreamClient
+from tests.conftest import eventually
 
 WAIT = 10.0  # generous bound on every wait for something that should happen promptly
 CHUNKED_HEAD = (
@@ -169,14 +182,6 @@ async def echo(peer: Peer) -> None:
         await peer.respond(b"echo:" + request.body)
 
 
-async def eventually(condition: Callable[[], bool]) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.005)
-
-    await asyncio.wait_for(poll(), WAIT)
-
-
 async def closed_by_client(peer: Peer) -> None:
     await asyncio.wait_for(peer.eof.wait(), WAIT)
 
@@ -220,10 +225,11 @@ async def test_upstream_client_heads_carry_target_host_auth_id_and_length(
     client = UpstreamClient(TimeoutConfig(), upstream_key="sekrit")
     base = f"http://127.0.0.1:{server.origin.port}"
     try:
-        stream = await client.open(f"{base}/v1/completions", {"prompt": "hi"}, "req-1")
+        engine = Instance(base, Role.DECODE, "tiny", Breaker(5, 10.0))
+        stream = await client.open(engine, "/v1/completions", {"prompt": "hi"}, "req-1")
         assert await stream.read_all() == b'echo:{"prompt":"hi"}'
-        await stream.aclose()
-        assert await client.get(f"{base}/metrics?x=1", WAIT) == (200, b"echo:")
+        stream.close()
+        assert await client.get(engine, "/metrics?x=1", WAIT) == (200, b"echo:")
     finally:
         await client.aclose()
     assert server.accepted == 1
@@ -285,7 +291,7 @@ async def test_fresh_connection_closed_unanswered_is_not_retried(
         await peer.read_request()  # then close without a byte
 
     server = await serve(script)
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError):
         await ask(pool, server.origin, b"a")
     assert server.accepted == 1
 
@@ -302,7 +308,7 @@ async def test_stale_retry_happens_once_only(
 
     server = await serve(script)
     assert await fetch(pool, server.origin, b"a") == b"one"
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError):
         await ask(pool, server.origin, b"b")
     assert server.accepted == 2
 
@@ -342,7 +348,7 @@ async def test_idle_connection_closed_by_the_server_leaves_the_pool(
     assert await fetch(pool, server.origin, b"a") == b"one"
     assert pool._idle[server.origin]
     given_back.set()
-    await eventually(lambda: not pool._idle[server.origin])
+    await eventually(lambda: not pool._idle[server.origin], WAIT)
     assert await fetch(pool, server.origin, b"b") == b"echo:b"
     assert server.accepted == 2
     assert [r.body for r in server.requests] == [b"a", b"b"]
@@ -373,7 +379,7 @@ async def test_closing_a_response_another_task_is_reading_ends_that_read(
     await asyncio.sleep(0.05)  # the reader waits for bytes
     assert not reader.done()
     response.close()  # e.g. the P leg failed while D streams: end D's relay now
-    with pytest.raises(httpx.ReadError):
+    with pytest.raises(ReadError):
         await asyncio.wait_for(reader, WAIT / 2)
     await closed_by_client(server.peers[0])
 
@@ -401,7 +407,7 @@ async def test_malformed_response_raises_remote_protocol_error_and_closes(
         await peer.until_eof()
 
     server = await serve(script)
-    with pytest.raises(httpx.RemoteProtocolError, match="malformed"):
+    with pytest.raises(RemoteProtocolError, match="malformed"):
         await ask(pool, server.origin, b"a")
     await closed_by_client(server.peers[0])
 
@@ -416,7 +422,7 @@ async def test_connection_dropped_mid_chunked_body_raises_when_iterating(
     server = await serve(script)
     response = await ask(pool, server.origin, b"a")
     received: list[bytes] = []
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError):
         async with asyncio.timeout(WAIT):
             async for data in response:
                 received.append(data)
@@ -458,7 +464,7 @@ async def test_stall_after_headers_raises_read_timeout_when_iterating(
     server = await serve(script)
     response = await ask(pool, server.origin, b"a", timeout=0.2)
     started = time.monotonic()
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(ReadTimeout):
         await asyncio.wait_for(anext(response), WAIT)
     assert 0.1 <= time.monotonic() - started < WAIT / 2
     response.close()
@@ -479,7 +485,7 @@ async def test_read_timeout_counts_from_the_last_bytes_not_the_first_wait(
     server = await serve(script)
     response = await ask(pool, server.origin, b"a", timeout=0.3)
     got = b""
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(ReadTimeout):
         while True:
             got += await asyncio.wait_for(anext(response), WAIT)
     assert got == b"x" * 6  # every byte arrived before the stall timed out
@@ -497,7 +503,7 @@ async def test_no_headers_raises_read_timeout_from_request(
 
     server = await serve(script)
     started = time.monotonic()
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(ReadTimeout):
         await ask(pool, server.origin, b"a", timeout=0.2)
     assert 0.1 <= time.monotonic() - started < WAIT / 2
     await closed_by_client(server.peers[0])
@@ -507,7 +513,7 @@ async def test_connection_refused_raises_connect_error(pool: Http1Pool) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(httpx.ConnectError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
         await ask(pool, Origin("http", "127.0.0.1", port), b"a")
 
 
@@ -526,7 +532,7 @@ async def test_unread_body_is_bounded_and_arrives_intact(
 
     server = await serve(script)
     response = await ask(pool, server.origin, b"a")
-    await eventually(lambda: response._buffered > _HIGH_WATER)
+    await eventually(lambda: response._buffered > _HIGH_WATER, WAIT)
     peak = 0
     for _ in range(30):
         peak = max(peak, response._buffered)
@@ -557,11 +563,11 @@ async def test_chunks_that_arrived_together_are_joined_and_ended_waits_for_the_e
     response = await ask(pool, server.origin, b"a")
     assert response.content_type == "text/event-stream" and not response.ended
     more.set()
-    await eventually(lambda: response._buffered == 4)
+    await eventually(lambda: response._buffered == 4, WAIT)
     assert await asyncio.wait_for(anext(response), WAIT) == b"abcd"
     assert not response.ended
     last.set()
-    await eventually(lambda: response._complete)
+    await eventually(lambda: response._complete, WAIT)
     assert not response.ended  # b"ef" not handed out yet
     assert await asyncio.wait_for(anext(response), WAIT) == b"ef"
     assert response.ended
@@ -641,20 +647,20 @@ async def test_finished_and_failed_exchanges_are_freed_without_the_collector(
     assert await fetch(pool, server.origin, b"a") == b"done"
     pool.close()
     response = await ask(pool, server.origin, b"b")
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError):
         async with asyncio.timeout(WAIT):
             async for _ in response:
                 pass
     response.close()
     del response
-    with pytest.raises(httpx.ReadTimeout):
+    with pytest.raises(ReadTimeout):
         await pool.request(server.origin, post(b"c"), b"c", 0.05)
     waiting = asyncio.create_task(pool.request(server.origin, post(b"d"), b"d", WAIT))
-    await eventually(lambda: server.accepted == 4)
+    await eventually(lambda: server.accepted == 4, WAIT)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     del waiting
     for peer in server.peers[2:]:  # the others the server closed itself
         await closed_by_client(peer)
-    await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses)
+    await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses, WAIT)

@@ -1,11 +1,12 @@
-"""The kept-turn table and the reuse check (router/pd/kv_return.py)."""
+"""The kept-turn table (router/engines/kv_return.py), the reuse check (router/pd/kv_return.py)."""
 
 from __future__ import annotations
 
 import json
 
 from router.config import KvReturnConfig
-from router.pd.kv_return import Kept, KvReturns, Reuse, kept_from_response, reuse_params
+from router.engines.kv_return import Kept, KvReturns, Reuse
+from router.pd.kv_return import kept_from_response, reuse_params
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[7, 8, 9], [17, 18, 19]]}
 

@@ -14,14 +14,7 @@ from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
 from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes.clock import Clock
 
 
 def decode(
@@ -48,7 +41,7 @@ async def test_reserve_and_release_count_slots() -> None:
     a, b = decode("a", 1), decode("b", 2)
     led = ledger(a, b)
     rs = [await led.reserve() for _ in range(3)]
-    assert (a.in_flight, b.in_flight) == (1, 2) and led.slots_in_use == 3
+    assert (a.slots_held, b.slots_held) == (1, 2) and led.slots_in_use == 3
     for r in rs:
         led.release(r)
         led.release(r)  # idempotent
@@ -98,7 +91,7 @@ async def test_cancelled_waiter_returns_a_slot_it_was_handed() -> None:
     waiter.cancel()  # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert a.in_flight == 0 and led.queue_depth == 0
+    assert a.slots_held == 0 and led.queue_depth == 0
 
 
 async def test_no_decode_in_rotation_is_refused_at_once_with_the_earliest_return() -> None:
@@ -160,7 +153,7 @@ async def test_waiters_are_refused_when_the_last_decode_leaves_rotation() -> Non
             await asyncio.wait_for(w, 10.0)
     assert led.queue_depth == 0
     led.release(held)
-    assert a.in_flight == 0
+    assert a.slots_held == 0
 
 
 async def test_a_half_open_decode_takes_more_than_its_trial_when_it_is_the_last() -> None:

@@ -18,15 +18,7 @@ from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
 from router.errors import FairShareExceeded, QueueFull, RateLimited, Unauthorized
 from router.limits import Limiter, TokenBucket
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.fakes.clock import Clock
 
 # -- token bucket and limiter ------------------------------------------------------------
 

@@ -15,11 +15,11 @@ def test_apply_keeps_instances_that_stay_and_updates_slots() -> None:
     pool = reg.get("m")
     assert pool is not None
     a = pool.decode[0]
-    a.in_flight = 1
+    a.take_slot()
     a.breaker.record(False)
     changes = reg.apply(cfg([{"url": "http://a:1", "slots": 5}, {"url": "http://c:1"}]))  # type: ignore[arg-type]
     assert changes == ["model 'm': + http://c:1", "model 'm': - http://b:1"]
-    assert pool.decode[0] is a and a.slots == 5 and a.in_flight == 1
+    assert pool.decode[0] is a and a.slots == 5 and a.slots_held == 1
     assert [i.url for i in pool.ledger.instances] == ["http://a:1", "http://c:1"]
 
 

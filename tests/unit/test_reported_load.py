@@ -16,8 +16,9 @@ class Pages:
     def __init__(self) -> None:
         self.load: dict[str, tuple[int, int] | None] = {}
 
-    async def get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        counts = self.load[url.removesuffix("/metrics")]
+    async def get(self, engine: Instance, path: str, timeout: float) -> tuple[int, bytes]:
+        assert path == "/metrics"
+        counts = self.load[engine.url]
         if counts is None:
             raise OSError("refused")
         running, waiting = counts
@@ -38,11 +39,13 @@ async def test_others_come_from_the_report_and_own_from_the_counters() -> None:
     upstream: Any = pages
     loads = EngineLoads(upstream, interval=1.0, timeout=1.0)
     assert loads.load(d) == own_load(d) == 0  # no report yet: the own count
-    d.in_flight, d.at_engine = 2, 2  # two of ours streaming there
+    for _ in range(2):  # two of ours streaming there
+        d.take_slot()
+        d.stream_started()
     pages.load = {"http://d": (4, 1), "http://p": (3, 0)}
     await loads.read_all([d, p])
     assert loads.load(d) == 2 + 3  # 5 reported, 2 of them ours
-    d.in_flight = 3  # one more of ours since the report
+    d.take_slot()  # one more of ours since the report
     assert loads.load(d) == 3 + 3
     assert loads.load(p) == 3
 

@@ -100,7 +100,7 @@ async def test_two_ledgers_share_slots_and_wake_each_other() -> None:
     led1, inst1 = _ledger(table, 1, 2)
     held = [await led0.reserve(), await led1.reserve()]
     assert inst0.free_slots == inst1.free_slots == 0
-    assert (inst0.in_flight, inst0.in_use) == (1, 2)
+    assert (inst0.slots_held, inst0.in_use) == (1, 2)
     waiter = asyncio.create_task(led1.reserve())
     await asyncio.sleep(0.02)
     assert not waiter.done() and led1.queue_depth == 1

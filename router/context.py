@@ -1,0 +1,126 @@
+"""What one app is made of: every piece the composition root builds, and how it builds them.
+
+:func:`build_context` builds them from the config and the injected ``transport``
+(tests, benchmarks), ``clock`` and ``shared_slots``; nothing here is module-level state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from router.access_log import AccessLog
+from router.auth import Authenticator
+from router.bounds import Bounds
+from router.config import RouterConfig
+from router.engines.health import HealthMonitor
+from router.engines.load import LoadWatcher
+from router.engines.reported import EngineLoads, own_load
+from router.guard import ClientEvents
+from router.kvindex.index import KvIndex
+from router.kvindex.route import CacheScorer
+from router.limits import Limiter
+from router.metrics import Metrics
+from router.passthrough import PassThrough
+from router.pd.dispatch import Dispatcher
+from router.pd.legs import LegRunner
+from router.pd.side_calls import SideCalls
+from router.pd.turns import Turns
+from router.registry import Registry
+from router.shared_slots import WorkerSlots
+from router.tracing import Tracing
+from router.upstream import UpstreamClient
+
+__all__ = ["AppContext", "build_context"]
+
+
+@dataclass(frozen=True, slots=True)
+class AppContext:
+    config: RouterConfig
+    registry: Registry
+    metrics: Metrics
+    upstream: UpstreamClient
+    dispatcher: Dispatcher
+    health: HealthMonitor
+    clock: Callable[[], float]
+    load: LoadWatcher | None  # several router replicas: engine-reported decode load
+    passthrough: PassThrough
+    tracing: Tracing
+    access: AccessLog
+    auth: Authenticator
+    limiter: Limiter
+    bounds: Bounds
+    clients: ClientEvents  # slow clients: the connection guard's and the body deadline's
+    kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
+    engine_loads: EngineLoads | None  # several router replicas: engine-reported load
+
+
+def build_context(
+    config: RouterConfig,
+    transport: httpx.AsyncBaseTransport | None,
+    clock: Callable[[], float],
+    shared_slots: WorkerSlots | None = None,
+) -> AppContext:
+    key = config.auth.upstream_api_key
+    upstream = UpstreamClient(
+        config.timeouts, key.get_secret_value() if key else None, transport=transport
+    )
+    # Several replicas judge load from the engines' reports, so that they place alike.
+    engine_loads = None
+    if config.admission.replicas > 1:
+        engine_loads = EngineLoads(upstream, config.health.load_interval, config.health.timeout)
+    engine_load = engine_loads.load if engine_loads is not None else own_load
+    registry = Registry(config, clock, shared_slots, load=engine_load)
+    metrics = Metrics(multiprocess=shared_slots is not None)
+    metrics.attach_state(registry.pools)
+    kv_index = KvIndex()
+    metrics.attach_kv_index(kv_index.streams)
+    legs = LegRunner(upstream, config.timeouts, metrics, clock)
+    tracing = Tracing(config.tracing)
+    side_calls = SideCalls(upstream, config.timeouts.connect)
+    turns = Turns(side_calls, metrics)
+    scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
+    dispatcher = Dispatcher(
+        legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
+    )
+
+    health = HealthMonitor(registry.instances, upstream, config.health)
+    load = None
+    if config.admission.replicas > 1:
+        load = LoadWatcher(
+            lambda: (d for p in registry.pools() for d in p.decode),
+            upstream,
+            config.admission.replicas,
+            config.health.load_interval,
+            config.health.timeout,
+        )
+    passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
+    access = AccessLog(config.logging)
+    auth = Authenticator(config.auth)
+    metrics.attach_keys(auth.names)
+    own = {k.name: k.limits for k in config.auth.named_keys()}
+    limiter = Limiter(config.limits.per_key, own, clock)
+    bounds = Bounds(
+        config.limits, passthrough, config.health.timeout, config.health.interval, clock
+    )
+    return AppContext(
+        config,
+        registry,
+        metrics,
+        upstream,
+        dispatcher,
+        health,
+        clock,
+        load,
+        passthrough,
+        tracing,
+        access,
+        auth,
+        limiter,
+        bounds,
+        ClientEvents(metrics, clock),
+        kv_index,
+        engine_loads,
+    )

@@ -1,0 +1,201 @@
+"""Request intake: a generate request from its head to the relay that will run it.
+
+The key is identified and charged, the body read within its deadline and bounds, parsed,
+its model's pool found and its bounds checked, all before any slot or engine call; a
+request refused on the way is counted and logged here (every request is counted once,
+here or by the relay). The helpers are shared with the other routes (router/routes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from router.access_log import AccessRecord
+from router.client_request import ClientRequest, Endpoint, parse_client_request, with_session
+from router.context import AppContext
+from router.errors import (
+    BodyTooLarge,
+    BoundExceeded,
+    InvalidRequest,
+    ModelNotFound,
+    RateLimited,
+    RequestTimeout,
+    RouterError,
+    Unauthorized,
+)
+from router.multi_prompt import MultiPromptResponse
+from router.registry import ModelPool
+from router.relay import RelayResponse, Scope
+
+__all__ = [
+    "KEY",
+    "charge",
+    "client_request_id",
+    "handle",
+    "hold",
+    "identify",
+    "pool_for",
+    "read_body",
+]
+
+KEY = "pdrouter.key"  # scope key: the name of the request's API key, once identified
+_MAX_CLIENT_ID = 128
+
+
+def identify(ctx: AppContext, scope: Scope) -> str:
+    """The name of the request's API key; raises (and counts) :class:`Unauthorized`."""
+    try:
+        return ctx.auth.identify(scope["headers"])
+    except Unauthorized as exc:
+        ctx.metrics.auth_failures.labels(exc.reason).inc()
+        raise
+
+
+def charge(ctx: AppContext, key: str) -> None:
+    """Count one request against ``key``'s rate (refusals counted by key name)."""
+    try:
+        ctx.limiter.charge(key)
+    except RateLimited:
+        ctx.metrics.key_requests.labels(key, "rate_limited").inc()
+        raise
+
+
+def hold(ctx: AppContext, key: str) -> Callable[[], None]:
+    """One request in flight for ``key``; returns what gives it back (idempotent)."""
+    try:
+        lease = ctx.limiter.acquire(key)
+    except RateLimited:
+        ctx.metrics.key_requests.labels(key, "concurrency_limited").inc()
+        raise
+    ctx.metrics.key_requests.labels(key, "admitted").inc()
+    gauge = ctx.metrics.key_in_flight.labels(key)
+    gauge.inc()
+
+    def give_back() -> None:
+        if not lease.released:
+            lease.release()
+            gauge.dec()
+
+    return give_back
+
+
+async def read_body(ctx: AppContext, request: Request) -> bytes:
+    """The whole body within ``connections.body_timeout`` (else 408, the connection
+    closed), at most ``admission.max_body_bytes`` (else 413)."""
+    limit = ctx.config.admission.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"request body exceeds {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    deadline = ctx.config.connections.body_timeout
+    try:
+        async with asyncio.timeout(deadline):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"request body exceeds {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        ctx.clients.timed_out("body", deadline, request.scope.get("client"))
+        raise RequestTimeout(deadline) from None
+    return b"".join(chunks)
+
+
+async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+    try:
+        return await ctx.bounds.check(pool, creq)
+    except BoundExceeded as exc:
+        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        raise
+
+
+def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's X-Request-Id, echoed back as vLLM does; only a short token of
+    visible ASCII (it goes into log lines and a response header), else None."""
+    for name, value in headers:
+        if name == b"x-request-id":
+            if 0 < len(value) <= _MAX_CLIENT_ID and all(0x21 <= c <= 0x7E for c in value):
+                return value
+            return None
+    return None
+
+
+async def handle(
+    ctx: AppContext, request: Request, endpoint: Endpoint, client_id: bytes | None
+) -> Response:
+    """The relay for one generate request, or the :class:`RouterError` that refuses
+    it (counted here: every request is counted once, here or by the relay)."""
+    started = ctx.clock()
+    pool: ModelPool | None = None
+    try:
+        key = identify(ctx, request.scope)
+        charge(ctx, key)  # before the body: a flood is refused for the price of its head
+        raw = await read_body(ctx, request)
+        creq = parse_client_request(raw, endpoint, key)
+        pool = pool_for(ctx, creq.model)
+        creq = with_session(creq, request.headers.raw, pool.config.sessions)
+        creq = await _check_bounds(ctx, pool, creq)  # before any slot or generate call
+        done = hold(ctx, key)
+    except RouterError as exc:
+        model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
+        ctx.metrics.observe_request(model, mode, exc.outcome)
+        if ctx.access.enabled:
+            ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
+        raise
+    # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
+    several = creq.num_prompts > 1 and pool.mode.uses_prefill
+    return (MultiPromptResponse if several else RelayResponse)(
+        ctx.dispatcher,
+        ctx.metrics,
+        pool,
+        creq,
+        started,
+        ctx.clock,
+        ctx.config.timeouts.total,
+        client_id,
+        ctx.tracing,
+        ctx.access,
+        on_end=done,
+    )
+
+
+def _refused_record(
+    ctx: AppContext,
+    request: Request,
+    endpoint: Endpoint,
+    exc: RouterError,
+    model: str,
+    mode: str,
+    started: float,
+) -> AccessRecord:
+    client_id = request.headers.get("x-request-id", "-")
+    return AccessRecord(
+        method=request.method,
+        path=endpoint.value,
+        status=exc.status,
+        model=model or "-",
+        mode=mode or "-",
+        outcome=exc.outcome.value,
+        duration_ms=(ctx.clock() - started) * 1000,
+        client_id=client_id if client_request_id(request.headers.raw) else "-",
+    )
+
+
+def pool_for(ctx: AppContext, model: str | None) -> ModelPool:
+    """The pool serving ``model``; without a model, the only one (as vLLM serves its
+    one model to requests that name none)."""
+    if model is not None:
+        pool = ctx.registry.get(model)
+        if pool is None:
+            raise ModelNotFound(model, sorted(p.name for p in ctx.registry.pools()))
+        return pool
+    pools = list(ctx.registry.pools())
+    if len(pools) != 1:
+        names = ", ".join(sorted(p.name for p in pools))
+        raise InvalidRequest(f"model: Field required (this router serves {names})", "model")
+    return pools[0]
