@@ -264,7 +264,9 @@ class StepMeta:
     ``req_id -> (tid, peer)`` so the worker can act even for requests it never saw.
     ``keeps`` (D: finished turns to keep), ``asks`` (P: ``req_id -> (kept tid, D)``, what
     does D hold) and ``releases`` (P: ``kept tid -> D``, not wanted after all) are the kept
-    turns' (see the second table above).
+    turns' (see the second table above); ``expecting`` and ``unexpected`` (D: keep ids of
+    requests admitted to be kept, and of those that finished without being kept) tell D's
+    worker which ASKs may wait for a turn still running and which are refused at once.
     """
 
     sends: list[SendSpec] = field(default_factory=list)
@@ -274,6 +276,8 @@ class StepMeta:
     keeps: list[KeepSpec] = field(default_factory=list)
     asks: dict[str, tuple[str, NixlAddress]] = field(default_factory=dict)
     releases: dict[str, NixlAddress] = field(default_factory=dict)
+    expecting: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
@@ -284,4 +288,6 @@ class StepMeta:
             or self.keeps
             or self.asks
             or self.releases
+            or self.expecting
+            or self.unexpected
         )

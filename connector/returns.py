@@ -13,9 +13,18 @@ Flow for one kept turn ``tid`` (the finished turn's transfer id)::
 An entry that nobody asks for is dropped at ``keep_s``; one asked for but never pulled (P
 declined with an empty PULL, or vanished) at ``pull_s`` after the ASK. Every way out reports
 the request's blocks free exactly once. An ASK can arrive before the turn's ``KeepSpec``: the
-router records a turn as its answer's last bytes go out, and vLLM hands the worker a finished
+client has the answer once its last bytes go out, and vLLM hands the worker a finished
 request's plan a step or two later (one more with asynchronous scheduling); such an ASK waits
-up to ``early_ask_s`` for it.
+up to ``early_ask_s`` for it, while a request to be kept under that id is still running
+(``expect``, from the scheduler when it admits the request); an ASK for an id no running
+request will keep is refused at once, so a router that names a keep id without knowing
+whether it was kept (``router/pd/turns.py``) costs P one round trip, not ``early_ask_s``.
+
+The id of a kept turn (``tid``) is the router's keep id (one per conversation: each kept turn
+replaces the conversation's previous one on this D) or the turn's transfer id. A turn kept
+under an id already held retires the older entry: one nobody asked for is freed at once; one
+being read finishes under a private name. ASK, PULL and ABORT always address the current
+entry, and a PULL or an ABORT only from the P that asked.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class _Kept:
     written: bool = False
     handles: list[tuple[object, float]] = field(default_factory=list)
     done: bool = False  # nothing more will be written: free once the handles drain
+    asker: str | None = None  # the P whose ASK took the entry
 
 
 class Keeper:
@@ -57,6 +67,7 @@ class Keeper:
         self._ctx = ctx
         self._kept: dict[str, _Kept] = {}
         self._early: dict[str, tuple[str, float]] = {}  # tid -> (P agent, asked at)
+        self._expected: dict[str, int] = {}  # tid -> running requests to be kept under it
 
     @property
     def busy(self) -> bool:
@@ -74,30 +85,46 @@ class Keeper:
         vLLM schedules step N+1 before it sees step N's token end the request, and counts
         N+1's token as computed, so N+1, still running on the device, writes KV that the turn
         holds; it was launched before the step that carries this spec, hence before the mark."""
+        self._retire(spec.tid)
         self._kept[spec.tid] = _Kept(spec, ready, self._ctx.clock() + self._ctx.t.keep_s)
+        self._count_down(spec.tid)
         self._ctx.stats.kept()
         early = self._early.pop(spec.tid, None)
         if early is not None:
             self.on_ask(early[0], spec.tid)
 
+    def expect(self, tid: str) -> None:
+        """A running request will be kept under ``tid`` if it finishes normally."""
+        self._expected[tid] = self._expected.get(tid, 0) + 1
+
+    def unexpect(self, tid: str) -> None:
+        """A request to be kept under ``tid`` finished without being kept: an ASK waiting
+        for it is refused once no other is running."""
+        if self._count_down(tid):
+            return
+        early = self._early.pop(tid, None)
+        if early is not None:
+            self.on_ask(early[0], tid)
+
     def on_ask(self, peer: str, tid: str) -> None:
-        """P asks what ``tid`` holds: HELD (taking the entry) or FAIL."""
+        """P asks what ``tid`` holds: HELD (taking the entry), a wait for a turn still
+        running (see module doc), or FAIL."""
         kept = self._kept.get(tid)
         now = self._ctx.clock()
-        if kept is None:
-            self._early[tid] = (peer, now)  # its KeepSpec may be a step behind
+        if kept is None or kept.asked_at is not None or kept.done or now >= kept.expires_at:
+            if tid in self._expected:
+                self._early[tid] = (peer, now)  # its KeepSpec may be a step behind
+            else:
+                self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
             return
-        if kept.asked_at is not None or kept.done or now >= kept.expires_at:
-            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
-            return
-        kept.asked_at = now
+        kept.asked_at, kept.asker = now, peer
         spec = kept.spec
         self._ctx.notice(peer, encode(Kind.HELD, tid, tokens=spec.num_tokens, hashes=spec.hashes))
 
     def on_pull(self, peer: str, tid: str, body: dict[str, Any]) -> None:
         """P's PULL: write the kept blocks it names (none: it declined them)."""
         kept = self._kept.get(tid)
-        if kept is None or kept.done or kept.pull is not None:
+        if kept is None or kept.done or kept.pull is not None or kept.asker != peer:
             self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no kept turn for this tid"))
             return
         blocks = [int(b) for b in body.get("blocks") or ()]
@@ -107,10 +134,10 @@ class Keeper:
         kept.link, kept.pull = peer, (int(body.get("start", 0)), blocks)
         self._write(kept)
 
-    def on_abort(self, tid: str) -> None:
+    def on_abort(self, peer: str, tid: str) -> None:
         """P gave up (its request aborted): write nothing more."""
         kept = self._kept.get(tid)
-        if kept is not None:
+        if kept is not None and kept.asker == peer:
             kept.done = True
 
     def on_link_settled(self, link: Link) -> None:
@@ -150,6 +177,25 @@ class Keeper:
             kept.done = True
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _count_down(self, tid: str) -> bool:
+        """One request to be kept under ``tid`` fewer; True if others still run."""
+        left = self._expected.get(tid, 0) - 1
+        if left > 0:
+            self._expected[tid] = left
+            return True
+        self._expected.pop(tid, None)
+        return False
+
+    def _retire(self, tid: str) -> None:
+        """A newer turn is kept under ``tid``: the older one is freed (nobody asked for it)
+        or finishes being read under a private name."""
+        old = self._kept.pop(tid, None)
+        if old is None:
+            return
+        if old.asked_at is None:
+            old.done = True
+        self._kept[f"{tid}\x00{old.spec.req_id}"] = old
 
     def _write(self, kept: _Kept) -> None:
         """One WRITE per layer of the pulled blocks, then DONE; or FAIL."""
@@ -221,6 +267,11 @@ class Asker:
 
     def ask(self, req_id: str, tid: str, peer: NixlAddress) -> None:
         if self._ctx.rank != 0:
+            return
+        if tid in self._asks:
+            # Another request of this P reads the turn (one conversation, two requests at
+            # once): D serves one reader; this one computes everything.
+            self._answers[req_id] = None
             return
         link = self._ctx.peers.ensure(peer)
         self._asks[tid] = _Ask(req_id, link.name, self._ctx.clock())

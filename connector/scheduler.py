@@ -57,7 +57,9 @@ class TransferParams:
     tid: str
     peer: NixlAddress
     is_prefill: bool  # True: this engine is P for the request; False: D
-    keep: bool = False  # D: keep the blocks of a normal finish for the next turn's P
+    # D: keep the blocks of a normal finish for the next turn's P, under this id: the
+    # router's keep id (``kv_keep: "<id>"``), or the transfer id (``kv_keep: true``).
+    keep_id: str | None = None
 
     @classmethod
     def parse(cls, req_id: str, params: dict[str, Any] | None) -> TransferParams | None:
@@ -75,7 +77,13 @@ class TransferParams:
             )
             return None
         is_prefill = bool(params.get("do_remote_decode"))
-        return cls(str(tid), peer, is_prefill, not is_prefill and params.get("kv_keep") is True)
+        keep = params.get("kv_keep")
+        keep_id = None
+        if not is_prefill and keep is True:
+            keep_id = str(tid)
+        elif not is_prefill and isinstance(keep, str) and keep:
+            keep_id = keep
+        return cls(str(tid), peer, is_prefill, keep_id)
 
 
 @dataclass(slots=True)
@@ -144,6 +152,8 @@ class SchedulerSide:
         if xfer is None:
             return
         self._xfers[request.request_id] = xfer
+        if xfer.keep_id is not None:
+            self._step.expecting.append(xfer.keep_id)
         if xfer.is_prefill:
             self._sends[request.request_id] = _SendTrack(xfer, request.num_prompt_tokens)
             self._lookups.start(request.request_id, request.kv_transfer_params or {}, self._step)
@@ -233,8 +243,11 @@ class SchedulerSide:
                 # Aborted while waiting for KV (or before allocation): tell P; the worker
                 # finishes the receive so vLLM frees the blocks now.
                 self._step.abort_recvs[req_id] = (xfer.tid, xfer.peer)
-                return False, None
-            return self._keep(request, xfer, block_ids) if ok and xfer.keep else (False, None)
+            elif ok and xfer.keep_id is not None and self._keep(request, xfer, block_ids):
+                return True, None
+            if xfer.keep_id is not None:
+                self._step.unexpected.append(xfer.keep_id)
+            return False, None
         self._lookups.finished(req_id, self._step)
         pull = self._pulls.pop(req_id, None)
         if pull is not None:  # aborted while pulling a kept turn: stop D
@@ -273,15 +286,15 @@ class SchedulerSide:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _keep(
-        self, request: _Request, xfer: TransferParams, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """D: hold a normally finished turn's blocks for the next turn's P."""
-        spec = keep_spec(request, xfer.tid, block_ids, self._block_size)
+    def _keep(self, request: _Request, xfer: TransferParams, block_ids: list[int]) -> bool:
+        """D: hold a normally finished turn's blocks for the next turn's P (False: it holds
+        no computed KV)."""
+        assert xfer.keep_id is not None
+        spec = keep_spec(request, xfer.keep_id, block_ids, self._block_size)
         if spec is None:
-            return False, None
+            return False
         self._step.keeps.append(spec)
-        return True, None
+        return True
 
     def _plan_sends(self, so: Any) -> list[SendSpec]:
         specs: list[SendSpec] = []

@@ -181,8 +181,12 @@ class WorkerSide:
             self._sender.prefill_failed(req_id, tid, peer)
         for req_id, (tid, peer) in step.abort_recvs.items():
             self._receiver.decode_aborted(req_id, tid, peer)
+        for keep_id in step.expecting:
+            self._keeper.expect(keep_id)
         for keep in step.keeps:
             self._keeper.keep(keep, self._marks().mark())  # see Keeper.keep
+        for keep_id in step.unexpected:
+            self._keeper.unexpect(keep_id)
         for req_id, (tid, peer) in step.asks.items():
             self._asker.ask(req_id, tid, peer)
         for tid, peer in step.releases.items():
@@ -304,7 +308,7 @@ class WorkerSide:
             case Kind.REG:
                 self._sender.on_reg(peer, msg.tid, msg.body)
             case Kind.ABORT if self._keeper.knows(msg.tid):
-                self._keeper.on_abort(msg.tid)
+                self._keeper.on_abort(peer, msg.tid)
             case Kind.ABORT:
                 self._sender.on_abort(msg.tid)
             case Kind.W:

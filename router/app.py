@@ -61,6 +61,9 @@ def create_app(
         if ctx.load is not None:
             ctx.load.initial_caps()
             tasks.append(asyncio.create_task(ctx.load.run()))
+        if ctx.engine_loads is not None:  # reads at once, then every load_interval
+            tasks.append(asyncio.create_task(ctx.engine_loads.run(ctx.registry.instances)))
+        ctx.kv_index.follow(ctx.registry)
         if any(m.discovery for m in config.models):
             # Lazy: the k8s extra is needed only by configs that use discovery.
             from router.discovery import start_discovery
@@ -78,6 +81,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await ctx.kv_index.aclose()
             await ctx.dispatcher.settler.aclose()
             await ctx.upstream.aclose()
             await asyncio.to_thread(ctx.tracing.shutdown)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -47,6 +48,7 @@ __all__ = [
     "HealthConfig",
     "KeyLimits",
     "KubernetesDiscoveryConfig",
+    "KvEventsConfig",
     "KvReturnConfig",
     "LimitsConfig",
     "ListenConfig",
@@ -94,8 +96,23 @@ class ListenConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
 
 
+# A ZMQ endpoint the router connects to: tcp://host:port or ipc://path.
+_ZMQ_ENDPOINT = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc://\S+)$"
+
+
 class _InstanceConfig(_Strict):
     url: AnyHttpUrl
+    # vLLM's KV events of this engine (kv_events in the model): its publisher and replay
+    # endpoints; None: the URL's host with the model's kv_events ports.
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events_endpoint", "kv_events_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(_ZMQ_ENDPOINT, v):
+            raise ValueError(f"must be tcp://host:port or ipc://path, got {v!r}")
+        return v
 
     @field_validator("url")
     @classmethod
@@ -215,6 +232,45 @@ class KvReturnConfig(_Strict):
     max_entries: int = Field(default=10_000, ge=1)
 
 
+class KvEventsConfig(_Strict):
+    """vLLM's KV cache events (``router/kvindex``): the router follows what every P and D of
+    the model holds in its prefix cache and routes each request, with or without a session,
+    to the engines that would compute (or receive) the fewest of its prompt tokens, load
+    counted. The engines run with ``--kv-events-config`` (``docs/kv-events.md``). Off by
+    default.
+
+    Each engine publishes on ``port`` of its URL's host and answers replays on
+    ``replay_port`` (None: no replay; an engine is then known only from its first event and
+    stays unknown after a gap), unless the instance names its own endpoints. ``topic``: the
+    engines' ``topic``. The index keeps at most ``max_blocks_per_engine`` blocks per engine
+    (least recently stored dropped first); every ``verify_interval`` seconds without an
+    event each stream is checked against its replay buffer; a replay that does not answer
+    within ``replay_timeout`` leaves the engine unknown (routed as without events).
+
+    ``load_cost_tokens``: what one more request on an engine costs, in prompt tokens to
+    compute: an engine is chosen by ``uncached prompt tokens + load_cost_tokens x load``,
+    among those within the sessions' load bound (``sessions.load_factor``). The router gets a
+    request's token ids from an engine's ``/tokenize``, within ``tokenize_timeout`` seconds
+    (else the request is routed as without events)."""
+
+    enabled: bool = False
+    port: int = Field(default=5557, ge=1, le=65535)
+    replay_port: int | None = Field(default=5558, ge=1, le=65535)
+    topic: str = ""
+    max_blocks_per_engine: int = Field(default=262_144, ge=1)
+    verify_interval: PositiveFloat = 10.0
+    replay_timeout: PositiveFloat = 2.0
+    load_cost_tokens: int = Field(default=256, ge=0)
+    tokenize_timeout: PositiveFloat = 2.0
+
+    @field_validator("replay_port")
+    @classmethod
+    def _two_ports(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v == info.data.get("port"):
+            raise ValueError(f"must differ from port ({v}): the publisher has both")
+        return v
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     mode: Mode = Mode.PUSH
@@ -226,6 +282,7 @@ class ModelConfig(_Strict):
     policy: PolicyConfig = PolicyConfig()
     sessions: SessionConfig = SessionConfig()
     kv_return: KvReturnConfig = KvReturnConfig()
+    kv_events: KvEventsConfig = KvEventsConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)

@@ -17,7 +17,10 @@ from router.bounds import Bounds
 from router.config import RouterConfig
 from router.engines.health import HealthMonitor
 from router.engines.load import LoadWatcher
+from router.engines.reported import EngineLoads, own_load
 from router.guard import ClientEvents
+from router.kvindex.index import KvIndex
+from router.kvindex.route import CacheScorer
 from router.limits import Limiter
 from router.metrics import Metrics
 from router.passthrough import PassThrough
@@ -50,6 +53,8 @@ class AppContext:
     limiter: Limiter
     bounds: Bounds
     clients: ClientEvents  # slow clients: the connection guard's and the body deadline's
+    kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
+    engine_loads: EngineLoads | None  # several router replicas: engine-reported load
 
 
 def build_context(
@@ -58,18 +63,27 @@ def build_context(
     clock: Callable[[], float],
     shared_slots: WorkerSlots | None = None,
 ) -> AppContext:
-    registry = Registry(config, clock, shared_slots)
-    metrics = Metrics(multiprocess=shared_slots is not None)
-    metrics.attach_state(registry.pools)
     key = config.auth.upstream_api_key
     upstream = UpstreamClient(
         config.timeouts, key.get_secret_value() if key else None, transport=transport
     )
+    # Several replicas judge load from the engines' reports, so that they place alike.
+    engine_loads = None
+    if config.admission.replicas > 1:
+        engine_loads = EngineLoads(upstream, config.health.load_interval, config.health.timeout)
+    engine_load = engine_loads.load if engine_loads is not None else own_load
+    registry = Registry(config, clock, shared_slots, load=engine_load)
+    metrics = Metrics(multiprocess=shared_slots is not None)
+    metrics.attach_state(registry.pools)
+    kv_index = KvIndex()
+    metrics.attach_kv_index(kv_index.streams)
     legs = LegRunner(upstream, config.timeouts, metrics, clock)
     tracing = Tracing(config.tracing)
-    turns = Turns(SideCalls(upstream, config.timeouts.connect), metrics)
+    side_calls = SideCalls(upstream, config.timeouts.connect)
+    turns = Turns(side_calls, metrics)
+    scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
-        legs, turns, metrics, config.retries, clock, config.health.interval, tracing=tracing
+        legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
     )
 
     health = HealthMonitor(registry.instances, upstream, config.health)
@@ -107,4 +121,6 @@ def build_context(
         limiter,
         bounds,
         ClientEvents(metrics, clock),
+        kv_index,
+        engine_loads,
     )

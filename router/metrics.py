@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -29,8 +29,10 @@ from router.engines.affinity import Placement
 from router.engines.instance import Role
 from router.engines.kv_return import Reuse
 from router.errors import Outcome
+from router.kvindex.route import Result
 
 if TYPE_CHECKING:
+    from router.kvindex.stream import Stream
     from router.registry import ModelPool
 
 __all__ = ["KEY_RESULTS", "WORKER_STATE_INTERVAL", "Metrics"]
@@ -63,6 +65,7 @@ _LATENCY_BUCKETS = (
     30.0,
     60.0,
 )
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
@@ -176,6 +179,94 @@ class StateCollector(Collector):
         yield from (slots, in_use)
 
 
+class KvIndexCollector(Collector):
+    """The KV index (router/kvindex) read at scrape time, per engine: whether its block set
+    is known, its size and bound, and its stream's counters. With ``--workers N`` every
+    worker follows every engine: a scrape shows the scraped worker's index."""
+
+    _COUNTERS = (
+        ("batches", "pdrouter_kv_index_batches", "Event batches applied"),
+        ("replays", "pdrouter_kv_index_replays", "Replay requests sent to the engine"),
+        ("restarts", "pdrouter_kv_index_restarts", "Engine restarts seen in its stream"),
+        (
+            "decode_errors",
+            "pdrouter_kv_index_decode_errors",
+            "Event batches that could not be decoded (the block set became unknown)",
+        ),
+        (
+            "evicted",
+            "pdrouter_kv_index_evicted_blocks",
+            "Blocks dropped by max_blocks_per_engine (least recently stored first)",
+        ),
+        (
+            "unkeyed",
+            "pdrouter_kv_index_unkeyed_blocks",
+            "Stored blocks not indexed (parent unknown, LoRA, multimodal, salt, partial)",
+        ),
+    )
+
+    def __init__(self, streams: Callable[[], Iterable[Stream]]) -> None:
+        self._streams = streams
+
+    def collect(self) -> Iterator[Metric]:
+        e = ["engine"]
+        known = GaugeMetricFamily(
+            "pdrouter_kv_index_known",
+            "1 while the index holds the engine's whole cache; 0: unknown, routed as without "
+            "events",
+            labels=e,
+        )
+        engines = GaugeMetricFamily(
+            "pdrouter_kv_index_engines", "Engines followed, by index state", labels=["state"]
+        )
+        blocks = GaugeMetricFamily("pdrouter_kv_index_blocks", "Blocks indexed", labels=e)
+        bound = GaugeMetricFamily(
+            "pdrouter_kv_index_max_blocks", "The bound on blocks indexed per engine", labels=e
+        )
+        seq = GaugeMetricFamily(
+            "pdrouter_kv_index_next_seq", "The engine's next event sequence number", labels=e
+        )
+        events = CounterMetricFamily(
+            "pdrouter_kv_index_events",
+            "KV events applied, in blocks (stored, removed) or events (cleared, unknown kinds)",
+            labels=["engine", "kind"],
+        )
+        gaps = CounterMetricFamily(
+            "pdrouter_kv_index_gaps",
+            "Missing event sequence numbers: found, filled by a replay, or not (unfilled)",
+            labels=["engine", "result"],
+        )
+        counters = {
+            attr: CounterMetricFamily(name, doc, labels=e) for attr, name, doc in self._COUNTERS
+        }
+        states = {"known": 0, "unknown": 0}
+        for stream in self._streams():
+            index, stats, url = stream.index, stream.index.stats, stream.url
+            states["known" if index.known else "unknown"] += 1
+            known.add_metric([url], 1 if index.known else 0)
+            blocks.add_metric([url], index.blocks)
+            bound.add_metric([url], index.max_blocks)
+            seq.add_metric([url], stream.next_seq)
+            for kind, value in (
+                ("stored", stats.stored),
+                ("removed", stats.removed),
+                ("cleared", stats.cleared),
+                ("unknown", stats.unknown_events),
+            ):
+                events.add_metric([url, kind], value)
+            for result, value in (
+                ("found", stats.gaps),
+                ("filled", stats.gaps_filled),
+                ("unfilled", stats.gaps_unfilled),
+            ):
+                gaps.add_metric([url, result], value)
+            for attr, family in counters.items():
+                family.add_metric([url], getattr(stats, attr))
+        for state, count in states.items():
+            engines.add_metric([state], count)
+        yield from (known, engines, blocks, bound, seq, events, gaps, *counters.values())
+
+
 class WorkerStateGauges:
     """One worker's own state as multiprocess gauges, merged over live workers."""
 
@@ -246,7 +337,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._pools: Callable[[], Iterable[ModelPool]] | None = None
-        self._zeroed: set[tuple[str, str, tuple[str, ...], tuple[bool, bool]]] = set()
+        self._zeroed: set[tuple[str, str, tuple[str, ...], tuple[bool, ...]]] = set()
         self._worker_state = WorkerStateGauges(r) if multiprocess else None
         self._scrape = r
         if multiprocess:
@@ -330,6 +421,36 @@ class Metrics:
             "pdrouter_kv_return_entries",
             "Finished turns kept on D and not yet taken by a next turn",
             ["model"],
+            registry=r,
+        )
+        self.cache_routes = _Counter(
+            "pdrouter_cache_routes",
+            "Engine choices of cache-aware routing (kv_events): cached (the chosen engine holds "
+            "part of the prompt), cold (none does: by load), unknown (an engine's index is "
+            "unknown) or no_tokens (the prompt's token ids could not be had); the last two "
+            "fall back to the usual rule",
+            ["model", "role", "result"],
+            registry=r,
+        )
+        self.cache_predicted = _Histogram(
+            "pdrouter_cache_predicted_tokens",
+            "Prompt tokens the chosen engine was predicted to hold, per cache-aware choice",
+            ["model", "role"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.cache_prompt_tokens = _Counter(
+            "pdrouter_cache_prompt_tokens",
+            "Prompt tokens of the requests routed by cache (with pdrouter_cache_predicted_tokens"
+            "_sum: the predicted hit ratio)",
+            ["model", "role"],
+            registry=r,
+        )
+        self.cache_tokenize = _Histogram(
+            "pdrouter_cache_tokenize_seconds",
+            "Time to get a request's token ids for cache-aware routing (an engine's /tokenize)",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.push_fallbacks = _Counter(
@@ -425,6 +546,10 @@ class Metrics:
         if ttft is not None:
             self.ttft.labels(model, mode).observe(ttft)
 
+    def attach_kv_index(self, streams: Callable[[], Iterable[Stream]]) -> None:
+        """Read the KV index's streams at every scrape."""
+        self._scrape.register(KvIndexCollector(streams))
+
     def attach_state(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
         self._pools = pools
         per_worker = self._worker_state is None
@@ -442,7 +567,7 @@ class Metrics:
         At scrape time, so models added by a reload or discovery get theirs too."""
         for pool in self._pools() if self._pools is not None else ():
             cfg = pool.config
-            flags = (cfg.sessions.enabled, cfg.kv_return.enabled)
+            flags = (cfg.sessions.enabled, cfg.kv_return.enabled, cfg.kv_events.enabled)
             key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill), flags)
             if key in self._zeroed:
                 continue
@@ -464,6 +589,14 @@ class Metrics:
             for role in roles:
                 for placement in Placement:
                     self.session_routes.labels(pool.name, role.value, placement.value)
+        if pool.config.kv_events.enabled:
+            roles = (Role.PREFILL, Role.DECODE) if pool.mode.uses_prefill else (Role.DECODE,)
+            for role in roles:
+                for cache_result in Result:
+                    self.cache_routes.labels(pool.name, role.value, cache_result.value)
+                self.cache_prompt_tokens.labels(pool.name, role.value)
+                self.cache_predicted.labels(pool.name, role.value)
+            self.cache_tokenize.labels(pool.name)
         if pool.config.kv_return.enabled:
             for result in Reuse:
                 self.kv_returns.labels(pool.name, result.value)

@@ -24,6 +24,7 @@ from router.config import (
 )
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
+from router.engines.choice import Chooser
 from router.engines.instance import Instance, Role, candidates
 from router.engines.kv_return import KvReturns
 from router.engines.ledger import SlotLedger
@@ -68,15 +69,23 @@ class ModelPool:
         return self.prefill_policy.needs_key
 
     def select_prefill(
-        self, key: str | None, avoid: frozenset[Instance], session: str | None = None
+        self,
+        key: str | None,
+        avoid: frozenset[Instance],
+        session: str | None = None,
+        choose: Chooser | None = None,
     ) -> PrefillLease | None:
         """A prefill instance from the best tier of :func:`candidates`, preferring
-        those not in ``avoid`` (with a ``session`` key, the one its affinity picks, and
-        how); None if there is none (P has no queue to wait in)."""
+        those not in ``avoid``: the one ``choose`` picks, if it picks one; else with a
+        ``session`` key the one its affinity picks, and how; else the policy's. None if
+        there is none (P has no queue to wait in)."""
         usable = candidates(self.prefill)
         if not usable:
             return None
         preferred = [p for p in usable if p not in avoid] or usable
+        chosen = choose(Role.PREFILL, preferred) if choose is not None else None
+        if chosen is not None:
+            return PrefillLease(chosen)
         if session is not None:
             return PrefillLease(*self.affinity.select(Role.PREFILL, session, preferred))
         return PrefillLease(self.prefill_policy.select(preferred, key))
@@ -119,6 +128,10 @@ class ModelPool:
         return d_ok and any(p.healthy is True for p in self.prefill)
 
 
+def _nothing() -> None:
+    pass
+
+
 def _reconcile(
     current: Sequence[Instance], wanted: Sequence[str], make: Callable[[str], Instance]
 ) -> list[Instance]:
@@ -143,10 +156,16 @@ class Registry:
         config: RouterConfig,
         clock: Callable[[], float] = time.monotonic,
         shared_slots: WorkerSlots | None = None,
+        load: Callable[[Instance], int] | None = None,
     ) -> None:
-        """``shared_slots``: this worker's view of the slot table of ``--workers N``."""
+        """``shared_slots``: this worker's view of the slot table of ``--workers N``.
+        ``load``: an instance's load for session affinity's bound (default: this router's
+        own count; several replicas: the engines' reports, ``router/engines/reported.py``).
+        ``on_change`` is called after every change of the instance lists."""
         self._clock = clock
         self._shared_slots = shared_slots
+        self._load = load
+        self.on_change: Callable[[], None] = _nothing
         self._pools: dict[str, ModelPool] = {}
         self._config = config
         self.apply(config)
@@ -189,6 +208,7 @@ class Registry:
                 self._update_settings(pool, m.model_copy(update=kept))
                 continue
             changes += self.set_instances(m.name, m.prefill, m.decode, model_config=m)
+        self.on_change()
         return changes
 
     def set_instances(
@@ -223,6 +243,7 @@ class Registry:
             d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}
+        self.on_change()
         return [f"model {model!r}: + {u}" for u in sorted(after - before)] + [
             f"model {model!r}: - {u}" for u in sorted(before - after)
         ]
@@ -242,7 +263,7 @@ class Registry:
 
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
         admission = self._config.admission
-        affinity = Affinity(cfg.sessions, self._clock)
+        affinity = Affinity(cfg.sessions, self._clock, self._load)
         ledger = SlotLedger(
             cfg.name,
             [],

@@ -123,9 +123,11 @@ def _stack_for(kind: str, otlp_url: str | None) -> Any:
     if kind == "pull-kv-return":
         return Stack(variant=MODEL, mode="pull", kv_return=True)
     if kind.endswith("-cached"):
+        # Prefix caching, and the KV events that say what it holds (vLLM publishes them only
+        # with caching on): the stack's routers route by them (tests/e2e/test_kv_events_real.py).
         caching = ("--enable-prefix-caching",)
         mode = kind.removesuffix("-cached")
-        return Stack(variant=MODEL, mode=mode, engine_args={P: caching, D: caching})
+        return Stack(variant=MODEL, mode=mode, engine_args={P: caching, D: caching}, kv_events=True)
     if kind.startswith("smol-"):
         return Stack(variant=DEFAULT_VARIANT, mode=kind.removeprefix("smol-"))
     raise ValueError(f"unknown stack kind {kind!r}")

@@ -17,6 +17,9 @@ flight) and ``n = |C|``, an instance may take the request while ``load + 1 <= ce
 ``c = load_factor >= 1``. The least loaded candidate always satisfies it, so affinity never
 refuses a request, and no instance carries more than ``c`` times the average load plus one.
 
+The load is this router's own count, or (several router replicas) what the engines report
+(``router/engines/reported.py``, injected as ``load``), so that replicas spill alike.
+
 The table holds at most ``max_sessions`` keys (least recently used dropped first); a key not
 used for ``ttl_seconds`` is forgotten.
 """
@@ -50,6 +53,10 @@ class _Entry:
     urls: dict[Role, str] = field(default_factory=dict)
 
 
+def _own_load(inst: Instance) -> int:
+    return inst.load
+
+
 def _rank(key: str, url: str) -> bytes:
     return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
 
@@ -57,9 +64,17 @@ def _rank(key: str, url: str) -> bytes:
 class Affinity:
     """One model's session table and placement rule (see module doc)."""
 
-    def __init__(self, config: SessionConfig, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        config: SessionConfig,
+        clock: Callable[[], float],
+        load: Callable[[Instance], int] | None = None,
+    ) -> None:
+        """``load``: an instance's load for the bound (default: this router's own count,
+        ``Instance.load``)."""
         self.config = config
         self._clock = clock
+        self._load = load or _own_load
         self._table: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
@@ -73,18 +88,19 @@ class Affinity:
         now = self._clock()
         self._expire(now)
         entry = self._table.get(key)
+        load = self._load
         cap = math.ceil(
-            self.config.load_factor * (sum(i.load for i in candidates) + 1) / len(candidates)
+            self.config.load_factor * (sum(map(load, candidates)) + 1) / len(candidates)
         )
         remembered = None
         if entry is not None:
             url = entry.urls.get(role)
             remembered = next((i for i in candidates if i.url == url), None)
-        if remembered is not None and remembered.load + 1 <= cap:
+        if remembered is not None and load(remembered) + 1 <= cap:
             chosen, how = remembered, Placement.HIT
         else:
             ranked = sorted(candidates, key=lambda i: _rank(key, i.url), reverse=True)
-            chosen = next(i for i in ranked if i.load + 1 <= cap)
+            chosen = next(i for i in ranked if load(i) + 1 <= cap)
             over = remembered if remembered is not None else ranked[0]
             how = Placement.SPILLED if chosen is not over else Placement.PLACED
         self._remember(key, role, chosen.url, now)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import BreakerState
+from router.engines.choice import Chooser
 from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
@@ -61,6 +62,7 @@ class _Waiter:
     key: str | None = field(default=None)
     session: str | None = field(default=None)
     tenant: str = field(default="")  # the API key's name: whose turn in the fair queue
+    choose: Chooser | None = field(default=None)  # the request's own choice (engines/choice.py)
 
 
 class SlotLedger:
@@ -146,9 +148,11 @@ class SlotLedger:
         avoid: frozenset[Instance] = frozenset(),
         session: str | None = None,
         tenant: str = "",
+        choose: Chooser | None = None,
     ) -> Reservation:
-        """A slot on a routable decode instance, preferring ones not in ``avoid``; with a
-        ``session`` key, the one its affinity picks among those with a free slot.
+        """A slot on a routable decode instance, preferring ones not in ``avoid``: the one
+        ``choose`` picks among those with a free slot, if it picks one; else with a
+        ``session`` key the one its affinity picks, else the policy's.
         ``tenant`` (the API key's name) is the request's place in the fair queue.
 
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
@@ -159,12 +163,13 @@ class SlotLedger:
         if not usable:
             raise self._refusal()
         if not self._waiters:
-            got = self._take(usable, avoid, key, session, tenant)
+            got = self._take(usable, avoid, key, session, tenant, choose)
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
             self._make_room(tenant)
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), avoid, key, session, tenant)
+        fut = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(fut, avoid, key, session, tenant, choose)
         self._waiters.push(tenant, waiter)
         self._schedule_poll()
         self._arm_reopen()
@@ -251,7 +256,7 @@ class SlotLedger:
             if not usable:
                 self._refuse_all()
                 return
-            got = self._take(usable, head.avoid, head.key, head.session, head.tenant)
+            got = self._take(usable, head.avoid, head.key, head.session, head.tenant, head.choose)
             if got is None:
                 return
             # By identity: taking the slot changed what the queue would pick next.
@@ -271,12 +276,16 @@ class SlotLedger:
         key: str | None,
         session: str | None,
         tenant: str,
+        choose: Chooser | None = None,
     ) -> Reservation | None:
         free = [i for i in usable if i.free_slots > 0]
         while free:
             preferred = [i for i in free if i not in avoid] or free
             placement = None
-            if session is not None and self._affinity is not None:
+            chosen = choose(Role.DECODE, preferred) if choose is not None else None
+            if chosen is not None:
+                inst = chosen
+            elif session is not None and self._affinity is not None:
                 inst, placement = self._affinity.select(Role.DECODE, session, preferred)
             else:
                 inst = self._policy.select(preferred, key)

@@ -28,6 +28,7 @@ from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Reservation
 from router.errors import NoHealthyEngine, UpstreamError, UpstreamStatus
+from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.metrics import Metrics
 from router.pd import kv_params as kp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
@@ -54,9 +55,12 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         probe_interval: float = 5.0,
         tracing: Tracing | None = None,
+        scorer: CacheScorer | None = None,
     ) -> None:
-        """``probe_interval``: the health-check interval (Retry-After of a refusal)."""
+        """``probe_interval``: the health-check interval (Retry-After of a refusal).
+        ``scorer``: cache-aware routing for models with ``kv_events`` on."""
         self._tracing = tracing or Tracing(TracingConfig())
+        self._scorer = scorer
         self._probe_interval = probe_interval
         self._legs = legs
         self._metrics = metrics
@@ -96,7 +100,7 @@ class Dispatcher:
         # The key is built at most once, and only if the policy or the session fallback needs it.
         key = routing_key(creq) if pool.key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
-        route = Route(key, session)
+        route = Route(key, session, await self._cache_route(pool, creq))
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
@@ -120,6 +124,32 @@ class Dispatcher:
     def _count_placement(self, pool: ModelPool, role: Role, placement: Placement | None) -> None:
         if placement is not None:
             self._metrics.session_routes.labels(pool.name, role.value, placement).inc()
+
+    async def _cache_route(self, pool: ModelPool, creq: ClientRequest) -> CacheRoute | None:
+        """The request's cache-aware route (router/kvindex/route.py), if its model has one."""
+        if self._scorer is None or not pool.config.kv_events.enabled:
+            return None
+        started = self._clock()
+        route = await self._scorer.route(pool, creq)
+        self._metrics.cache_tokenize.labels(pool.name).observe(self._clock() - started)
+        return route
+
+    def _count_choice(self, pool: ModelPool, role: Role, cache: CacheRoute | None) -> None:
+        """Count how cache-aware routing chose ``role``'s engine, and what it predicted."""
+        if cache is None:
+            if pool.config.kv_events.enabled:
+                self._metrics.cache_routes.labels(pool.name, role.value, Result.NO_TOKENS).inc()
+            return
+        result = cache.results.get(role)
+        if result is None:
+            return
+        self._metrics.cache_routes.labels(pool.name, role.value, result).inc()
+        predicted = cache.predicted.get(role)
+        if predicted is not None and result is not Result.UNKNOWN:
+            self._metrics.cache_predicted.labels(pool.name, role.value).observe(predicted)
+            self._metrics.cache_prompt_tokens.labels(pool.name, role.value).inc(len(cache.tokens))
+            if self._tracing.enabled:
+                self._tracing.set(**{f"pdrouter__cached_{role.value}": predicted})
 
     def _no_prefill(self, pool: ModelPool) -> NoHealthyEngine:
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
@@ -169,10 +199,11 @@ class Dispatcher:
         waited_from = self._clock()
         with self._tracing.span("slot_wait"):
             reservation = await pool.ledger.reserve(
-                route.key, avoid, route.session, creq.client_key
+                route.key, avoid, route.session, creq.client_key, route.cache
             )
         self._metrics.key_queue_wait.labels(creq.client_key).observe(self._clock() - waited_from)
         self._count_placement(pool, Role.DECODE, reservation.placement)
+        self._count_choice(pool, Role.DECODE, route.cache)
         return reservation
 
     async def _split(
@@ -186,15 +217,16 @@ class Dispatcher:
         ids: kp.DispatchIds,
     ) -> Dispatch:
         """A disaggregated attempt, its decode slot held: select P, run the plan."""
-        lease = pool.select_prefill(route.key, avoid, route.session)
+        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
         if lease is None:  # left rotation while this request waited for its slot
             raise self._no_prefill(pool)
         p = lease.instance
         self._count_placement(pool, Role.PREFILL, lease.placement)
+        self._count_choice(pool, Role.PREFILL, route.cache)
         pair = Pair(creq, ids, p, reservation.instance)
         self._tracing.set(pdrouter__prefill=p.url)
         plan = self._plans[decision]
-        turn = self._turns.plan(pool, creq)
+        turn = self._turns.plan(pool, creq, route.cache, reservation.instance)
         if plan.concurrent(pair):
             return await self._concurrent(pool, plan, pair, decision, reservation, turn)
         return await self._sequential(pool, plan, pair, decision, reservation, turn)
@@ -263,7 +295,7 @@ class Dispatcher:
         on_clean_end = None
         if turn is not None:
             p_params = {**p_params, **(self._turns.offer(pool, turn) or {})}
-            d_params = {**d_params, "kv_keep": True}
+            d_params = {**d_params, "kv_keep": self._turns.keep_value(turn)}
             tid, d = pair.ids.transfer_id, pair.decode
             on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)
         d_body = kp.decode_body(pair.creq.body, d_params)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from router.client_request import ClientRequest
 from router.engines.instance import candidates
+from router.kvindex.route import CacheRoute
 from router.registry import ModelPool
 
 __all__ = ["Route", "prefill_busy", "routing_key"]
@@ -39,10 +40,11 @@ def routing_key(creq: ClientRequest) -> str:
 @dataclass(frozen=True, slots=True)
 class Route:
     """What instance selection goes by: ``key`` for the prefix-hash policy, ``session``
-    for session affinity (either may be None)."""
+    for session affinity, ``cache`` for cache-aware routing (each may be None)."""
 
     key: str | None
     session: str | None
+    cache: CacheRoute | None = None
 
 
 def prefill_busy(pool: ModelPool) -> bool:

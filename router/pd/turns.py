@@ -3,8 +3,14 @@
 One :class:`Turns` per dispatcher. For a request that qualifies (pull or pipelined mode,
 ``kv_return`` on, a client session id, completions or chat, one choice).
 
-Pipelined: P's params name the session's kept turn, if any (:meth:`Turns.offer`); D's ask D
-to keep this one, which is recorded once D's answer has ended cleanly (:meth:`Turns.kept`).
+Pipelined, with no table in the router: D's params ask D to keep this turn under the
+conversation's keep id (:func:`keep_id`, derived from the model, the API key's name and the
+session), replacing the conversation's previous kept turn on that D; P's params name the keep
+id and the D that holds the conversation (:meth:`Turns.offer`): the D whose KV events show the
+longest prefix of this prompt (``router/kvindex``), else this turn's own D (session affinity
+places a conversation's turns alike on every replica). Any router replica can therefore offer
+the last kept turn; P's connector checks hashes of the token ids before it reads anything, and
+a D that keeps nothing under the id refuses at once (``connector/returns.py``).
 
 Pull:
 
@@ -18,48 +24,58 @@ Pull:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from connector.address import NixlAddress
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
 from router.engines.kv_return import Kept, Reuse
+from router.kvindex.route import CacheRoute
+from router.kvindex.tokens import tokenize_query
 from router.metrics import Metrics
 from router.pd.kv_return import kept_from_response, reuse_params
 from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 
-__all__ = ["TurnPlan", "Turns"]
+__all__ = ["TurnPlan", "Turns", "keep_id"]
 
 log = logging.getLogger("pd_router.turns")
 
-# What shapes the chat template's token ids, as vLLM's /tokenize takes it for chat.
-_CHAT_TEMPLATE_FIELDS = (
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "tools",
-)
 _BLOCK_SIZE_INFO = "vllm:cache_config_info"
+
+
+def keep_id(model: str, tenant: str, session: str) -> str:
+    """A conversation's keep id in pipelined mode: the same on every router replica, and
+    different for another API key using the same session id."""
+    digest = hashlib.blake2b(f"{model}\0{tenant}\0{session}".encode(), digest_size=16)
+    return f"keep-{digest.hexdigest()}"
 
 
 @dataclass(slots=True)
 class TurnPlan:
     """What one attempt does about kept turns: the P params to use (None: P's own), and
-    whether D's answer is to be kept."""
+    whether D's answer is to be kept. Pipelined: the conversation's keep id, and the D that
+    holds its last kept turn."""
 
     session: str
     keep: bool
     reuse: dict[str, Any] | None = None
+    keep_id: str | None = None
+    holder: Instance | None = None
+
+
+def _first_turn(creq: ClientRequest) -> bool:
+    """A chat request with no reply in its history: nothing of it can be kept anywhere."""
+    messages = creq.body.get("messages")
+    if creq.endpoint is not Endpoint.CHAT or not isinstance(messages, list):
+        return False
+    return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
 class Turns:
@@ -67,40 +83,53 @@ class Turns:
         self._side = side_calls
         self._metrics = metrics
 
-    def plan(self, pool: ModelPool, creq: ClientRequest) -> TurnPlan | None:
-        """None when the request does not qualify (see module doc)."""
+    def plan(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        cache: CacheRoute | None = None,
+        decode: Instance | None = None,
+    ) -> TurnPlan | None:
+        """None when the request does not qualify (see module doc). Pipelined: ``cache`` (the
+        request's cache-aware route, if any) finds the D that holds the conversation, else
+        ``decode``, this turn's own D."""
         if not pool.config.kv_return.enabled or pool.mode not in (Mode.PULL, Mode.PIPELINED):
             return None
         if creq.session is None or creq.n != 1 or creq.num_prompts != 1:
             return None
         if creq.endpoint not in (Endpoint.COMPLETIONS, Endpoint.CHAT):
             return None
-        # vLLM's D keeps no streamed turn (its params come with the body); ours keeps any.
-        return TurnPlan(creq.session, keep=pool.mode is Mode.PIPELINED or not creq.stream)
+        if pool.mode is not Mode.PIPELINED:
+            # vLLM's D keeps no streamed turn (its params come with the body).
+            return TurnPlan(creq.session, keep=not creq.stream)
+        min_tokens = pool.config.kv_return.min_tokens
+        holder = cache.holder(pool.decode, min_tokens) if cache is not None else None
+        return TurnPlan(
+            creq.session,
+            keep=True,
+            keep_id=keep_id(pool.name, creq.client_key, creq.session),
+            holder=None if _first_turn(creq) else holder or decode,
+        )
+
+    def keep_value(self, turn: TurnPlan) -> str | bool:
+        """D's ``kv_keep``: the conversation's keep id (pipelined)."""
+        return turn.keep_id if turn.keep_id is not None else True
 
     def offer(self, pool: ModelPool, turn: TurnPlan) -> dict[str, Any] | None:
-        """Pipelined: the ``kv_reuse`` params that hand P the session's kept turn (taken:
-        used at most once), if its D is still in rotation as the same engine."""
-        taken = pool.kv_returns.take(turn.session)
-        if taken is None:
+        """Pipelined: the ``kv_reuse`` params that name the conversation's kept turn and the D
+        that holds it (module doc), if that D is in rotation with a known NIXL address."""
+        d = turn.holder
+        if turn.keep_id is None or d is None:
             return None
-        if isinstance(taken, Reuse):
-            self._count(pool, taken)
-            return None
-        d = next((i for i in pool.decode if i.url == taken.decode_url), None)
-        address = NixlAddress.from_params(taken.params)
-        if d is None or d.healthy is False or d.nixl is None or d.nixl != address:
-            self._count(pool, Reuse.UNAVAILABLE)  # gone, unhealthy or restarted
+        if d.healthy is False or d.nixl is None:
+            self._count(pool, Reuse.UNAVAILABLE)
             return None
         self._count(pool, Reuse.OFFERED)
-        return {"kv_reuse": dict(taken.params)}
+        return {"kv_reuse": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}
 
     def kept(self, pool: ModelPool, turn: TurnPlan, transfer_id: str, d: Instance) -> None:
-        """Pipelined: D answered the turn cleanly and keeps it (``kv_keep``) for the next."""
-        if d.nixl is None:
-            return
-        params = {"transfer_id": transfer_id, **d.nixl.as_params()}
-        pool.kv_returns.keep(pool.config.kv_return, turn.session, params, (), d.url)
+        """Pipelined: D answered the turn cleanly and keeps it (``kv_keep``) for the next;
+        nothing is recorded here (the keep id names it)."""
         self._count(pool, Reuse.KEPT)
 
     async def prepare(
@@ -133,16 +162,9 @@ class Turns:
         return reuse_params(kept, prompt_ids, block_size, pool.config.kv_return.min_tokens)
 
     async def _prompt_ids(self, p: Instance, creq: ClientRequest) -> list[int] | None:
-        body = creq.body
-        if creq.endpoint is Endpoint.CHAT:
-            query = {k: body[k] for k in _CHAT_TEMPLATE_FIELDS if k in body}
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt  # token ids already
-            query = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
-        if "model" in body:
-            query["model"] = body["model"]
+        query = tokenize_query(creq)
+        if query is None or isinstance(query, list):
+            return query
         return await self._side.tokenize(p, query)
 
     async def _block_size(self, d: Instance) -> int | None:

@@ -59,6 +59,9 @@ class EngineSpec:
     kv_port: int | None = None
     engine_id: str | None = None
     extra_args: tuple[str, ...] = field(default=())
+    # vLLM's KV cache events (``--kv-events-config``): the publisher's and the replay
+    # endpoint's ports on LOCALHOST; None: no events.
+    kv_events: tuple[int, int] | None = None
     # More kv_connector_extra_config keys: this project's connector's (connector/README.md),
     # or vLLM's (NixlConnector's bidirectional_kv_xfer, decoder_kv_blocks_ttl).
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
@@ -150,7 +153,36 @@ def engine_argv(spec: EngineSpec, opts: EngineOptions) -> list[str]:
     kv_config = kv_transfer_config(spec)
     if kv_config is not None:
         argv += ["--kv-transfer-config", kv_config]
+    events = kv_events_config(spec)
+    if events is not None:
+        argv += ["--kv-events-config", events]
     return argv + list(spec.extra_args)
+
+
+def kv_events_config(spec: EngineSpec) -> str | None:
+    """The ``--kv-events-config`` JSON for ``spec`` (None: no events). vLLM binds an endpoint
+    whose host is ``*`` and connects to any other, so both bind on every interface."""
+    if spec.kv_events is None:
+        return None
+    publisher, replay = spec.kv_events
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{publisher}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    return json.dumps(config, separators=(",", ":"))
+
+
+def kv_events_endpoints(spec: EngineSpec) -> dict[str, str]:
+    """What a router config names for ``spec``'s KV events (empty: no events)."""
+    if spec.kv_events is None:
+        return {}
+    publisher, replay = spec.kv_events
+    return {
+        "kv_events_endpoint": f"tcp://{LOCALHOST}:{publisher}",
+        "kv_events_replay": f"tcp://{LOCALHOST}:{replay}",
+    }
 
 
 def cpu_set(core: int | str) -> frozenset[int]:

@@ -125,6 +125,7 @@ class Stack:
         kv_return: bool = False,
         model_overrides: Mapping[str, Any] | None = None,
         prefix_caching: bool = False,
+        kv_events: bool = False,
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
@@ -142,7 +143,10 @@ class Stack:
         ``bidirectional_kv_xfer``, in pipelined this project's connector keeps it.
         ``model_overrides``: keys merged into the router config's model entry (e.g.
         ``{"disagg_max_prefill_queue": 2}``). ``prefix_caching``: on in every engine (vLLM's
-        default for serving; the tests keep it off so that every prompt is computed and moved)."""
+        default for serving; the tests keep it off so that every prompt is computed and moved).
+        ``kv_events``: every engine publishes its KV cache events (``--kv-events-config``, with a
+        replay endpoint) and every router over the stack routes by them (``kv_events`` in its
+        model entry; vLLM publishes only with prefix caching on)."""
         self.mode = eng.Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -160,6 +164,7 @@ class Stack:
         self.kv_return = kv_return
         self.model_overrides = dict(model_overrides or {})
         self.prefix_caching = prefix_caching
+        self.kv_events = kv_events
         if kv_return and self.mode is eng.Mode.PIPELINED:  # this project's connector
             self.connector_extra = {"keep_ttl_s": KV_RETURN_ENGINE_TTL_S, **self.connector_extra}
         elif kv_return:  # vLLM's NixlConnector
@@ -401,13 +406,18 @@ class Stack:
         unknown = set(self.engine_args) - {s.name for s in specs}
         if unknown:
             raise StackError(f"engine_args for engines this stack does not run: {sorted(unknown)}")
+        events: list[tuple[int, int] | None] = [None] * len(specs)
+        if self.kv_events:
+            picked = portmod.pick_ports(2 * len(specs), portmod.KV_EVENTS_PORTS)
+            events = [(picked[2 * i], picked[2 * i + 1]) for i in range(len(specs))]
         return [
             replace(
                 s,
                 extra_args=s.extra_args + self._caching + self.engine_args.get(s.name, ()),
                 connector_extra=self.connector_extra,
+                kv_events=ports,
             )
-            for s in specs
+            for s, ports in zip(specs, events, strict=True)
         ]
 
     @property
@@ -558,21 +568,29 @@ def router_config(
     before the first request; the single engine of aggregated mode is a decode entry.
     """
     prefill = [
-        {"url": s.url, "engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
+        {"url": s.url, "engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port,
+         **eng.kv_events_endpoints(s)}
         for s in engines
         if s.role == "prefill"
-    ]
+    ]  # fmt: skip
     decode: list[dict[str, Any]] = [
-        {"url": s.url, "slots": decode_slots} for s in engines if s.role in ("decode", "aggregated")
+        {"url": s.url, "slots": decode_slots, **eng.kv_events_endpoints(s)}
+        for s in engines
+        if s.role in ("decode", "aggregated")
     ]
     if mode is eng.Mode.PIPELINED:  # P writes into D: the router gives P D's identity
         d_specs = [s for s in engines if s.role == "decode"]
         for entry, s in zip(decode, d_specs, strict=True):
             entry |= {"engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}
-    return {
-        "listen": {"host": eng.LOCALHOST, "port": port},
-        "models": [{"name": model_name, "mode": mode.value, "prefill": prefill, "decode": decode}],
+    model: dict[str, Any] = {
+        "name": model_name,
+        "mode": mode.value,
+        "prefill": prefill,
+        "decode": decode,
     }
+    if any(s.kv_events is not None for s in engines):  # route by the engines' KV events
+        model["kv_events"] = {"enabled": True}
+    return {"listen": {"host": eng.LOCALHOST, "port": port}, "models": [model]}
 
 
 def _http_ok(url: str) -> Callable[[], bool]:

@@ -14,6 +14,7 @@ from collections.abc import Collection
 # Ranges used by the stack (the router and other tools use other ranges).
 ENGINE_HTTP_PORTS = range(8100, 8300)
 SIDE_CHANNEL_PORTS = range(5600, 5800)
+KV_EVENTS_PORTS = range(5800, 6000)  # vLLM's KV event publishers and their replay endpoints
 ROUTER_PORTS = range(8000, 8100)
 
 

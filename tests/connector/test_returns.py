@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from connector.address import NixlAddress
 from connector.metadata import KeepSpec, Kind, RecvSpec, StepMeta, decode
 from connector.reuse import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.scheduler import SchedulerSide
@@ -27,14 +28,18 @@ from tests.fakes.fake_nixl import Fabric
 from tests.needs import need_module
 
 BS = 16
+OTHER_P = NixlAddress("prefill-1", "127.0.0.1", 6601)
 TURN = list(range(100, 140))  # prompt and reply: 40 tokens held, in 3 blocks (16 + 16 + 8)
 
 
-def kept_request(status: str = "FINISHED_STOPPED", computed: int = 40) -> SimpleNamespace:
-    """D's finished turn: 41 token ids, the last sampled one without KV yet."""
+def kept_request(
+    status: str = "FINISHED_STOPPED", computed: int = 40, keep: bool | str = True
+) -> SimpleNamespace:
+    """D's finished turn: 41 token ids, the last sampled one without KV yet; kept under its
+    transfer id ``t1`` (``keep=True``) or under the router's keep id ``keep``."""
     return SimpleNamespace(
         request_id="d1",
-        kv_transfer_params={**decode_params("t1", P_ADDR), "kv_keep": True},
+        kv_transfer_params={**decode_params("t1", P_ADDR), "kv_keep": keep},
         num_prompt_tokens=30,
         status=SimpleNamespace(name=status),
         all_token_ids=[*TURN, 99],
@@ -95,6 +100,20 @@ def test_d_keeps_a_normal_finish_with_its_hashes_and_holds_the_blocks() -> None:
     assert not s.has_pending_work()
 
 
+def test_d_keeps_under_the_routers_keep_id_and_tells_its_worker_from_admission_on() -> None:
+    s = SchedulerSide(BS)
+    req = kept_request(keep="keep-conv-1")
+    s.on_new_request(req)
+    assert s.build_connector_meta(sched_output()).expecting == ["keep-conv-1"]
+    s.update_state_after_alloc(req, [5, 6], 30)
+    s.build_connector_meta(sched_output())
+    s.update_connector_output(set(), {"d1"})
+    assert s.request_finished(req, [5, 6, 7]) == (True, None)
+    step = s.build_connector_meta(sched_output())
+    assert step.keeps == [KeepSpec("d1", "keep-conv-1", [5, 6, 7], 40, prefix_hashes(TURN))]
+    assert step.unexpected == []
+
+
 @pytest.mark.parametrize("status", ["FINISHED_ABORTED", "FINISHED_ERROR"])
 def test_d_keeps_nothing_of_an_aborted_or_failed_turn(status: str) -> None:
     s = SchedulerSide(BS)
@@ -104,7 +123,8 @@ def test_d_keeps_nothing_of_an_aborted_or_failed_turn(status: str) -> None:
     s.update_connector_output(set(), {"d1"})
     s.build_connector_meta(sched_output())
     assert s.request_finished(req, [5, 6, 7]) == (False, None)
-    assert s.build_connector_meta(sched_output()).keeps == []
+    step = s.build_connector_meta(sched_output())
+    assert step.keeps == [] and step.unexpected == ["t1"]  # an ASK for it is refused now
     assert not s.has_pending_work()
 
 
@@ -218,17 +238,19 @@ def test_p_asks_d_answers_p_pulls_and_d_frees_after_its_writes() -> None:
 
 
 def test_an_ask_ahead_of_the_keep_is_answered_once_it_arrives_or_refused_later() -> None:
-    """The router records a turn as its answer ends; vLLM hands D's worker the finished
-    request's plan a step or two later, so P's ASK may come first."""
+    """The client has the answer as its last bytes go out; vLLM hands D's worker the finished
+    request's plan a step or two later, so P's ASK may come first: it waits while a request
+    to be kept under that id runs (up to early_ask_s)."""
     _, clock, p, d = sides()
     idle(d)
+    d.worker.bind(StepMeta(expecting=["t1", "t-late"]))
     ask(p)
     settle(p, d)
     assert p.worker.take_answers() == {}  # waiting, not refused
     keep(d)
     settle(p, d)
     assert p.worker.take_answers() == {"p2": (40, prefix_hashes(TURN))}
-    p.worker.bind(StepMeta(asks={"p3": ("t-never", D_ADDR)}))  # never kept
+    p.worker.bind(StepMeta(asks={"p3": ("t-late", D_ADDR)}))  # expected, never kept
     settle(p, d)
     assert p.worker.take_answers() == {}
     clock.advance(1.5)  # past early_ask_s: refused
@@ -236,6 +258,78 @@ def test_an_ask_ahead_of_the_keep_is_answered_once_it_arrives_or_refused_later()
     assert p.worker.take_answers() == {"p3": None}
     stats = p.worker.stats.take()
     assert stats is not None and stats["kept_missed"] == 1  # p3 only: p2 was answered
+
+
+def test_an_ask_for_an_id_no_running_request_keeps_is_refused_at_once() -> None:
+    """A router that names a conversation's keep id without knowing whether the last turn was
+    kept costs P one round trip: no wait for early_ask_s."""
+    _, _, p, d = sides()
+    idle(d)
+    d.worker.bind(StepMeta(expecting=["t-ends-unkept"]))
+    p.worker.bind(StepMeta(asks={"p3": ("t-never", D_ADDR), "p4": ("t-ends-unkept", D_ADDR)}))
+    settle(p, d)
+    assert p.worker.take_answers() == {"p3": None}  # refused without any clock advance
+    d.worker.bind(StepMeta(unexpected=["t-ends-unkept"]))  # its request ended, not kept
+    settle(p, d)
+    assert p.worker.take_answers() == {"p4": None}
+
+
+def test_a_newer_turn_under_the_same_keep_id_replaces_the_older_one() -> None:
+    _, _, p, d = sides()
+    idle(d)
+    d.worker.bind(StepMeta(keeps=[KeepSpec("d1", "k", [5, 6, 7], 40, prefix_hashes(TURN))]))
+    newer = [*TURN, *range(300, 308)]
+    d.worker.bind(StepMeta(keeps=[KeepSpec("d2", "k", [8, 9, 10], 48, prefix_hashes(newer))]))
+    assert settle(d)[d.name][0] == {"d1"}  # nobody asked for the older one: freed at once
+    p.worker.bind(StepMeta(asks={"p2": ("k", D_ADDR)}))
+    settle(p, d)
+    assert p.worker.take_answers() == {"p2": (48, prefix_hashes(newer))}
+
+
+def test_a_turn_being_read_finishes_when_a_newer_one_takes_its_id() -> None:
+    fabric, _, p, d = sides()
+    idle(d)
+    d.worker.bind(StepMeta(keeps=[KeepSpec("d1", "k", [5, 6, 7], 40, prefix_hashes(TURN))]))
+    p.worker.bind(StepMeta(asks={"p2": ("k", D_ADDR)}))
+    settle(p, d)
+    p.worker.take_answers()
+    fabric.write_mode = "proc"  # D's WRITEs stay in flight
+    p.worker.bind(StepMeta(recvs=[RecvSpec("p2", "k", D_ADDR, 1, [9, 10], 6, pull=True)]))
+    settle(p, d, steps=1)
+    newer = [*TURN, *range(300, 308)]
+    d.worker.bind(StepMeta(keeps=[KeepSpec("d2", "k", [8, 9, 10], 48, prefix_hashes(newer))]))
+    assert settle(d)[d.name][0] == set()  # the older one's WRITEs are still in flight
+    fabric.complete_all()
+    seen = settle(p, d)
+    assert seen[d.name][0] == {"d1"} and seen[p.name][1] == {"p2"}
+    assert p.worker.invalid_blocks() == set()
+
+
+def test_only_the_p_that_asked_may_pull_or_abort() -> None:
+    fabric = Fabric()
+    clock = Clock()
+    d = make_side(fabric, D_ADDR, clock)
+    p = make_side(fabric, P_ADDR, clock, fill=0.0)
+    other = make_side(fabric, OTHER_P, clock, fill=0.0)
+    keep(d)
+    ask(p)
+    settle(p, d, other)
+    other.worker.bind(StepMeta(recvs=[RecvSpec("x", "t1", D_ADDR, 1, [9], 6, pull=True)]))
+    other.worker.bind(StepMeta(abort_recvs={"x": ("t1", D_ADDR)}))
+    settle(p, d, other)
+    assert fabric.writes_to(other.name) == []  # refused: it did not ask
+    p.worker.bind(StepMeta(recvs=[RecvSpec("p2", "t1", D_ADDR, 1, [9, 10], 6, pull=True)]))
+    seen = settle(p, d, other)
+    assert seen[p.name][1] == {"p2"} and len(fabric.writes_to(p.name)) == LAYERS
+
+
+def test_two_requests_of_one_p_reading_one_turn_leave_the_second_to_compute() -> None:
+    _, _, p, d = sides()
+    keep(d)
+    p.worker.bind(StepMeta(asks={"p2": ("t1", D_ADDR)}))
+    p.worker.bind(StepMeta(asks={"p3": ("t1", D_ADDR)}))
+    settle(p, d)
+    assert p.worker.take_answers() == {"p3": None, "p2": (40, prefix_hashes(TURN))}
 
 
 def test_a_kept_turn_is_used_once() -> None:

@@ -181,6 +181,21 @@ def test_compose_stack_is_consistent(path: Path) -> None:
         argv, exported = dry_run(role, **resolved)
         assert argv[argv.index("--port") + 1] == env["PORT"]
         assert exported["VLLM_NIXL_SIDE_CHANNEL_PORT"] == env["KV_PORT"]
+        # The router follows the KV events where the engine publishes them.
+        assert model.kv_events.enabled
+        published = kv_events_ports(argv)
+        assert inst.kv_events_endpoint == f"tcp://{env['HOST']}:{published[0]}"
+        assert inst.kv_events_replay == f"tcp://{env['HOST']}:{published[1]}"
+
+
+def kv_events_ports(argv: list[str]) -> tuple[int, int]:
+    """The publisher and replay ports an engine's ``--kv-events-config`` binds."""
+    import json
+
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
+    ports = [config[k].removeprefix("tcp://*:") for k in ("endpoint", "replay_endpoint")]
+    return int(ports[0]), int(ports[1])
 
 
 # -- Kubernetes ----------------------------------------------------------------
@@ -242,6 +257,13 @@ def test_kubernetes_manifests_are_consistent() -> None:
             "fieldRef": {"fieldPath": "metadata.name"}}  # fmt: skip
         assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        argv, _ = dry_run(role, **{k: v for k, v in env.items() if isinstance(v, str)})
+        events = model.kv_events
+        assert events.enabled and kv_events_ports(argv) == (events.port, events.replay_port)
+        assert (ports["kv-events"], ports["kv-replay"]) == (events.port, events.replay_port)
+    policy = objs[("NetworkPolicy", "vllm-engines-pd-model")]["spec"]["ingress"]
+    opened = [{p["port"] for p in rule.get("ports", [])} for rule in policy]
+    assert {"kv-events", "kv-replay"} in opened
 
 
 # -- lint ----------------------------------------------------------------------

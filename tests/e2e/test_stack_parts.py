@@ -91,6 +91,29 @@ def test_stack_options_reach_one_engine_and_the_router_config() -> None:
         Stack("push", engine_args={"decode-1": []})._plan()
 
 
+def test_kv_events_reach_every_engine_and_every_router_config() -> None:
+    """``Stack(kv_events=True)``: each engine publishes on ports of its own (binding every
+    interface, as vLLM binds only a ``*`` host) and the router config follows each one."""
+    stack = Stack("pull", kv_events=True, prefix_caching=True)
+    p, d = stack._plan()
+    opts = eng.EngineOptions(Path("m"))
+    configs = []
+    for spec in (p, d):
+        argv = eng.engine_argv(spec, opts)
+        configs.append(json.loads(argv[argv.index("--kv-events-config") + 1]))
+    ports = {c[k] for c in configs for k in ("endpoint", "replay_endpoint")}
+    assert len(ports) == 4 and all(x.startswith("tcp://*:") for x in ports)
+    assert all(c["enable_kv_cache_events"] and c["publisher"] == "zmq" for c in configs)
+    stack.engines, stack.router_port = [p, d], 8001
+    model = parse_config(stack.router_config()).models[0]
+    assert model.kv_events.enabled
+    for inst, c in ((model.prefill[0], configs[0]), (model.decode[0], configs[1])):
+        assert inst.kv_events_endpoint == c["endpoint"].replace("*", eng.LOCALHOST)
+        assert inst.kv_events_replay == c["replay_endpoint"].replace("*", eng.LOCALHOST)
+    plain = Stack("pull")._plan()
+    assert all("--kv-events-config" not in eng.engine_argv(s, opts) for s in plain)
+
+
 def test_aggregated_engine_has_no_connector() -> None:
     (only,) = _plan(eng.Mode.AGGREGATED)
     assert eng.kv_transfer_config(only) is None

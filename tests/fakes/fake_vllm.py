@@ -5,6 +5,15 @@ whether the router closed it) and can delay, fail, hang, drop a stream or send
 malformed data. Fake P and D engines of one test share a :class:`KvBus`: a push
 D leg waits until the P leg with the same ``X-Request-Id`` has finished, as a
 real push-mode D waits for P's WRITE, and hangs forever if P never finishes.
+
+With :meth:`FakeEngine.start_kv_events` an engine has a prefix cache and publishes its KV
+events in vLLM 0.32's wire format (tests/fakes/kv_events.py), from this fake's tokenizer (the
+bytes of the prompt or of the chat template, as its ``/tokenize`` answers): P caches a prompt's
+full blocks when it has computed it, D the prompt's and its reply's when the answer ends. Each
+request records what it found cached (``Received.cached``, also reported as usage
+``cached_tokens``), and computing the rest takes ``compute_token_delay`` seconds per token
+(``receive_token_delay`` for a D that receives the prompt's KV from P), one prompt after the
+other with ``compute_one_at_a_time``.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from tests.fakes.kv_events import Encoding, PrefixCache, Publisher
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -74,6 +85,10 @@ class Behaviour:
     turns: asyncio.Semaphore | None = None
     token_padding: int = 0  # streamed tokens: this many more bytes of text each
     tokens_from_request: bool = False  # a request's max_tokens, when given, is its length
+    tokenize_status: int = 200  # /tokenize answers with this status
+    compute_token_delay: float = 0.0  # with a prefix cache: seconds per prompt token computed
+    compute_one_at_a_time: bool = False  # prompts computed in turn, as one engine's steps
+    receive_token_delay: float = 0.0  # ... per prompt token a disaggregated D receives
 
 
 @dataclass
@@ -84,6 +99,7 @@ class Received:
     started: float
     ended: float | None = None
     closed_by_client: bool = False
+    cached: int | None = None  # with a prefix cache: prompt tokens found in it
 
     @property
     def request_id(self) -> str:
@@ -120,6 +136,57 @@ class FakeEngine:
         self.health_checks = 0
         self.gets: list[str] = []  # paths of every GET but /health
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
+        self.cache: PrefixCache | None = None  # see start_kv_events
+        self._computing = asyncio.Lock()
+        self.publisher: Publisher | None = None
+        # A streamed answer waits before its [DONE] for the event this returns, if any (one
+        # request's stream held open with all its tokens sent: a steady load).
+        self.hold_done: Callable[[Received], asyncio.Event | None] | None = None
+
+    async def start_kv_events(
+        self, block_size: int = 16, capacity: int = 100_000, encoding: Encoding = "map"
+    ) -> Publisher:
+        """Give this engine a prefix cache and a KV event publisher (see module doc)."""
+        self.cache = PrefixCache(block_size, capacity)
+        self.publisher = Publisher(encoding)
+        await self.publisher.start()
+        return self.publisher
+
+    async def stop_kv_events(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.aclose()
+
+    def restart_kv(self) -> None:
+        """The engine restarts: an empty cache, event sequence numbers from 0."""
+        assert self.cache is not None and self.publisher is not None
+        self.cache = PrefixCache(self.cache.block_size, self.cache.capacity)
+        self.publisher.restart()
+
+    def _cache_lookup(self, rec: Received) -> list[int]:
+        """The request's prompt ids (none without a cache); records what the cache holds."""
+        if self.cache is None:
+            return []
+        tokens = _token_ids(rec.body)
+        rec.cached = self.cache.hit(tokens)
+        return tokens
+
+    def _cache_store(self, tokens: list[int]) -> None:
+        if self.cache is not None and self.publisher is not None:
+            events = self.cache.store(tokens)
+            if events:
+                self.publisher.publish(events)
+
+    async def _compute(
+        self, rec: Received, tokens: list[int], per_token: float, serial: bool = False
+    ) -> None:
+        if not per_token or self.cache is None:
+            return
+        seconds = per_token * (len(tokens) - (rec.cached or 0))
+        if not serial:
+            await asyncio.sleep(seconds)
+            return
+        async with self._computing:  # an engine computes one prompt after the other
+            await asyncio.sleep(seconds)
 
     # -- ASGI ----------------------------------------------------------------
 
@@ -224,11 +291,19 @@ class FakeEngine:
             await _respond(send, 500, b'{"error": {"message": "KV read from D failed"}}')
             return
         if rec.path in ("/tokenize", "/detokenize"):
+            if b.tokenize_status != 200:
+                await _respond(send, b.tokenize_status, b'{"error": {"message": "no"}}')
+                return
             await _respond(send, 200, json.dumps(_tokenizer(rec.path, rec.body)).encode())
             return
         kv = rec.kv
+        prompt = self._cache_lookup(rec)
+        if self.cache is not None and b.cached_tokens is None:
+            b = dataclasses.replace(b, cached_tokens=rec.cached)
         if kv.get("do_remote_decode"):
+            await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
             await self._prefill(rec, send, b)
+            self._cache_store(prompt)
             return
         if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
             # Push-style D: wait for "the KV" from the P leg with the same request id.
@@ -236,12 +311,17 @@ class FakeEngine:
                 await self.bus.event(rec.request_id).wait()
             else:
                 await _poll_kv(b.kv_peer, rec.request_id)
+        if kv.get("do_remote_prefill"):
+            await self._compute(rec, prompt, b.receive_token_delay)
+        else:
+            await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
         if rec.body.get("stream"):
-            await self._stream(rec, send, b)
+            await self._stream(rec, send, b, prompt)
             return
         doc = _full(rec, b.tokens, b.prompt_tag, b.cached_tokens)
         if b.bidirectional and kv.get("do_remote_prefill"):
             _keep_turn(self.name, rec, doc)
+        self._cache_store(prompt + _reply_ids(doc, rec))
         await _respond(send, 200, json.dumps(doc).encode())
 
     async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
@@ -274,7 +354,9 @@ class FakeEngine:
             return
         await _respond(send, 200, json.dumps(doc).encode())
 
-    async def _stream(self, rec: Received, send: Send, b: Behaviour) -> None:
+    async def _stream(
+        self, rec: Received, send: Send, b: Behaviour, prompt: list[int] | None = None
+    ) -> None:
         asked = rec.body.get("max_tokens")
         if b.tokens_from_request and isinstance(asked, int):
             b = dataclasses.replace(b, tokens=asked)
@@ -285,6 +367,7 @@ class FakeEngine:
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
             }
         )
+        reply: list[str] = []
         for i in range(b.tokens):
             if b.drop_after is not None and i == b.drop_after:
                 raise RuntimeError("fake engine drops the stream")  # uvicorn aborts the conn
@@ -296,6 +379,7 @@ class FakeEngine:
                 await _chunk(send, b"data: {not json\n\n")
                 continue
             delta = _delta(rec, i, b.prompt_tag, b.token_padding)
+            reply.append(_delta_text(delta))
             await _chunk(send, b"data: " + json.dumps(delta).encode() + b"\n\n")
             if b.token_delay:
                 await asyncio.sleep(b.token_delay)
@@ -306,6 +390,11 @@ class FakeEngine:
                 "usage": _usage(b.tokens, b.cached_tokens),
             }
             await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
+        if prompt is not None:
+            self._cache_store(prompt + list("".join(reply).encode()))
+        held = self.hold_done(rec) if self.hold_done is not None else None
+        if held is not None:
+            await held.wait()
         await _chunk(send, b"data: [DONE]\n\n")
         if b.end_gate is not None:
             self.holding_end.set()
@@ -437,6 +526,19 @@ def _delta(rec: Received, i: int, tag: bool = False, padding: int = 0) -> dict[s
             }
         ],
     }
+
+
+def _delta_text(delta: dict[str, Any]) -> str:
+    choice = delta["choices"][0]
+    text = choice["delta"].get("content", "") if "delta" in choice else choice.get("text", "")
+    return str(text)
+
+
+def _reply_ids(doc: dict[str, Any], rec: Received) -> list[int]:
+    """A finished answer's reply as this fake's tokenizer has it (its bytes)."""
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if _is_chat(rec) else choice["text"]
+    return list(str(text).encode())
 
 
 def _keep_turn(name: str, rec: Received, doc: dict[str, Any]) -> None:

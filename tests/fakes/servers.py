@@ -16,7 +16,10 @@ import uvicorn
 async def serve(app: Any, *, lifespan: str = "on", http: Any = "h11") -> AsyncIterator[str]:
     """Serve ``app`` on 127.0.0.1 with a free port; yields its base URL. ``http``: uvicorn's
     protocol (the router's own guarded one: ``RouterApp.http_protocol``)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose protocol
+    # says TCP, and without it a response written in two parts waits 40 ms for the
+    # client's delayed ACK (Nagle), every request.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -16,6 +16,7 @@ import pytest
 from connector.address import NixlAddress
 from router.app import create_app
 from router.config import ConfigError, parse_config
+from router.pd.turns import keep_id
 from tests.conftest import Cluster, metric
 from tests.fakes.servers import serve
 
@@ -256,27 +257,26 @@ async def test_pipelined_streamed_turns_hand_p_the_previous_turn_kept_on_d(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
     url, ctx = await _pipelined(cluster)
+    kid = keep_id("tiny", "anonymous", "conv-1")
     await _stream(client, url, HISTORY, "conv-1")
     (p1,), (d1,) = cluster.prefill[0].received, cluster.decode[0].received
-    assert d1.kv["kv_keep"] is True and "kv_reuse" not in p1.kv
+    # D keeps the turn under the conversation's keep id; a first turn has nothing to read.
+    assert d1.kv["kv_keep"] == kid and "kv_reuse" not in p1.kv
     assert _result(ctx, "kept") == 1
 
     await _stream(client, url, _next_turn(), "conv-1")
     p2, d2 = cluster.prefill[0].received[-1], cluster.decode[0].received[-1]
-    # P is told where the last turn is kept: its transfer id and D's NIXL address.
+    # P is told where the last turn is kept: the keep id and D's NIXL address.
     assert p2.kv["kv_reuse"] == {
-        "transfer_id": d1.kv["transfer_id"],
+        "transfer_id": kid,
         "remote_engine_id": "D",
         "remote_host": "10.0.0.2",
         "remote_port": 7002,
     }
     assert p2.kv["transfer_id"] == d2.kv["transfer_id"] != d1.kv["transfer_id"]
-    assert d2.kv["kv_keep"] is True
+    assert d2.kv["kv_keep"] == kid  # replaces the first turn on D
     assert _result(ctx, "offered") == 1
-
-    # Each kept turn is handed out once: the third turn gets the second's, not the first's.
-    await _stream(client, url, [*_next_turn(), {"role": "user", "content": "More?"}], "conv-1")
-    assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == d2.kv["transfer_id"]
+    assert keep_id("tiny", "other-key", "conv-1") != kid != keep_id("tiny", "anonymous", "c2")
 
 
 async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
@@ -379,19 +379,71 @@ async def test_pipelined_keeps_no_turn_whose_stream_broke(
     assert r.status_code == 200 and '"error"' in r.text  # the cut stream, reported in-band
     cluster.decode[0].behaviour.drop_after = None
     await _stream(client, url, _next_turn(), "conv-1")
-    assert "kv_reuse" not in cluster.prefill[0].received[-1].kv
+    # The router keeps no table: P is pointed at D, which kept nothing under the id and
+    # refuses at once (connector/returns.py); P computes everything.
+    assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == keep_id(
+        "tiny", "anonymous", "conv-1"
+    )
     assert _result(ctx, "kept") == 1  # the second turn only
 
 
-async def test_pipelined_offers_no_turn_kept_on_a_d_that_is_another_engine_now(
+async def test_pipelined_names_the_current_engine_of_a_restarted_d(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
     url, ctx = await _pipelined(cluster, ttl_seconds=60)
     await _stream(client, url, HISTORY, "conv-1")
     pool = ctx.registry.get("tiny")
-    # D restarted under a new engine id (as a reload would configure it): its KV is gone.
+    # D restarted under a new engine id (as a reload would configure it): its KV is gone,
+    # and the new engine, which keeps nothing under the id, refuses P's question at once.
     pool.decode[0].configure_nixl(NixlAddress("D-2", "10.0.0.2", 7002), None)
     await _stream(client, url, _next_turn(), "conv-1")
-    assert "kv_reuse" not in cluster.prefill[0].received[-1].kv
-    assert cluster.prefill[0].received[-1].kv["remote_engine_id"] == "D-2"
-    assert _result(ctx, "unavailable") == 1
+    p2 = cluster.prefill[0].received[-1].kv
+    assert p2["kv_reuse"]["remote_engine_id"] == p2["remote_engine_id"] == "D-2"
+
+
+async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Two replicas, no KV events: consecutive turns go to different replicas, and each turn's
+    P is pointed at the D that kept the previous one (both replicas place a session on the same
+    D, by rendezvous over the load the engines report)."""
+    cfg = cluster2.config(
+        "pipelined", model={"kv_return": {"enabled": True}}, admission={"replicas": 2}
+    )
+    model = cfg["models"][0]
+    for i, inst in enumerate([*model["prefill"], *model["decode"]]):
+        inst |= {"engine_id": f"E{i}", "kv_host": f"10.0.0.{i}", "kv_port": 7000 + i}
+    urls = []
+    for _ in range(2):
+        app = create_app(parse_config(cfg), health_checks=False)
+        urls.append(await cluster2.stack.enter_async_context(serve(app)))
+        cluster2.routers.append(app.state.ctx)
+    for conv in range(4):
+        session = f"conv-{conv}"
+        messages = [{"role": "user", "content": f"{conv}: " + "Tell me about routers. " * 8}]
+        kept_by = None
+        for turn in range(4):
+            await _stream(client, urls[(conv + turn) % 2], messages, session)
+            p = next(
+                r
+                for e in cluster2.prefill
+                for r in e.received
+                if r.kv.get("transfer_id") and str(messages[-1]) in str(r.body)
+            )
+            d = next(
+                r
+                for e in cluster2.decode
+                for r in e.received
+                if r.kv.get("transfer_id") == p.kv["transfer_id"]
+            )
+            if kept_by is not None:
+                assert p.kv["kv_reuse"] == {
+                    "transfer_id": keep_id("tiny", "anonymous", session),
+                    **kept_by,
+                }
+            assert d.kv["kv_keep"] == keep_id("tiny", "anonymous", session)
+            kept_by = {k: p.kv[k] for k in ("remote_engine_id", "remote_host", "remote_port")}
+            messages += [
+                {"role": "assistant", "content": REPLY},
+                {"role": "user", "content": f"And then {turn} in {conv}?"},
+            ]
