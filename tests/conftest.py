@@ -123,8 +123,10 @@ class Cluster:
         return [*self.prefill, *self.decode]
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Wait until ``check()`` holds (cleanup happens asynchronously after a close)."""
+async def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until ``check()`` holds (cleanup happens asynchronously after a close). Returns as
+    soon as it holds: the deadline only ends a test that would wait forever, far above what a
+    run takes even on a busy machine."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:

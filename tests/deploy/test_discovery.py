@@ -168,12 +168,14 @@ async def test_api_outage_keeps_last_pods_then_recovers(
             any(f"tiny/{role}:" in line and "503" in line for line in _outage_lines(caplog))
             for role in ("prefill", "decode")
         ),
-        timeout=5,
+        timeout=45,
     )
     assert urls(pool) == ([p0], [d0])  # an API outage takes nothing out of rotation
     await kube.add_pod("d-1", "decode", port_of(d1))
     kube.fail_status = None
-    await eventually(lambda: urls(pool) == ([p0], [d0, d1]), timeout=5)
+    # The next retry comes after the backoff the outage reached (doubling from 0.5 s, at most
+    # 30 s): a slow machine spends longer in the outage and so waits longer here.
+    await eventually(lambda: urls(pool) == ([p0], [d0, d1]), timeout=45)
 
 
 async def test_reload_keeps_discovered_instances(cluster: Cluster, tmp_path: Any) -> None:
