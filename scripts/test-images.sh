@@ -15,10 +15,11 @@
 #   scripts/test-images.sh --build-only    # base, router and engine images; runs nothing
 #
 # Python: $PYTHON if set (with the project and its engine extra), else the project's .venv made
-# by scripts/setup.sh. Installs what it lacks with apt-get (root): podman, runc, debootstrap, podman-compose. Exits 3
-# when it cannot. Starts real vLLM engines (the router's P/D pair, the compose stack): at most
-# two at a time. Caches under $PD_ROUTER_CACHE (default ~/.cache/pd-router)/images; build logs
-# are kept there. See docs/deployment.md.
+# by scripts/setup.sh. Installs what it lacks with apt-get (root): podman, runc, debootstrap,
+# docker-compose (the compose stack only). Exits 3 when it cannot. Starts real vLLM engines
+# (the router's P/D pair, the compose stack): at most two at a time. PD_ROUTER_IMAGE names the
+# router image (default: the compose files' name). Caches under $PD_ROUTER_CACHE (default ~/.cache/pd-router)/images; build logs are kept there.
+# See docs/deployment.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,7 +38,7 @@ CACHE=${PD_ROUTER_CACHE:-$HOME/.cache/pd-router}/images
 LOGS=$CACHE/logs
 mkdir -p "$LOGS"
 VERSION=$(sed -n 's/^__version__ = "\(.*\)"$/\1/p' router/__init__.py)
-ROUTER_IMAGE=localhost/pd-router:$VERSION
+ROUTER_IMAGE=${PD_ROUTER_IMAGE:-localhost/pd-router:$VERSION}  # the compose files' name
 ENGINE_IMAGE=localhost/pd-router-engine-cpu:$VERSION
 STARTED=$(date +%s.%N)
 
@@ -193,9 +194,27 @@ router_tests() {
   say "router image tests passed in $(seconds_since "$t0") s"
 }
 
+# The compose files run under Debian's docker-compose (1.29) on podman's Docker-compatible API:
+# podman 4.3 has no `podman compose`, and Debian's podman-compose (1.0.3) puts services with
+# `network_mode: host` on a bridge network as well and ignores `ipc` and `pid`.
+start_podman_api() {
+  local sock=$CACHE/podman.sock t0
+  rm -f "$sock"
+  podman system service --time=0 "unix://$sock" >"$LOGS/podman-api.log" 2>&1 &
+  API_PID=$!
+  trap 'kill "$API_PID" 2>/dev/null || true' EXIT
+  t0=$(date +%s)
+  until [ -S "$sock" ]; do
+    [ $(( $(date +%s) - t0 )) -lt 30 ] || die "podman's API did not start (log: $LOGS/podman-api.log)"
+    sleep 0.2
+  done
+  export DOCKER_HOST=unix://$sock
+}
+
 compose_stack() {
   local t0 model
   t0=$(date +%s.%N)
+  start_podman_api
   model=$("$PY" -c 'from router.stack.model import ensure_model; print(ensure_model("smollm2"))')
   "$PY" -m scripts.images.compose_check --compose docker/compose/cpu.yaml --model "$model"
   say "compose stack checked in $(seconds_since "$t0") s"
@@ -211,7 +230,7 @@ if [ "$what" = build-router ]; then
   echo "$ROUTER_IMAGE"
   exit 0
 fi
-[ "$what" = router ] || [ "$what" = build ] || ensure_tools podman-compose
+[ "$what" = router ] || [ "$what" = build ] || ensure_tools docker-compose
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON  # an interpreter with the project and its engine extra already installed
 else

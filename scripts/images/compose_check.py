@@ -2,8 +2,9 @@
 
     python -m scripts.images.compose_check --compose docker/compose/cpu.yaml --model DIR
 
-Brings the stack up with podman-compose (images already built by ``scripts/test-images.sh``),
-the model folder ``DIR`` mounted as the compose file's ``MODELS_DIR``; waits until every
+Brings the stack up with Debian's ``docker-compose`` (1.29) on podman's Docker-compatible API
+(``DOCKER_HOST``, started by ``scripts/test-images.sh``, which also built the images), the model
+folder ``DIR`` mounted as the compose file's ``MODELS_DIR``; waits until every
 container is healthy by its own ``HEALTHCHECK``; streams one chat through the router; prints the
 answer and the KV bytes each engine container reports having moved over NIXL (``vllm:nixl_*``);
 stops the stack and checks that every container exited cleanly and none is left. Exits non-zero
@@ -54,7 +55,7 @@ def compose_env(model: Path) -> dict[str, str]:
 
 
 def compose(compose_file: Path, project: str, env: dict[str, str], *args: str) -> None:
-    cmd = ["podman-compose", "-p", project, "-f", str(compose_file), *args]
+    cmd = ["docker-compose", "-p", project, "-f", str(compose_file), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise CheckFailed(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout}{done.stderr}")
@@ -62,14 +63,14 @@ def compose(compose_file: Path, project: str, env: dict[str, str], *args: str) -
 
 def containers(project: str) -> list[Container]:
     out = podman("ps", "-a", "--format", "{{.Names}}",
-                 "--filter", f"label=io.podman.compose.project={project}")  # fmt: skip
+                 "--filter", f"label=com.docker.compose.project={project}")  # fmt: skip
     return [Container(name) for name in out.split()]
 
 
 def service_container(project: str, service: str) -> Container:
     for box in containers(project):
         labels = box.inspect()["Config"]["Labels"] or {}
-        if labels.get("io.podman.compose.service") == service:
+        if labels.get("com.docker.compose.service") == service:
             return box
     raise CheckFailed(f"no container for service {service}")
 
