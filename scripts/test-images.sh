@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the project's container images with podman (Debian's, with runc) and runs them as an
 # operator would. No Docker daemon, registry or pullable base image is needed: the base image
-# (Debian bookworm minbase, python3, a virtualenv first on PATH, the host's CA certificates) is
-# made with debootstrap from the Debian mirror apt uses, once, and kept until its recipe changes.
+# (Debian bookworm minbase, python3 and its headers, a virtualenv first on PATH, the host's CA
+# certificates) is made with debootstrap from the Debian mirror apt uses, once, and kept until
+# its recipe changes.
 #
 #   scripts/test-images.sh                 # all of it: the router image's tests, then the
 #                                          # compose 1P1D CPU stack (engine image included)
@@ -18,8 +19,8 @@
 # by scripts/setup.sh. Installs what it lacks with apt-get (root): podman, runc, debootstrap,
 # docker-compose (the compose stack only). Exits 3 when it cannot. Starts real vLLM engines
 # (the router's P/D pair, the compose stack): at most two at a time. PD_ROUTER_IMAGE names the
-# router image (default: the compose files' name). Caches under $PD_ROUTER_CACHE (default ~/.cache/pd-router)/images; build logs are kept there.
-# See docs/deployment.md.
+# router image (default: the compose files' name). Caches under $PD_ROUTER_CACHE (default
+# ~/.cache/pd-router)/images; build logs are kept there. See docs/deployment.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -97,9 +98,12 @@ debian_mirror() {  # the mirror apt uses for bookworm
 # The recipe. Its text is part of the image's key: any change here builds a new base.
 base_rootfs() {  # base_rootfs DIR MIRROR
   local dir=$1
-  debootstrap --variant=minbase --include=python3-venv bookworm "$dir" "$2"
+  # The Python headers, as python:3.11-slim has them: torch.compile builds C++ against them.
+  debootstrap --variant=minbase --include=python3-venv,libpython3.11-dev bookworm "$dir" "$2"
+  # No static libpython (python:3.11-slim has none either), docs or package lists.
   rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/* \
-    "$dir"/usr/share/doc/* "$dir"/usr/share/man/* "$dir"/usr/share/locale/*
+    "$dir"/usr/share/doc/* "$dir"/usr/share/man/* "$dir"/usr/share/locale/* \
+    "$dir"/usr/lib/python3.11/config-3.11-*/*.a "$dir"/usr/lib/x86_64-linux-gnu/libpython3.11*.a
   # pip and apt inside builds go out the way the host's do: its CA certificates (a proxy's
   # included) and its apt Acquire settings (proxies, a snapshot mirror's Valid-Until).
   cp /etc/ssl/certs/ca-certificates.crt "$dir/etc/ssl/certs/ca-certificates.crt"
@@ -142,7 +146,7 @@ ensure_base() {  # sets BASE_IMAGE
     mv "$CACHE/base-$key.tar.part" "$CACHE/base-$key.tar"
     rm -rf "$dir"
   fi
-  podman import "${BASE_CHANGES[@]}" "$CACHE/base-$key.tar" "$BASE_IMAGE" >/dev/null
+  podman import "${BASE_CHANGES[@]}" "$CACHE/base-$key.tar" "$BASE_IMAGE" >>"$LOGS/base.log" 2>&1
   say "base $BASE_IMAGE: built in $(seconds_since "$t0") s, $(image_size "$BASE_IMAGE")"
 }
 
