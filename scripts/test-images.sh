@@ -147,6 +147,9 @@ ensure_base() {  # sets BASE_IMAGE
     rm -rf "$dir"
   fi
   podman import "${BASE_CHANGES[@]}" "$CACHE/base-$key.tar" "$BASE_IMAGE" >>"$LOGS/base.log" 2>&1
+  # Earlier recipes' bases (those still under an image stay until that image is rebuilt).
+  podman image ls --format '{{.Repository}}:{{.Tag}}' localhost/pd-router-base \
+    | grep -vx "$BASE_IMAGE" | xargs -r podman rmi >/dev/null 2>&1 || true
   say "base $BASE_IMAGE: built in $(seconds_since "$t0") s, $(image_size "$BASE_IMAGE")"
 }
 
@@ -184,6 +187,8 @@ build_image() {  # build_image NAME DOCKERFILE "INPUT..." [podman build args...]
     die "$name: build failed (log: $log)"
   fi
   say "built $name in $(seconds_since "$t0") s, $(image_size "$name") (log: $log)"
+  # The image this one replaced, untagged now: gigabytes for the engine.
+  podman image prune -f >/dev/null 2>&1 || true
 }
 
 build_router() {
