@@ -99,6 +99,20 @@ def stream_chat(model: str) -> str:
     raise CheckFailed("the chat's stream ended without [DONE]")
 
 
+def wait_ready(deadline_s: float) -> float:
+    """Seconds until the router's ``/ready`` answers 200 (its health checks found P and D)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(f"{ROUTER}/ready", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.TransportError:
+            pass
+        if time.monotonic() - t0 > deadline_s:
+            raise CheckFailed(f"the router was not ready within {deadline_s:.0f} s")
+        time.sleep(0.5)
+
+
 def nixl_bytes() -> dict[str, tuple[float, float]]:
     """Per engine: (bytes moved over NIXL, transfers), as its /metrics reports them."""
     out = {}
@@ -116,6 +130,9 @@ def up_and_check(compose_file: Path, project: str, env: dict[str, str], deadline
         box = service_container(project, service)
         took = box.wait_healthy(max(1.0, deadline_s - (time.monotonic() - t0)), every_s=2.0)
         say(f"{box.name}: healthy by its HEALTHCHECK ({took:.0f} s after the previous one)")
+    # Healthy is alive; ready is the router's own view: both engines back in its rotation.
+    took = wait_ready(max(1.0, deadline_s - (time.monotonic() - t0)))
+    say(f"router /ready: 200 ({took:.0f} s after the containers were healthy)")
     before = nixl_bytes()
     answer = stream_chat("pd-model")
     after = nixl_bytes()
