@@ -169,7 +169,7 @@ inputs_hash() {  # inputs_hash EXTRA PATH...
 }
 
 build_image() {  # build_image NAME DOCKERFILE "INPUT..." [podman build args...]
-  local name=$1 dockerfile=$2 inputs=$3 log t0 hash
+  local name=$1 dockerfile=$2 inputs=$3 log t0 hash old
   shift 3
   # shellcheck disable=SC2086  # INPUT... is a list of paths without spaces
   hash=$(inputs_hash "$BASE_IMAGE $*" "$dockerfile" "$dockerfile.dockerignore" $inputs)
@@ -179,6 +179,7 @@ build_image() {  # build_image NAME DOCKERFILE "INPUT..." [podman build args...]
     return
   fi
   log=$LOGS/$(basename "${name%%:*}").log
+  old=$(podman image inspect --format '{{.Id}}' "$name" 2>/dev/null || true)
   t0=$(date +%s.%N)
   # --format docker: OCI images have no SHELL or HEALTHCHECK; buildah would drop both.
   if ! podman build --format docker --build-arg "PYTHON_IMAGE=$BASE_IMAGE" -f "$dockerfile" \
@@ -187,8 +188,11 @@ build_image() {  # build_image NAME DOCKERFILE "INPUT..." [podman build args...]
     die "$name: build failed (log: $log)"
   fi
   say "built $name in $(seconds_since "$t0") s, $(image_size "$name") (log: $log)"
-  # The image this one replaced, untagged now: gigabytes for the engine.
-  podman image prune -f >/dev/null 2>&1 || true
+  # The image this one replaced, untagged now (gigabytes for the engine); not a prune, which
+  # would take the build stages' layers, the cache of the next build, too.
+  if [ -n "$old" ] && [ "$old" != "$(podman image inspect --format '{{.Id}}' "$name")" ]; then
+    podman rmi "$old" >/dev/null 2>&1 || true
+  fi
 }
 
 build_router() {
