@@ -85,7 +85,11 @@ if [ -n "$CONNECTOR" ]; then
   ARGV+=(--kv-transfer-config "$(kv_transfer_config)")
 fi
 # shellcheck disable=SC2206  # ENGINE_ARGS is a space-separated list on purpose
+# Split on spaces, never globbed: an argument such as --kv-events-config's "tcp://*:5557" must
+# reach vLLM as written, whatever files the working directory holds.
+set -f
 [ -n "${ENGINE_ARGS:-}" ] && ARGV+=(${ENGINE_ARGS})
+set +f
 ARGV+=("$@")
 
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1

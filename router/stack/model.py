@@ -161,6 +161,10 @@ def _ensure(target: Path, build: Callable[[Path], None]) -> Path:
     staging.chmod(0o755)
     try:
         build(staging)
+        # Readable by every user: an engine container runs as its own uid (docker/engine), and
+        # transformers writes the weights owner-only.
+        for path in staging.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         try:
             staging.rename(target)
         except OSError:
