@@ -169,10 +169,11 @@ def test_stop_all_kills_the_whole_group(tmp_path: Path) -> None:
         "time.sleep(600)\n"
     )
     proc = ManagedProcess("stubborn", [sys.executable, "-c", script], os.environ, tmp_path / "l")
+    # "up" is printed after Popen returned, so the grandchild exists by then.
     deadline = time.monotonic() + 30
-    while "up" not in proc.log_tail() and time.monotonic() < deadline:
+    while "up" not in proc.log_tail():
+        assert time.monotonic() < deadline, "the leader never started"
         time.sleep(0.05)
-    time.sleep(0.3)  # let the grandchild exist
     assert len(live_group_members(proc.pgid)) == 2
     killed = stop_all([proc], grace_s=0.5)
     assert killed == ["stubborn"]
