@@ -62,6 +62,8 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
     )
     rows: list[tuple[int, float, float, int]] = []  # turn, P computed, P from D, prompt tokens
     ask = ASK[stack.mode.value]
+    # Other tests on this stack (test_kv_events_real) pull kept turns too: counts are deltas.
+    p0, router0 = stack.engine_metrics("prefill-0"), stack.router_metrics()
 
     def say(messages: list[dict[str, str]]) -> h.Reply:
         before = stack.engine_metrics("prefill-0")
@@ -91,12 +93,13 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
     assert all(from_d >= rows[t - 1][3] // grain * grain for t, _, from_d, _ in rows[1:]), rows
     if stack.mode.value == "pipelined":  # the connector's own counts of what P read
         p = stack.engine_metrics("prefill-0")
-        assert p.total("vllm:pdr_tokens_pulled_total") == sum(row[2] for row in rows)
-        assert p.total("vllm:pdr_kept_missed_total") == 0
+        pulled = h.delta(p, p0, "vllm:pdr_tokens_pulled_total")
+        assert pulled == sum(row[2] for row in rows)
+        assert h.delta(p, p0, "vllm:pdr_kept_missed_total") == 0
     router = stack.router_metrics()
     results = ("reused", "partial", "offered")  # pipelined: offered, P checks it
-    assert sum(router.total(KV_RETURN, result=r) for r in results) == len(rows) - 1
-    assert router.total(KV_RETURN, result="mismatch") == 0
+    assert sum(h.delta(router, router0, KV_RETURN, result=r) for r in results) == len(rows) - 1
+    assert h.delta(router, router0, KV_RETURN, result="mismatch") == 0
 
 
 def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) -> None:
