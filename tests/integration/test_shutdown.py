@@ -25,13 +25,13 @@ async def stream_all(url: str) -> str:
 
 async def refused(url: str) -> bool:
     """True once the router accepts no connection any more (a connection caught while the
-    listener closes, dropped unanswered, proves neither: ask again)."""
+    listener closes, dropped unanswered or reset mid-read, proves neither: ask again)."""
     try:
         async with httpx.AsyncClient() as c:
             await c.get(url + "/health")
     except httpx.ConnectError:
         return True
-    except httpx.RemoteProtocolError:
+    except (httpx.RemoteProtocolError, httpx.ReadError):
         return False
     return False
 
@@ -70,5 +70,6 @@ async def test_sigterm_drains_then_closes(cluster: Cluster, tmp_path: Path, fini
     if not finishes:  # the error event comes just before the end
         assert text.rstrip().split("\n\n")[-2].startswith('data: {"error"')
     if not finishes:
-        assert 1.5 < elapsed < 6  # the grace period, then the stream was cut
+        # the grace period, then the cut: well before the 10 s the stream would have taken
+        assert 1.5 < elapsed < 8.5
     await eventually(lambda: cluster.decode[0].active == 0)
