@@ -103,9 +103,12 @@ class FakeKube:
         await self._emit("DELETED", copy.deepcopy(self.pods[name]))
 
     def compact(self) -> None:
-        """Forget the history: a watch resuming from any older version gets 410."""
+        """Forget the history: a watch resuming from a version older than the current one gets
+        410; a watch from the current version (what a fresh list returns) is served, as the
+        API server serves it (a fake that refused it too made a client list and watch in a loop
+        and left the outcome of the test to when it was looked at)."""
         self.history.clear()
-        self.compacted = self.version + 1
+        self.compacted = self.version
 
     async def end_watches(self) -> None:
         async with self._changed:
