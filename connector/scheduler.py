@@ -11,7 +11,7 @@ allocated the blocks, the plan hands them to the worker, which registers them wi
 is aborted while waiting, the plan tells the worker to notify P and finish the receive so vLLM frees
 the blocks at once.
 
-Kept turns (``connector.reuse``): D keeps a finished request's blocks for the next turn's P
+Kept turns (``connector.kept_turns``): D keeps a finished request's blocks for the next turn's P
 when its params ask (``kv_keep``); P asks D what it holds before claiming any of it
 (``kv_reuse``), and PULLs the claimed blocks as an asynchronous load.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connector.address import NixlAddress
+from connector.kept_turns import KeptTurnAnswer, Lookups, keep_spec
 from connector.metadata import RecvSpec, SendSpec, StepMeta
-from connector.reuse import KeptAnswer, Lookups, keep_spec
 
 __all__ = ["SchedulerSide", "TransferParams"]
 
@@ -46,7 +46,7 @@ class _Request(Protocol):
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int
     status: Any
-    # Read only for kept turns (connector.reuse): prompt_token_ids, all_token_ids,
+    # Read only for kept turns (connector.kept_turns): prompt_token_ids, all_token_ids,
     # num_computed_tokens.
 
 
@@ -272,8 +272,8 @@ class SchedulerSide:
         for req_id in finished_recving:
             self._pulls.pop(req_id, None)
 
-    def on_answers(self, answers: dict[str, KeptAnswer]) -> None:
-        """P: kept turns' D answered (the workers' ``ReuseAnswers``)."""
+    def on_answers(self, answers: dict[str, KeptTurnAnswer]) -> None:
+        """P: kept turns' D answered (the workers' ``KeptTurnAnswers``)."""
         self._lookups.on_answers(answers)
 
     def has_pending_work(self) -> bool:

@@ -1,4 +1,4 @@
-"""Side calls to an engine for kept turns (router/pd/turns.py): a prompt's token ids from
+"""Side calls to an engine for kept turns (router/pd/kept_turns.py): a prompt's token ids from
 P's ``/tokenize`` and D's ``/metrics`` page. A side call's failure costs the optimisation,
 never the request: each answers None then."""
 

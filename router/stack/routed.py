@@ -2,7 +2,7 @@
 
 Tests written against a :class:`Stack` (its engines and its router) run unchanged against a
 second router over the same engines: push-sequential over push engines, or other timeouts,
-tracing or KV that flows back, without starting engines again.
+tracing or kept turns, without starting engines again.
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ def test_the_routers_prediction_is_what_p_finds_in_its_cache(engine_stack: Runni
 @pytest.mark.parametrize("engine_stack", ["pipelined"], indirect=True)
 def test_any_replica_hands_p_the_turn_kept_by_another(engine_stack: Running) -> None:
     replicas: list[AnyStack] = [
-        engine_stack.routed("kv-return", kv_return=True),
-        engine_stack.routed("kv-return-b", kv_return=True),
+        engine_stack.routed("kept-turns", kept_turns=True),
+        engine_stack.routed("kept-turns-b", kept_turns=True),
     ]
     clients = [
         h.client_for(r.router_url).with_options(default_headers={"x-session-id": "two-routers"})
@@ -112,7 +112,7 @@ def test_any_replica_hands_p_the_turn_kept_by_another(engine_stack: Running) -> 
     for row in rows:
         print("  ", *row)
     assert rows[0][3] == 0  # nothing kept yet
-    # Every turn reads at least the previous turn's prompt (in spans of 16, connector/reuse.py)
+    # Every turn reads at least the previous turn's prompt (in spans of 16, connector/kept_turns.py)
     # from the turn the other replica served.
     for t, _, _, from_d, missed in rows[1:]:
         previous_prompt = rows[t - 1][2] + rows[t - 1][3]

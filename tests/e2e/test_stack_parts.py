@@ -212,15 +212,15 @@ def test_the_connector_settings_reach_the_pipelined_engines() -> None:
 
 
 def test_pipelined_kept_turns_reach_d_s_ttl_p_s_recompute_and_the_router() -> None:
-    """With kv_return, D keeps turns for longer than the router hands them out, and a P
+    """With kept_turns, D keeps turns for longer than the router hands them out, and a P
     whose pull fails recomputes (vLLM's default would fail the request)."""
-    stack = Stack("pipelined", kv_return=True)
+    stack = Stack("pipelined", kept_turns=True)
     p, d = stack._plan()
     p_cfg, d_cfg = (json.loads(eng.kv_transfer_config(s) or "{}") for s in (p, d))
     assert p_cfg["kv_load_failure_policy"] == "recompute" and "kv_load_failure_policy" not in d_cfg
     engine_ttl = d_cfg["kv_connector_extra_config"]["keep_ttl_s"]
     stack.router_port = 1
-    router_ttl = stack.router_config()["models"][0]["kv_return"]["ttl_seconds"]
+    router_ttl = stack.router_config()["models"][0]["kept_turns"]["ttl_seconds"]
     assert 0 < router_ttl < engine_ttl
     assert "bidirectional_kv_xfer" not in d_cfg["kv_connector_extra_config"]
 
@@ -240,16 +240,16 @@ def test_a_second_router_serves_the_same_engines_with_its_own_settings() -> None
 
 
 @pytest.mark.parametrize(
-    ("stack", "mode", "kv_return", "refusal"),
+    ("stack", "mode", "kept_turns", "refusal"),
     [
         (Stack("push"), "pull", False, "cannot run on push engines"),
         (Stack("pull"), "push-sequential", False, "cannot run on pull engines"),
-        (Stack("pull"), "pull", True, "needs engines started with kv_return"),
+        (Stack("pull"), "pull", True, "needs engines started with kept_turns"),
     ],
-    ids=["pull-on-push", "push-sequential-on-pull", "kv-return-on-plain-pull"],
+    ids=["pull-on-push", "push-sequential-on-pull", "kept-turns-on-plain-pull"],
 )
 def test_a_second_router_refuses_what_the_engines_cannot_serve(
-    stack: Stack, mode: str, kv_return: bool, refusal: str
+    stack: Stack, mode: str, kept_turns: bool, refusal: str
 ) -> None:
     with pytest.raises(StackError, match=refusal):
-        stack.start_router("second", mode=mode, kv_return=kv_return)
+        stack.start_router("second", mode=mode, kept_turns=kept_turns)

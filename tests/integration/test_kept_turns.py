@@ -1,4 +1,4 @@
-"""KV that flows back in pull mode (router/pd/kv_return.py) over real sockets: a finished turn's
+"""Kept turns in pull mode (router/pd/kept_turn_params.py) over real sockets: a finished turn's
 params from D reach the conversation's next P only when the new prompt starts with the tokens
 D holds, at most once and within the TTL; the client sees D's answer as an aggregated engine
 gives it (no params, no token ids it did not ask for)."""
@@ -16,13 +16,13 @@ import pytest
 from connector.address import NixlAddress
 from router.app import create_app
 from router.config import ConfigError, parse_config
-from router.pd.turns import keep_id
+from router.pd.kept_turns import keep_id
 from tests.conftest import Cluster, metric
 from tests.fakes.servers import serve
 
 HISTORY = [{"role": "user", "content": "Tell me about routers. " * 8}]
 REPLY = "t0 t1 t2 t3 "  # what the fake D answers with its default four tokens
-KV_RETURN = {"model": {"kv_return": {"enabled": True, "min_tokens": 16}}}
+KEPT_TURNS = {"model": {"kept_turns": {"enabled": True, "min_tokens": 16}}}
 
 
 def _chat(messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _next_turn(reply: str = REPLY, question: str = "And then?") -> list[dict[str
 
 async def _router(cluster: Cluster, **model: Any) -> tuple[str, Any]:
     cluster.decode[0].behaviour.bidirectional = True
-    cfg = {"kv_return": {"enabled": True, "min_tokens": 16, **model}}
+    cfg = {"kept_turns": {"enabled": True, "min_tokens": 16, **model}}
     return await cluster.router("pull", model=cfg)
 
 
@@ -61,7 +61,7 @@ OUTCOMES = ("success", "client_disconnect")
 
 
 def _result(ctx: Any, result: str) -> float:
-    return metric(ctx, "pdrouter_kv_return_total", model="tiny", result=result)
+    return metric(ctx, "pdrouter_kept_turns_total", model="tiny", result=result)
 
 
 async def test_next_turn_reads_the_kept_turn_from_d(
@@ -75,7 +75,7 @@ async def test_next_turn_reads_the_kept_turn_from_d(
     assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
     assert cluster.decode[0].received[-1].body["return_token_ids"] is True
     assert _result(ctx, "kept") == 1
-    assert metric(ctx, "pdrouter_kv_return_entries", model="tiny") == 1
+    assert metric(ctx, "pdrouter_kept_turns_entries", model="tiny") == 1
     kept = cluster.decode[0].received[-1]
 
     await _say(client, url, _chat(_next_turn()))
@@ -132,7 +132,7 @@ async def test_a_changed_reply_reuses_the_common_prefix_blocks_only(
 async def test_a_kept_turn_expires(cluster: Cluster, client: httpx.AsyncClient) -> None:
     cluster.decode[0].behaviour.bidirectional = True
     skew = [0.0]  # the router's clock runs with time, and jumps when the test says
-    model = {"kv_return": {"enabled": True, "min_tokens": 16, "ttl_seconds": 60}}
+    model = {"kept_turns": {"enabled": True, "min_tokens": 16, "ttl_seconds": 60}}
     app = create_app(
         parse_config(cluster.config("pull", model=model)),
         health_checks=False,
@@ -199,7 +199,7 @@ async def test_a_failed_read_from_d_costs_a_recompute_not_the_request(
 async def test_without_bidirectional_engines_nothing_is_kept_and_ids_stay_hidden(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    url, ctx = await cluster.router("pull", **KV_RETURN)  # D returns no params
+    url, ctx = await cluster.router("pull", **KEPT_TURNS)  # D returns no params
     doc = (await _say(client, url, _chat(HISTORY))).json()
     assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
     assert _result(ctx, "kept") == 0
@@ -216,16 +216,16 @@ async def test_without_a_session_nothing_is_kept(
 
 
 @pytest.mark.parametrize("mode", ["push", "push-sequential", "aggregated"])
-def test_kv_return_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: str) -> None:
-    cfg = cluster.config(mode, **KV_RETURN)
-    with pytest.raises(ConfigError, match="kv_return needs mode 'pull' or 'pipelined'"):
+def test_kept_turns_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: str) -> None:
+    cfg = cluster.config(mode, **KEPT_TURNS)
+    with pytest.raises(ConfigError, match="kept_turns needs mode 'pull' or 'pipelined'"):
         create_app(parse_config(cfg))
 
 
 # -- pipelined: this project's connector keeps the turn; P checks it itself --------------------
 
 
-# Pipelined mode with kv_return on: the engines' NIXL identities as the router needs them.
+# Pipelined mode with kept_turns on: the engines' NIXL identities as the router needs them.
 PIPELINED: dict[str, Any] = {
     "prefill_extra": {"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
     "decode_extra": {"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
@@ -233,13 +233,13 @@ PIPELINED: dict[str, Any] = {
 
 
 async def _pipelined(cluster: Cluster, **model: Any) -> tuple[str, Any]:
-    cfg = {"kv_return": {"enabled": True, **model}}
+    cfg = {"kept_turns": {"enabled": True, **model}}
     return await cluster.router("pipelined", model=cfg, **PIPELINED)
 
 
 def _pipelined_app(cluster: Cluster) -> Any:
     """The router app itself, for a test that wraps it in an ASGI spy."""
-    cfg = cluster.config("pipelined", model={"kv_return": {"enabled": True}}, **PIPELINED)
+    cfg = cluster.config("pipelined", model={"kept_turns": {"enabled": True}}, **PIPELINED)
     return create_app(parse_config(cfg))
 
 
@@ -380,7 +380,7 @@ async def test_pipelined_keeps_no_turn_whose_stream_broke(
     cluster.decode[0].behaviour.drop_after = None
     await _stream(client, url, _next_turn(), "conv-1")
     # The router keeps no table: P is pointed at D, which kept nothing under the id and
-    # refuses at once (connector/returns.py); P computes everything.
+    # refuses at once (connector/kept_turns_worker.py); P computes everything.
     assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == keep_id(
         "tiny", "anonymous", "conv-1"
     )
@@ -408,7 +408,7 @@ async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
     P is pointed at the D that kept the previous one (both replicas place a session on the same
     D, by rendezvous over the load the engines report)."""
     cfg = cluster2.config(
-        "pipelined", model={"kv_return": {"enabled": True}}, admission={"replicas": 2}
+        "pipelined", model={"kept_turns": {"enabled": True}}, admission={"replicas": 2}
     )
     model = cfg["models"][0]
     for i, inst in enumerate([*model["prefill"], *model["decode"]]):

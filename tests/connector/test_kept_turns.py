@@ -1,4 +1,4 @@
-"""Kept turns (KV that flows back): D keeps a finished turn, the next turn's P asks, compares
+"""Kept turns: D keeps a finished turn, the next turn's P asks, compares
 block hashes, claims what matches and pulls it; every way out frees D's blocks once."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from connector.address import NixlAddress
+from connector.kept_turns import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.metadata import KeepSpec, Kind, RecvSpec, StepMeta, decode
-from connector.reuse import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.scheduler import SchedulerSide
 from connector.worker import Timeouts
 from router.pd.pipelined_params import decode_params, prefill_params
