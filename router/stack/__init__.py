@@ -4,7 +4,8 @@ Engine-side dependencies (``vllm``, ``torch``, ``transformers``) are imported la
 importing this package needs only the router's own dependencies.
 """
 
-from router.stack.engines import EngineSpec, Mode
+from router.config import Mode
+from router.stack.engines import EngineSpec
 from router.stack.launcher import ExtraRouter, RouterSettings, Stack, StackError
 from router.stack.metrics import Metrics, scrape
 from router.stack.model import cache_root, ensure_model

@@ -14,7 +14,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from router.stack.engines import Mode
+from router.config import Mode
 from router.stack.launcher import Stack, StackError
 from router.stack.metrics import Metrics
 from router.stack.model import DEFAULT_VARIANT, known_variants

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 import httpx
 import yaml
 
+from router.config import Mode
 from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack import ports as portmod
@@ -67,7 +68,7 @@ class RouterSettings:
     connector must serve it: push and push-sequential share engines), top-level config
     sections, keys of the model entry, and kept turns."""
 
-    mode: eng.Mode
+    mode: Mode
     router_overrides: Mapping[str, Any] = field(default_factory=dict)
     model_overrides: Mapping[str, Any] = field(default_factory=dict)
     kept_turns: bool = False
@@ -104,7 +105,7 @@ class Stack:
 
     def __init__(
         self,
-        mode: str | eng.Mode = eng.Mode.PUSH,
+        mode: str | Mode = Mode.PUSH,
         *,
         variant: str = tiny_model.DEFAULT_VARIANT,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -147,7 +148,7 @@ class Stack:
         ``kv_events``: every engine publishes its KV cache events (``--kv-events-config``, with a
         replay endpoint) and every router over the stack routes by them (``kv_events`` in its
         model entry; vLLM publishes only with prefix caching on)."""
-        self.mode = eng.Mode(mode)
+        self.mode = Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
         self.model_name = model_name or variant  # the name clients send as "model"
@@ -159,13 +160,13 @@ class Stack:
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
         self.connector_extra = dict(connector_extra or {})
-        if kept_turns and self.mode not in (eng.Mode.PULL, eng.Mode.PIPELINED):
+        if kept_turns and self.mode not in (Mode.PULL, Mode.PIPELINED):
             raise StackError(f"kept_turns needs mode pull or pipelined, not {self.mode.value}")
         self.kept_turns = kept_turns
         self.model_overrides = dict(model_overrides or {})
         self.prefix_caching = prefix_caching
         self.kv_events = kv_events
-        if kept_turns and self.mode is eng.Mode.PIPELINED:  # this project's connector
+        if kept_turns and self.mode is Mode.PIPELINED:  # this project's connector
             self.connector_extra = {"keep_ttl_s": KEPT_TURNS_ENGINE_TTL_S, **self.connector_extra}
         elif kept_turns:  # vLLM's NixlConnector
             self.connector_extra = {
@@ -319,7 +320,7 @@ class Stack:
         self,
         name: str,
         *,
-        mode: str | eng.Mode | None = None,
+        mode: str | Mode | None = None,
         router_overrides: Mapping[str, Any] | None = None,
         model_overrides: Mapping[str, Any] | None = None,
         kept_turns: bool = False,
@@ -331,14 +332,14 @@ class Stack:
         ``kept_turns`` in pull mode needs engines started with ``kept_turns`` (vLLM's
         ``bidirectional_kv_xfer``); this project's connector keeps turns on request."""
         settings = RouterSettings(
-            eng.Mode(mode or self.mode),
+            Mode(mode or self.mode),
             dict(router_overrides or {}),
             dict(model_overrides or {}),
             kept_turns,
         )
-        if settings.mode.connector != self.mode.connector:
+        if eng.connector_of(settings.mode) != eng.connector_of(self.mode):
             raise StackError(f"{settings.mode.value} cannot run on {self.mode.value} engines")
-        if kept_turns and not (self.kept_turns or settings.mode is eng.Mode.PIPELINED):
+        if kept_turns and not (self.kept_turns or settings.mode is Mode.PIPELINED):
             raise StackError("kept_turns in pull mode needs engines started with kept_turns")
         if name == "router" or any(r.name == name for r in self._extra_routers):
             raise StackError(f"a router named {name!r} runs already")
@@ -556,7 +557,7 @@ class Stack:
 
 
 def router_config(
-    mode: eng.Mode,
+    mode: Mode,
     engines: list[eng.EngineSpec],
     model_name: str,
     port: int,
@@ -578,7 +579,7 @@ def router_config(
         for s in engines
         if s.role in ("decode", "aggregated")
     ]
-    if mode is eng.Mode.PIPELINED:  # P writes into D: the router gives P D's identity
+    if mode is Mode.PIPELINED:  # P writes into D: the router gives P D's identity
         d_specs = [s for s in engines if s.role == "decode"]
         for entry, s in zip(decode, d_specs, strict=True):
             entry |= {"engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from router.config import Mode
 from router.stack import engines as eng
 from router.stack.launcher import ExtraRouter, Stack
 from router.stack.metrics import Metrics
@@ -28,7 +29,7 @@ class RoutedStack:
     # -- the router ------------------------------------------------------------------------
 
     @property
-    def mode(self) -> eng.Mode:
+    def mode(self) -> Mode:
         return self.router.settings.mode
 
     @property
