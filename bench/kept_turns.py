@@ -23,7 +23,7 @@ from typing import Any
 import openai
 
 from router.stack import Stack
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from tests.e2e import helpers as h
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -46,7 +46,7 @@ def _ask(client: openai.OpenAI, model: str, messages: list[dict[str, str]], stre
     return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
 
 
-def _settled(p_url: str, before: Metrics) -> Metrics:
+def _settled(p_url: str, before: MetricsPage) -> MetricsPage:
     """P's metrics once it has counted one more finished request and its tokens stopped moving
     (in pipelined mode D's answer may end before P's request does)."""
     h.wait_until(lambda: (h.delta(scrape(p_url), before, FINISHED) >= 1, "P"), timeout_s=15)

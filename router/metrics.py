@@ -137,12 +137,12 @@ class StateCollector(Collector):
             labels=["model", "role", "engine"],
         )
         healthy = GaugeMetricFamily(
-            "pdrouter_instance_healthy",
+            "pdrouter_engine_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown)",
             labels=["model", "role", "engine"],
         )
         degraded = GaugeMetricFamily(
-            "pdrouter_instance_degraded",
+            "pdrouter_engine_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             labels=["model", "engine"],
         )
@@ -294,14 +294,14 @@ class WorkerStateGauges:
             multiprocess_mode="livemax",
         )
         self.healthy = _Gauge(
-            "pdrouter_instance_healthy",
+            "pdrouter_engine_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown), worst worker",
             mri,
             registry=r,
             multiprocess_mode="livemin",
         )
         self.degraded = _Gauge(
-            "pdrouter_instance_degraded",
+            "pdrouter_engine_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             mi,
             registry=r,

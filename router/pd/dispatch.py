@@ -270,7 +270,7 @@ class Dispatcher:
             return await self._prefill(pool, plan, pair, {**params, **turn.reuse})
         except UpstreamStatus as exc:
             log.warning(
-                "event=kept_turn_failed request_id=%s instance=%s status=%d",
+                "event=kept_turn_failed request_id=%s engine=%s status=%d",
                 pair.ids.request_id,
                 pair.prefill.url,
                 exc.status,
@@ -376,7 +376,7 @@ class Dispatcher:
         started = self._clock()
         p = pair.prefill
         try:
-            with self._tracing.span("prefill", {"pdrouter.instance": p.url}):
+            with self._tracing.span("prefill", {"pdrouter.engine": p.url}):
                 result = await self._legs.prefill(
                     pool.name,
                     p,
@@ -413,7 +413,7 @@ class Dispatcher:
         first bytes: the other requests need not wait for the whole stream to know that D
         is back."""
         try:
-            with self._tracing.span("decode_first_byte", {"pdrouter.instance": d.url}):
+            with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
                 leg = await self._legs.open_decode(
                     d,
                     creq.endpoint.value,
@@ -463,7 +463,7 @@ class Dispatcher:
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:
     log.warning(
         "event=attempt_failed request_id=%s client_id=%s attempt=%d role=%s "
-        "instance=%s reason=%r cause=%r retry=%s",
+        "engine=%s reason=%r cause=%r retry=%s",
         exc.request_id,
         client_id,
         attempt,

@@ -34,7 +34,7 @@ from router.config import Mode
 from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack import ports as portmod
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
@@ -88,7 +88,7 @@ class ExtraRouter:
     def url(self) -> str:
         return f"http://{eng.LOCALHOST}:{self.port}"
 
-    def metrics(self) -> Metrics:
+    def metrics(self) -> MetricsPage:
         return scrape(self.url)
 
     def pids(self) -> list[int]:
@@ -520,11 +520,11 @@ class Stack:
         """The engine that answers clients: D, or the single engine in aggregated mode."""
         return self.engines[-1]
 
-    def engine_metrics(self, name: str) -> Metrics:
+    def engine_metrics(self, name: str) -> MetricsPage:
         """Scrape engine ``name``'s ``/metrics``."""
         return scrape(self.engine(name).url)
 
-    def router_metrics(self) -> Metrics:
+    def router_metrics(self) -> MetricsPage:
         """Scrape the router's ``/metrics``."""
         return scrape(self.router_url)
 

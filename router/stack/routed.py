@@ -13,7 +13,7 @@ from typing import Any
 from router.config import Mode
 from router.stack import engines as eng
 from router.stack.launcher import ExtraRouter, Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 
 __all__ = ["RoutedStack"]
 
@@ -36,7 +36,7 @@ class RoutedStack:
     def router_url(self) -> str:
         return self.router.url
 
-    def router_metrics(self) -> Metrics:
+    def router_metrics(self) -> MetricsPage:
         return self.router.metrics()
 
     def router_pids(self) -> list[int]:
@@ -66,7 +66,7 @@ class RoutedStack:
     def decode(self) -> eng.EngineSpec:
         return self.stack.decode
 
-    def engine_metrics(self, name: str) -> Metrics:
+    def engine_metrics(self, name: str) -> MetricsPage:
         return self.stack.engine_metrics(name)
 
     def engine_pids(self, name: str) -> list[int]:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from router.stack import engines as stack_engines
 from router.stack import model as tiny_model
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from scripts.gpu_check.client import Output, compare, complete, pd
 from scripts.gpu_check.engines import Engine, Launch, Variant, block_size, started
 from scripts.gpu_check.report import table
@@ -158,7 +158,7 @@ _COUNTERS = (
 def _counters(engines: Sequence[Engine]) -> tuple[float, ...]:
     """(bytes written, bytes received, tokens pulled) so far, summed over ``engines`` (P's
     writes to D, and a kept turn's D's writes to P)."""
-    pages: list[Metrics] = [scrape(e.url) for e in engines]
+    pages: list[MetricsPage] = [scrape(e.url) for e in engines]
     return tuple(sum(m.total(name) for m in pages) for name in _COUNTERS)
 
 

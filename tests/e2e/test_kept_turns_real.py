@@ -17,7 +17,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, AnyStack, Reference, feed_back
 from tests.engine_stacks import Running
@@ -124,7 +124,7 @@ def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) 
         assert stack.router_metrics().total(KEPT_TURNS, result="mismatch") >= 1
 
 
-def _p_counted(stack: AnyStack, before: Metrics) -> Metrics:
+def _p_counted(stack: AnyStack, before: MetricsPage) -> MetricsPage:
     """P's metrics once it has counted one more finished request and its prompt tokens by
     source have settled: in pipelined mode D's answer may end before P's own is counted, and
     a check that nothing came from D proves nothing before then."""

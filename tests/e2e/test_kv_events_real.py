@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from router.stack import Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, AnyStack
 from tests.engine_stacks import Running
@@ -32,7 +32,7 @@ BLOCK = 128  # vLLM's KV block on CPU
 SYSTEMS = [f"System prompt {k}. " + " ".join(f"rule{k}-{i}" for i in range(300)) for k in range(2)]
 
 
-def _index_settled(stack: Stack) -> Metrics:
+def _index_settled(stack: Stack) -> MetricsPage:
     """The router's metrics once its index follows both engines and has applied every event
     they published (its position in their streams holds still for two scrapes)."""
     ok, what, _ = h.wait_until(
@@ -46,7 +46,7 @@ def _index_settled(stack: Stack) -> Metrics:
     return h.settled(stack.router_metrics, "pdrouter_kv_index_next_seq")
 
 
-def _p_counted(stack: AnyStack, before: Metrics, name: str) -> Metrics:
+def _p_counted(stack: AnyStack, before: MetricsPage, name: str) -> MetricsPage:
     """P's metrics once it has counted one more finished request and ``name`` has settled."""
     ok, what, _ = h.wait_until(
         lambda: (h.delta(stack.engine_metrics("prefill-0"), before, FINISHED) >= 1, "P"),

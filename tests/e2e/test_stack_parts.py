@@ -15,7 +15,7 @@ import pytest
 from router.config import Mode, parse_config
 from router.stack import engines as eng
 from router.stack.launcher import RouterSettings, Stack, StackError, router_config
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 ENGINE_ID = "prefill-0-test"
@@ -149,7 +149,7 @@ def test_affinity_fix_ignores_only_nixl_base_worker(tmp_path: Path) -> None:
 
 
 def test_metrics_parse_and_sum() -> None:
-    m = Metrics.parse(
+    m = MetricsPage.parse(
         "# TYPE x_total counter\n"
         'x_total{engine="0",source="a"} 2\n'
         'x_total{engine="0",source="b"} 3\n'
