@@ -15,7 +15,7 @@ Load it on both engines with::
 model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
 step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
 ``layer`` in device memory), ``keep_ttl_s`` (D: how long a finished turn asked to be kept,
-``kv_keep``, waits for the next turn's P, 300), ``pull_timeout_s`` (a kept turn's ASK to PULL
+``keep_turn``, waits for the next turn's P, 300), ``pull_timeout_s`` (a kept turn's ASK to PULL
 and PULL to last WRITE, 5), ``reuse_timeout_s`` (P: how long a request waits for a kept
 turn's D to answer before computing everything, 3). P needs vLLM's
 ``"kv_load_failure_policy": "recompute"`` for a failed pull to be recomputed, not failed.

@@ -1,13 +1,13 @@
 """Kept turns, scheduler side: a finished turn kept on D, read by the next turn's P.
 
-D (``kv_transfer_params["kv_keep"]``, set by the router on a conversation's decode leg): when
+D (``kv_transfer_params["keep_turn"]``, set by the router on a conversation's decode leg): when
 the request finishes normally its blocks stay allocated, and the worker keeps them with the
 chained hashes of the token ids their KV holds (``KeepSpec``) until a P reads them,
 declines them, or ``keep_ttl_s`` ends (``connector.kept_turns_worker.KeptTurnKeeper``).
 
-P (``kv_transfer_params["kv_reuse"]``: the kept turn's ``transfer_id`` and D's address): before
-vLLM schedules the request, the worker ASKs D what it holds, and the request waits (vLLM skips
-it while ``get_num_new_matched_tokens`` answers None) for D's answer, a refusal, or
+P (``kv_transfer_params["read_kept_turn"]``: the kept turn's ``transfer_id`` and D's address):
+before vLLM schedules the request, the worker ASKs D what it holds, and the request waits (vLLM
+skips it while ``get_num_new_matched_tokens`` answers None) for D's answer, a refusal, or
 ``reuse_timeout_s``. P then compares D's hashes with those of its own prompt, span by span
 (``HASH_TOKENS`` token ids each, whatever the KV block size), and claims (an asynchronous load)
 the longest common prefix beyond its own prefix-cache hit, at most all but the last prompt
@@ -112,8 +112,8 @@ class Lookups:
         return any(not lk.answered for lk in self._lookups.values())
 
     def start(self, req_id: str, params: dict[str, Any], step: StepMeta) -> None:
-        """A new P request; ASK D if its params name a kept turn (``kv_reuse``)."""
-        reuse = params.get("kv_reuse")
+        """A new P request; ASK D if its params name a kept turn (``read_kept_turn``)."""
+        reuse = params.get("read_kept_turn")
         if not isinstance(reuse, dict):
             return
         peer = NixlAddress.from_params(reuse)

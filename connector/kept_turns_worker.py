@@ -3,7 +3,7 @@
 
 Flow for one kept turn ``tid`` (the finished turn's transfer id)::
 
-    D scheduler: request finished normally with kv_keep -> KeepSpec -> D worker keeps it
+    D scheduler: request finished normally with keep_turn -> KeepSpec -> D worker keeps it
     next turn's P scheduler: ASK planned ------ ASK(tid) --------------------------> D worker
     D worker: the entry is taken (used once) <- HELD(tid, tokens, hashes) ---------- D worker
     P scheduler compares hashes, claims a prefix; PULL(tid, start, blocks) -------> D worker

@@ -12,8 +12,8 @@ is aborted while waiting, the plan tells the worker to notify P and finish the r
 the blocks at once.
 
 Kept turns (``connector.kept_turns``): D keeps a finished request's blocks for the next turn's P
-when its params ask (``kv_keep``); P asks D what it holds before claiming any of it
-(``kv_reuse``), and PULLs the claimed blocks as an asynchronous load.
+when its params ask (``keep_turn``); P asks D what it holds before claiming any of it
+(``read_kept_turn``), and PULLs the claimed blocks as an asynchronous load.
 
 No networking happens here; the channel to the workers is ``StepMeta``, and back from them
 (D's answers to P's questions) ``on_answers``.
@@ -58,7 +58,7 @@ class TransferParams:
     peer: NixlAddress
     is_prefill: bool  # True: this engine is P for the request; False: D
     # D: keep the blocks of a normal finish for the next turn's P, under this id: the
-    # router's keep id (``kv_keep: "<id>"``), or the transfer id (``kv_keep: true``).
+    # router's keep id (``keep_turn: "<id>"``), or the transfer id (``keep_turn: true``).
     keep_id: str | None = None
 
     @classmethod
@@ -77,7 +77,7 @@ class TransferParams:
             )
             return None
         is_prefill = bool(params.get("do_remote_decode"))
-        keep = params.get("kv_keep")
+        keep = params.get("keep_turn")
         keep_id = None
         if not is_prefill and keep is True:
             keep_id = str(tid)

@@ -295,7 +295,7 @@ class Dispatcher:
         on_clean_end = None
         if turn is not None:
             p_params = {**p_params, **(self._turns.offer(pool, turn) or {})}
-            d_params = {**d_params, "kv_keep": self._turns.keep_value(turn)}
+            d_params = {**d_params, "keep_turn": self._turns.keep_value(turn)}
             tid, d = pair.ids.transfer_id, pair.decode
             on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)
         d_body = kp.decode_body(pair.creq.body, d_params)

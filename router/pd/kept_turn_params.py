@@ -1,8 +1,8 @@
 """Kept turns: a conversation's finished turn stays on D for its next P.
 
 Pipelined mode (this project's connector, ``connector/kept_turns.py``): D's leg asks D to keep the
-turn (``kv_keep``); once its answer has ended cleanly, streamed or not, the entry is the
-turn's transfer id and D's NIXL address. The next turn's P gets them (``kv_reuse``), asks D
+turn (``keep_turn``); once its answer has ended cleanly, streamed or not, the entry is the
+turn's transfer id and D's NIXL address. The next turn's P gets them (``read_kept_turn``), asks D
 what it holds and checks it by block hashes of token ids itself, so the router checks
 nothing but that D is the same engine, still in rotation.
 

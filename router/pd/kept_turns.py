@@ -113,11 +113,11 @@ class KeptTurns:
         )
 
     def keep_value(self, turn: TurnPlan) -> str | bool:
-        """D's ``kv_keep``: the conversation's keep id (pipelined)."""
+        """D's ``keep_turn``: the conversation's keep id (pipelined)."""
         return turn.keep_id if turn.keep_id is not None else True
 
     def offer(self, pool: ModelPool, turn: TurnPlan) -> dict[str, Any] | None:
-        """Pipelined: the ``kv_reuse`` params that name the conversation's kept turn and the D
+        """Pipelined: the ``read_kept_turn`` params that name the conversation's kept turn and the D
         that holds it (module doc), if that D is in rotation with a known NIXL address."""
         d = turn.holder
         if turn.keep_id is None or d is None:
@@ -126,10 +126,10 @@ class KeptTurns:
             self._count(pool, KeptTurnResult.UNAVAILABLE)
             return None
         self._count(pool, KeptTurnResult.OFFERED)
-        return {"kv_reuse": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}
+        return {"read_kept_turn": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}
 
     def kept(self, pool: ModelPool, turn: TurnPlan, transfer_id: str, d: Instance) -> None:
-        """Pipelined: D answered the turn cleanly and keeps it (``kv_keep``) for the next;
+        """Pipelined: D answered the turn cleanly and keeps it (``keep_turn``) for the next;
         nothing is recorded here (the keep id names it)."""
         self._count(pool, KeptTurnResult.KEPT)
 

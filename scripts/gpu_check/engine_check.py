@@ -10,8 +10,8 @@ gate off (the negative control, ``layer``), and send every case the way the rout
 pipelined mode does. Cases (prompt lengths from the engine's block size): shorter than a
 block, several blocks, chunked prefill (``--max-num-batched-tokens``), an exact multiple of
 the block, the same prompt twice (the second is P's one-token step on its prefix cache), 16
-concurrent requests, and a kept-turn follow-up (D keeps turn 1, ``kv_keep``; P reuses it for
-turn 2, ``kv_reuse``).
+concurrent requests, and a kept-turn follow-up (D keeps turn 1, ``keep_turn``; P reuses it for
+turn 2, ``read_kept_turn``).
 
 Checked per case: D's answers equal the reference token for token (a first difference where
 the reference's two best tokens were within ``client.NEAR_TIE`` is accepted and shown), and

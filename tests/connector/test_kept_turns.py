@@ -39,7 +39,7 @@ def kept_request(
     transfer id ``t1`` (``keep=True``) or under the router's keep id ``keep``."""
     return SimpleNamespace(
         request_id="d1",
-        kv_transfer_params={**decode_params("t1", P_ADDR), "kv_keep": keep},
+        kv_transfer_params={**decode_params("t1", P_ADDR), "keep_turn": keep},
         num_prompt_tokens=30,
         status=SimpleNamespace(name=status),
         all_token_ids=[*TURN, 99],
@@ -51,7 +51,7 @@ def next_turn(prompt: list[int], req_id: str = "p2") -> SimpleNamespace:
     reuse = {"transfer_id": "t1", **D_ADDR.as_params()}
     return SimpleNamespace(
         request_id=req_id,
-        kv_transfer_params={**prefill_params("t2", D_ADDR), "kv_reuse": reuse},
+        kv_transfer_params={**prefill_params("t2", D_ADDR), "read_kept_turn": reuse},
         num_prompt_tokens=len(prompt),
         prompt_token_ids=prompt,
         status=SimpleNamespace(name="WAITING"),

@@ -261,20 +261,20 @@ async def test_pipelined_streamed_turns_hand_p_the_previous_turn_kept_on_d(
     await _stream(client, url, HISTORY, "conv-1")
     (p1,), (d1,) = cluster.prefill[0].received, cluster.decode[0].received
     # D keeps the turn under the conversation's keep id; a first turn has nothing to read.
-    assert d1.kv["kv_keep"] == kid and "kv_reuse" not in p1.kv
+    assert d1.kv["keep_turn"] == kid and "read_kept_turn" not in p1.kv
     assert _result(ctx, "kept") == 1
 
     await _stream(client, url, _next_turn(), "conv-1")
     p2, d2 = cluster.prefill[0].received[-1], cluster.decode[0].received[-1]
     # P is told where the last turn is kept: the keep id and D's NIXL address.
-    assert p2.kv["kv_reuse"] == {
+    assert p2.kv["read_kept_turn"] == {
         "transfer_id": kid,
         "remote_engine_id": "D",
         "remote_host": "10.0.0.2",
         "remote_port": 7002,
     }
     assert p2.kv["transfer_id"] == d2.kv["transfer_id"] != d1.kv["transfer_id"]
-    assert d2.kv["kv_keep"] == kid  # replaces the first turn on D
+    assert d2.kv["keep_turn"] == kid  # replaces the first turn on D
     assert _result(ctx, "offered") == 1
     assert keep_id("tiny", "other-key", "conv-1") != kid != keep_id("tiny", "anonymous", "c2")
 
@@ -361,8 +361,8 @@ async def test_pipelined_requests_without_a_session_keep_nothing(
     url, ctx = await _pipelined(cluster)
     await _stream(client, url, HISTORY, None)
     await _stream(client, url, _next_turn(), None)
-    assert all("kv_keep" not in r.kv for r in cluster.decode[0].received)
-    assert all("kv_reuse" not in r.kv for r in cluster.prefill[0].received)
+    assert all("keep_turn" not in r.kv for r in cluster.decode[0].received)
+    assert all("read_kept_turn" not in r.kv for r in cluster.prefill[0].received)
     assert _result(ctx, "kept") == 0
 
 
@@ -381,7 +381,7 @@ async def test_pipelined_keeps_no_turn_whose_stream_broke(
     await _stream(client, url, _next_turn(), "conv-1")
     # The router keeps no table: P is pointed at D, which kept nothing under the id and
     # refuses at once (connector/kept_turns_worker.py); P computes everything.
-    assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == keep_id(
+    assert cluster.prefill[0].received[-1].kv["read_kept_turn"]["transfer_id"] == keep_id(
         "tiny", "anonymous", "conv-1"
     )
     assert _result(ctx, "kept") == 1  # the second turn only
@@ -398,7 +398,7 @@ async def test_pipelined_names_the_current_engine_of_a_restarted_d(
     pool.decode[0].configure_nixl(NixlAddress("D-2", "10.0.0.2", 7002), None)
     await _stream(client, url, _next_turn(), "conv-1")
     p2 = cluster.prefill[0].received[-1].kv
-    assert p2["kv_reuse"]["remote_engine_id"] == p2["remote_engine_id"] == "D-2"
+    assert p2["read_kept_turn"]["remote_engine_id"] == p2["remote_engine_id"] == "D-2"
 
 
 async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
@@ -437,11 +437,11 @@ async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
                 if r.kv.get("transfer_id") == p.kv["transfer_id"]
             )
             if kept_by is not None:
-                assert p.kv["kv_reuse"] == {
+                assert p.kv["read_kept_turn"] == {
                     "transfer_id": keep_id("tiny", "anonymous", session),
                     **kept_by,
                 }
-            assert d.kv["kv_keep"] == keep_id("tiny", "anonymous", session)
+            assert d.kv["keep_turn"] == keep_id("tiny", "anonymous", session)
             kept_by = {k: p.kv[k] for k in ("remote_engine_id", "remote_host", "remote_port")}
             messages += [
                 {"role": "assistant", "content": REPLY},

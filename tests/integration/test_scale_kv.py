@@ -266,7 +266,7 @@ def _check(t: Tally, conv: int, p: Received, d: Received, last: tuple[str, int])
     t.turns += 1
     t.p_holds += (p.cached or 0) >= last_blocks * BS
     t.d_holds += (d.cached or 0) >= last_blocks * BS
-    reuse = p.kv.get("kv_reuse") or {}
+    reuse = p.kv.get("read_kept_turn") or {}
     t.offered += (
         reuse.get("transfer_id") == keep_id("tiny", "anonymous", f"conv-{conv:03d}")
         and reuse.get("remote_engine_id") == last_d
