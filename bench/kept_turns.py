@@ -1,9 +1,9 @@
-"""How often a conversation's next turn reads the turn D kept (KV that flows back). Not a test.
+"""How often a conversation's next turn reads the turn D kept. Not a test.
 
     .venv/bin/python bench/kept_turns.py --mode pipelined --conversations 6 --turns 5
 
 N conversations of M turns, one request at a time, through the router of one 1P1D stack
-(``router.stack`` with ``kv_return``, prefix caching off) with the ``openai`` SDK, as a chat
+(``router.stack`` with ``kept_turns``, prefix caching off) with the ``openai`` SDK, as a chat
 client sends them: the conversation in ``x-session-id``, each turn the whole history with the
 model's own reply and a new question. Pipelined turns are streamed: the SDK stops reading at
 the terminal ``[DONE]`` event and closes, as most clients do; pull turns are not (vLLM keeps
@@ -23,12 +23,12 @@ from typing import Any
 import openai
 
 from router.stack import Stack
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from tests.e2e import helpers as h
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FINISHED = "vllm:request_success_total"
-KV_RETURN = "pdrouter_kv_return_total"
+KEPT_TURNS = "pdrouter_kept_turns_total"
 OUTCOMES = ("success", "client_disconnect", "upstream_error")
 MAX_TOKENS = 16
 
@@ -46,7 +46,7 @@ def _ask(client: openai.OpenAI, model: str, messages: list[dict[str, str]], stre
     return "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices)
 
 
-def _settled(p_url: str, before: Metrics) -> Metrics:
+def _settled(p_url: str, before: MetricsPage) -> MetricsPage:
     """P's metrics once it has counted one more finished request and its tokens stopped moving
     (in pipelined mode D's answer may end before P's request does)."""
     h.wait_until(lambda: (h.delta(scrape(p_url), before, FINISHED) >= 1, "P"), timeout_s=15)
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=5)
     args = ap.parse_args()
     hits: list[list[bool]] = [[] for _ in range(args.turns)]
-    with Stack(variant=args.model, mode=args.mode, kv_return=True) as stack:
+    with Stack(variant=args.model, mode=args.mode, kept_turns=True) as stack:
         for c in range(args.conversations):
             _conversation(stack, c, args.turns, hits)
         router = stack.router_metrics()
@@ -95,7 +95,7 @@ def main() -> None:
         print(f"{t:>4}  {sum(hits[t])} of {len(hits[t])}")
     total = [h for row in hits for h in row]
     print(f"all   {sum(total)} of {len(total)} ({100 * sum(total) / max(1, len(total)):.0f}%)")
-    counts = {r: int(router.total(KV_RETURN, result=r)) for r in ("kept", "offered", "reused")}
+    counts = {r: int(router.total(KEPT_TURNS, result=r)) for r in ("kept", "offered", "reused")}
     print("router:", ", ".join(f"{k} {v}" for k, v in counts.items()))
     outcomes = {o: int(router.total("pdrouter_requests_total", outcome=o)) for o in OUTCOMES}
     print("router, requests by outcome:", ", ".join(f"{k} {v}" for k, v in outcomes.items()))

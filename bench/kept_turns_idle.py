@@ -1,4 +1,4 @@
-"""What holding a kept turn costs an idle D (KV that flows back). Not a test.
+"""What holding a kept turn costs an idle D. Not a test.
 
     .venv/bin/python bench/kept_turns_idle.py --seconds 20 --repeats 2
 
@@ -55,7 +55,7 @@ def run(mode: str, seconds: float, repeats: int) -> dict[str, list[dict[str, flo
     keep_s = int(seconds) + 2
     with (
         open(os.devnull, "w") as log,
-        Stack(mode, kv_return=True, connector_extra={TTL_KEY[mode]: keep_s}, log=log) as stack,
+        Stack(mode, kept_turns=True, connector_extra={TTL_KEY[mode]: keep_s}, log=log) as stack,
         httpx.Client(timeout=120) as client,
     ):
         url, model = stack.router_url, stack.model_name

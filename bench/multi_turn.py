@@ -14,7 +14,7 @@ Variants, each on a fresh 1P1D stack (``router.stack``; P on core 0, D on core 1
 * ``on``: prefix caching on both and the session header (affinity keeps a conversation on its
   P and D; on 1P1D there is one of each, so this measures what caching gives a session);
 * ``return`` (pull and pipelined): prefix caching off, as on a P that lost the conversation,
-  and KV that flows back on (the router's ``kv_return``; in pull mode vLLM's
+  and kept turns on (the router's ``kept_turns``; in pull mode vLLM's
   ``bidirectional_kv_xfer``, in pipelined this project's connector): P reads the history D
   kept from the last turn instead of recomputing it.
 
@@ -100,8 +100,8 @@ BACK = {"pull": "vllm:nixl_bytes_transferred_sum", "pipelined": "vllm:pdr_bytes_
 
 
 def _moved(stack: Stack, node: str, metric: str) -> tuple[float, float]:
-    """KV bytes so far: received by D, and read back by P (KV that flows back)."""
-    if not stack.kv_return:
+    """KV bytes so far: received by D, and read back by P."""
+    if not stack.kept_turns:
         return stack.engine_metrics(node).total(metric), 0.0
     back = stack.engine_metrics("prefill-0").total(BACK[stack.mode.value])
     return stack.engine_metrics(node).total(metric), back
@@ -118,7 +118,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> PerTurn:
             args.mode,
             variant=args.model,
             engine_args=engine_args,
-            kv_return=variant == "return",
+            kept_turns=variant == "return",
             log=open(Path("/dev/null"), "w"),
         ) as stack,
         httpx.Client(timeout=120) as client,

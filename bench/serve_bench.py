@@ -37,7 +37,7 @@ from typing import Any
 
 from router.stack import Stack
 from router.stack.engines import vllm_python_path
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from router.stack.model import DEFAULT_VARIANT, ensure_model
 
 # name -> (stack mode, CPUs of the aggregated engine)
@@ -232,13 +232,13 @@ def _bench(
 # -- the breakdown ----------------------------------------------------------------------------
 
 
-def _snapshot(stack: Stack) -> dict[str, Metrics]:
+def _snapshot(stack: Stack) -> dict[str, MetricsPage]:
     snap = {spec.name: stack.engine_metrics(spec.name) for spec in stack.engines}
     snap["router"] = scrape(stack.router_url)
     return snap
 
 
-def _mean_ms(before: Metrics, after: Metrics, histogram: str) -> float:
+def _mean_ms(before: MetricsPage, after: MetricsPage, histogram: str) -> float:
     """Mean of the observations made between two snapshots, in ms (NaN if none)."""
     count = after.total(f"{histogram}_count") - before.total(f"{histogram}_count")
     total = after.total(f"{histogram}_sum") - before.total(f"{histogram}_sum")
@@ -246,7 +246,7 @@ def _mean_ms(before: Metrics, after: Metrics, histogram: str) -> float:
 
 
 def _breakdown(
-    before: dict[str, Metrics], after: dict[str, Metrics], stack: Stack
+    before: dict[str, MetricsPage], after: dict[str, MetricsPage], stack: Stack
 ) -> dict[str, float]:
     """Mean per request of each stage, from the router's and the engines' own histograms."""
 

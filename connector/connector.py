@@ -15,7 +15,7 @@ Load it on both engines with::
 model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
 step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
 ``layer`` in device memory), ``keep_ttl_s`` (D: how long a finished turn asked to be kept,
-``kv_keep``, waits for the next turn's P, 300), ``pull_timeout_s`` (a kept turn's ASK to PULL
+``keep_turn``, waits for the next turn's P, 300), ``pull_timeout_s`` (a kept turn's ASK to PULL
 and PULL to last WRITE, 5), ``reuse_timeout_s`` (P: how long a request waits for a kept
 turn's D to answer before computing everything, 3). P needs vLLM's
 ``"kv_load_failure_policy": "recompute"`` for a failed pull to be recomputed, not failed.
@@ -41,9 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from connector.kept_turns import KeptTurnAnswer
 from connector.metadata import CONNECTOR_VERSION, StepMeta, WorkerRank, engine_address
 from connector.readiness import HostReadiness
-from connector.reuse import KeptAnswer
 from connector.scheduler import SchedulerSide
 from connector.transport import RealNixlAgent
 from connector.worker import Timeouts, WorkerSide
@@ -51,7 +51,7 @@ from connector.worker import Timeouts, WorkerSide
 if TYPE_CHECKING:
     from connector.prom import PipelinedStats
 
-__all__ = ["PINNED_LAYOUT", "PipelinedMetadata", "PipelinedPushConnector", "ReuseAnswers"]
+__all__ = ["PINNED_LAYOUT", "KeptTurnAnswers", "PipelinedMetadata", "PipelinedPushConnector"]
 
 # The KV cache layout P and D ask vLLM for (see get_required_kvcache_layout).
 PINNED_LAYOUT = "LBHNC"
@@ -67,15 +67,15 @@ class PipelinedMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.step = step
 
 
-class ReuseAnswers(KVConnectorWorkerMetadata):  # type: ignore[misc]
+class KeptTurnAnswers(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Kept turns' answers to P's questions, by request id, as vLLM carries them from the
     workers to the scheduler (only rank 0 asks, so merging ranks is a union)."""
 
-    def __init__(self, answers: dict[str, KeptAnswer]) -> None:
+    def __init__(self, answers: dict[str, KeptTurnAnswer]) -> None:
         self.answers = answers
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, ReuseAnswers):
+        if isinstance(other, KeptTurnAnswers):
             self.answers = {**self.answers, **other.answers}
         return self
 
@@ -146,7 +146,7 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         answers = self._w().take_answers()
-        return ReuseAnswers(answers) if answers else None
+        return KeptTurnAnswers(answers) if answers else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         res = self.get_transfer_results(finished_req_ids)
@@ -181,7 +181,7 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, ReuseAnswers):
+        if isinstance(meta, KeptTurnAnswers):
             self._s().on_answers(meta.answers)
         self._s().update_connector_output(
             set(connector_output.finished_sending or ()),

@@ -21,14 +21,14 @@ kind          direction  meaning
 ``ABORT``     D -> P     D gave up on ``tid`` (client gone, timeout): stop writing, free
 ============  =========  ==================================================================
 
-KV that flows back (a finished turn kept on D for the conversation's next P; ``tid`` = the
+Kept turns (a finished turn kept on D for the conversation's next P; ``tid`` = the
 *kept* turn's transfer id). The roles turn round: D writes, P receives, with ``W``/``DONE``/
 ``FAIL``/``ABORT`` meaning what they mean above:
 
 ============  =========  ==================================================================
 ``ASK``       P -> D     what do you hold for ``tid``? (the entry is taken: used once)
 ``HELD``      D -> P     ``tokens`` (how many tokens' KV) and ``hashes`` (the chained block
-                         hashes of their ids, ``connector.reuse.prefix_hashes``)
+                         hashes of their ids, ``connector.kept_turns.prefix_hashes``)
 ``PULL``      P -> D     WRITE kept blocks ``start``.. into P's ``blocks``, then ``DONE``;
                          no ``blocks``: not wanted, free them
 ============  =========  ==================================================================
@@ -246,7 +246,7 @@ class RecvSpec:
 class KeepSpec:
     """D side: a finished request whose blocks stay for a next turn's P (``tid`` is its
     transfer id): ``block_ids`` hold the KV of its first ``num_tokens`` tokens, whose chained
-    hashes (``connector.reuse.prefix_hashes``) are ``hashes``."""
+    hashes (``connector.kept_turns.prefix_hashes``) are ``hashes``."""
 
     req_id: str
     tid: str

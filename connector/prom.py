@@ -6,7 +6,7 @@ Exported series (label ``engine`` etc. as vLLM sets them):
 * ``vllm:pdr_bytes_received_total``, ``vllm:pdr_requests_received_total`` (D; P for kept turns)
 * ``vllm:pdr_turns_kept_total``, ``vllm:pdr_kept_expired_total`` (D),
   ``vllm:pdr_tokens_pulled_total``, ``vllm:pdr_kept_missed_total`` (P): kept turns
-  (``connector.returns``)
+  (``connector.kept_turns_worker``)
 * ``vllm:pdr_writes_per_request`` (histogram, P), ``vllm:pdr_request_write_seconds`` (histogram,
   first WRITE posted to last completed, P), ``vllm:pdr_handshake_seconds`` (histogram, both)
 * ``vllm:pdr_failures_total{kind=...}`` (both; kinds in ``stats.FAILURE_KINDS``)

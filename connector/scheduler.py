@@ -11,9 +11,9 @@ allocated the blocks, the plan hands them to the worker, which registers them wi
 is aborted while waiting, the plan tells the worker to notify P and finish the receive so vLLM frees
 the blocks at once.
 
-Kept turns (``connector.reuse``): D keeps a finished request's blocks for the next turn's P
-when its params ask (``kv_keep``); P asks D what it holds before claiming any of it
-(``kv_reuse``), and PULLs the claimed blocks as an asynchronous load.
+Kept turns (``connector.kept_turns``): D keeps a finished request's blocks for the next turn's P
+when its params ask (``keep_turn``); P asks D what it holds before claiming any of it
+(``read_kept_turn``), and PULLs the claimed blocks as an asynchronous load.
 
 No networking happens here; the channel to the workers is ``StepMeta``, and back from them
 (D's answers to P's questions) ``on_answers``.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from connector.address import NixlAddress
+from connector.kept_turns import KeptTurnAnswer, Lookups, keep_spec
 from connector.metadata import RecvSpec, SendSpec, StepMeta
-from connector.reuse import KeptAnswer, Lookups, keep_spec
 
 __all__ = ["SchedulerSide", "TransferParams"]
 
@@ -46,7 +46,7 @@ class _Request(Protocol):
     kv_transfer_params: dict[str, Any] | None
     num_prompt_tokens: int
     status: Any
-    # Read only for kept turns (connector.reuse): prompt_token_ids, all_token_ids,
+    # Read only for kept turns (connector.kept_turns): prompt_token_ids, all_token_ids,
     # num_computed_tokens.
 
 
@@ -58,7 +58,7 @@ class TransferParams:
     peer: NixlAddress
     is_prefill: bool  # True: this engine is P for the request; False: D
     # D: keep the blocks of a normal finish for the next turn's P, under this id: the
-    # router's keep id (``kv_keep: "<id>"``), or the transfer id (``kv_keep: true``).
+    # router's keep id (``keep_turn: "<id>"``), or the transfer id (``keep_turn: true``).
     keep_id: str | None = None
 
     @classmethod
@@ -77,7 +77,7 @@ class TransferParams:
             )
             return None
         is_prefill = bool(params.get("do_remote_decode"))
-        keep = params.get("kv_keep")
+        keep = params.get("keep_turn")
         keep_id = None
         if not is_prefill and keep is True:
             keep_id = str(tid)
@@ -272,8 +272,8 @@ class SchedulerSide:
         for req_id in finished_recving:
             self._pulls.pop(req_id, None)
 
-    def on_answers(self, answers: dict[str, KeptAnswer]) -> None:
-        """P: kept turns' D answered (the workers' ``ReuseAnswers``)."""
+    def on_answers(self, answers: dict[str, KeptTurnAnswer]) -> None:
+        """P: kept turns' D answered (the workers' ``KeptTurnAnswers``)."""
         self._lookups.on_answers(answers)
 
     def has_pending_work(self) -> bool:

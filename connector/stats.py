@@ -30,7 +30,7 @@ _SUMS = (
     "bytes_received",
     "requests_sent",
     "requests_received",
-    "turns_kept",  # D: finished turns kept for a next P (connector.returns)
+    "turns_kept",  # D: finished turns kept for a next P (connector.kept_turns_worker)
     "kept_expired",  # D: kept turns nobody asked for within keep_ttl_s
     "tokens_pulled",  # P: prompt tokens whose KV came from a kept turn, not computed
     "kept_missed",  # P: kept turns D refused or did not answer (P computed those tokens)

@@ -16,11 +16,11 @@ by the handshake, registration, receive and write timeouts.
 
 ``WorkerSide`` is the facade vLLM's hooks call. P's transfers live in ``sender.Sender``, D's in
 ``receiver.Receiver`` (an engine uses one of them, but either role's messages are handled); kept
-turns (KV that flows back from D to the next turn's P) in ``returns.Keeper`` (D) and
-``returns.Asker`` (P), with P's pulls in the receiver; what all use is a
-``context.WorkerContext``. This module does only what joins them: registration,
-dispatching each notification by kind, link changes, the idle wait and shutdown, and recording
-the ``readiness`` marks that keep a WRITE from reading KV the device has not written yet (vLLM's
+turns (a finished turn D keeps for the next turn's P) in ``kept_turns_worker.KeptTurnKeeper``
+(D) and ``kept_turns_worker.KeptTurnAsker`` (P), with P's pulls in the receiver; what all use is
+a ``context.WorkerContext``. This module does only what joins them: registration, dispatching
+each notification by kind, link changes, the idle wait and shutdown, and recording the
+``readiness`` marks that keep a WRITE from reading KV the device has not written yet (vLLM's
 hooks run when kernels are launched, not finished).
 
 All methods run on the worker's model-runner thread; nothing here is thread-safe by design.
@@ -36,6 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 from connector.context import Timeouts, WorkerContext
+from connector.kept_turns import KeptTurnAnswer
+from connector.kept_turns_worker import KeptTurnAsker, KeptTurnKeeper
 from connector.layout import (
     LAYOUT_ADVICE,
     CacheLayout,
@@ -47,8 +49,6 @@ from connector.metadata import Compat, Kind, Message, StepMeta, WorkerRank, deco
 from connector.peers import Link, LinkState, PeerTable
 from connector.readiness import Readiness, readiness_for
 from connector.receiver import Receiver
-from connector.returns import Asker, Keeper
-from connector.reuse import KeptAnswer
 from connector.sender import Sender
 from connector.stats import WorkerStats
 from connector.transport import NixlAgent
@@ -96,8 +96,8 @@ class WorkerSide:
         self._sender = Sender(self._ctx)
         self._write_per_layer = write_per_layer  # applied once the cache's memory is known
         self._receiver = Receiver(self._ctx)
-        self._keeper = Keeper(self._ctx)
-        self._asker = Asker(self._ctx)
+        self._keeper = KeptTurnKeeper(self._ctx)
+        self._asker = KeptTurnAsker(self._ctx)
         self._sleep = sleep
         self._forward_seen = False  # since the last get_finished
         self._address = {"engine_id": engine_id, "host": host, "port": port}  # for our HELLO
@@ -184,7 +184,7 @@ class WorkerSide:
         for keep_id in step.expecting:
             self._keeper.expect(keep_id)
         for keep in step.keeps:
-            self._keeper.keep(keep, self._marks().mark())  # see Keeper.keep
+            self._keeper.keep(keep, self._marks().mark())  # see KeptTurnKeeper.keep
         for keep_id in step.unexpected:
             self._keeper.unexpect(keep_id)
         for req_id, (tid, peer) in step.asks.items():
@@ -230,7 +230,7 @@ class WorkerSide:
         self._forward_seen = False
         return self._sender.collect() | self._keeper.collect(), *self._receiver.collect()
 
-    def take_answers(self) -> dict[str, KeptAnswer]:
+    def take_answers(self) -> dict[str, KeptTurnAnswer]:
         """Kept turns' answers to this rank's ASKs since the last call, by request id."""
         return self._asker.take_answers()
 

@@ -15,6 +15,7 @@ validation (:mod:`router.config_env`), their problems reported with the file's o
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import re
 from pathlib import Path
@@ -46,10 +47,10 @@ __all__ = [
     "DecodeInstanceConfig",
     "DiscoveryConfig",
     "HealthConfig",
+    "KeptTurnsConfig",
     "KeyLimits",
     "KubernetesDiscoveryConfig",
     "KvEventsConfig",
-    "KvReturnConfig",
     "LimitsConfig",
     "ListenConfig",
     "Mode",
@@ -63,6 +64,12 @@ __all__ = [
     "load_config",
     "parse_config",
 ]
+
+log = logging.getLogger("pd_router.config")
+
+# A model entry's keys renamed in a release, old -> new: the old one is accepted, with a
+# warning, for one more release (CHANGELOG.md says when it goes).
+RENAMED_MODEL_KEYS = {"kv_return": "kept_turns"}
 
 
 class Mode(enum.StrEnum):
@@ -209,14 +216,14 @@ class SessionConfig(_Strict):
         return [h.lower() for h in v]
 
 
-class KvReturnConfig(_Strict):
-    """KV that flows back (router/pd/kv_return.py, its table router/engines/kv_return.py): D
+class KeptTurnsConfig(_Strict):
+    """Kept turns (router/pd/kept_turn_params.py, its table router/engines/kept_turns.py): D
     keeps a finished turn's blocks and the conversation's next P reads them instead of
     recomputing the history. In pull mode with
     vLLM's ``bidirectional_kv_xfer`` (both engines must run with it; vLLM's D then holds
     every finished request's blocks until a P reads them or its ``decoder_kv_blocks_ttl``
     ends, which costs D capacity); in pipelined mode with this project's connector, which
-    keeps only the turns the router asks it to (``connector/reuse.py``), streamed or not.
+    keeps only the turns the router asks it to (``connector/kept_turns.py``), streamed or not.
     Off by default.
 
     ``ttl_seconds`` must stay below the engines' ``decoder_kv_blocks_ttl`` (vLLM's default
@@ -281,7 +288,7 @@ class ModelConfig(_Strict):
     decode: list[DecodeInstanceConfig] = Field(default_factory=list, validate_default=True)
     policy: PolicyConfig = PolicyConfig()
     sessions: SessionConfig = SessionConfig()
-    kv_return: KvReturnConfig = KvReturnConfig()
+    kept_turns: KeptTurnsConfig = KeptTurnsConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
@@ -294,6 +301,29 @@ class ModelConfig(_Strict):
     # The model's context length; None: read from the engines' /v1/models (max_model_len).
     max_model_len: int | None = Field(default=None, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """An old key (:data:`RENAMED_MODEL_KEYS`) is read as its new name, with a warning;
+        both at once is an error, since they would disagree."""
+        if not isinstance(data, dict) or not RENAMED_MODEL_KEYS.keys() & data.keys():
+            return data
+        renamed = dict(data)
+        for old, new in RENAMED_MODEL_KEYS.items():
+            if old not in renamed:
+                continue
+            if new in renamed:
+                raise ValueError(f"{old} is the old name of {new}: give only {new}")
+            log.warning(
+                "event=config_key_renamed model=%s old=%s new=%s: rename it in the file; "
+                "the old name goes in the next release",
+                data.get("name"),
+                old,
+                new,
+            )
+            renamed[new] = renamed.pop(old)
+        return renamed
+
     @field_validator("decode")
     @classmethod
     def _decode_given(
@@ -305,9 +335,9 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
-        if self.kv_return.enabled and self.mode not in (Mode.PULL, Mode.PIPELINED):
+        if self.kept_turns.enabled and self.mode not in (Mode.PULL, Mode.PIPELINED):
             raise ValueError(
-                f"kv_return needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "
+                f"kept_turns needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "
                 "vLLM 0.32's bidirectional KV transfer exists in NixlConnector only, and "
                 "this project's connector has its own"
             )
@@ -348,9 +378,9 @@ class ModelConfig(_Strict):
                 f"max_model_len ({context}): no prompt that long fits the context, so none "
                 "would be disaggregated"
             )
-        if self.kv_return.enabled and self.kv_return.min_tokens >= context:
+        if self.kept_turns.enabled and self.kept_turns.min_tokens >= context:
             raise ValueError(
-                f"kv_return.min_tokens ({self.kv_return.min_tokens}) must be below "
+                f"kept_turns.min_tokens ({self.kept_turns.min_tokens}) must be below "
                 f"max_model_len ({context}): no turn that long fits the context, so none "
                 "would be reused"
             )

@@ -25,9 +25,9 @@ from router.limits import Limiter
 from router.metrics import Metrics
 from router.passthrough import PassThrough
 from router.pd.dispatch import Dispatcher
+from router.pd.kept_turns import KeptTurns
 from router.pd.legs import LegRunner
 from router.pd.side_calls import SideCalls
-from router.pd.turns import Turns
 from router.registry import Registry
 from router.shared_slots import WorkerSlots
 from router.tracing import Tracing
@@ -80,7 +80,7 @@ def build_context(
     legs = LegRunner(upstream, config.timeouts, metrics, clock)
     tracing = Tracing(config.tracing)
     side_calls = SideCalls(upstream, config.timeouts.connect)
-    turns = Turns(side_calls, metrics)
+    turns = KeptTurns(side_calls, metrics)
     scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
         legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer

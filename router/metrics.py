@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from router.engines.affinity import Placement
 from router.engines.instance import Role
-from router.engines.kv_return import Reuse
+from router.engines.kept_turns import KeptTurnResult
 from router.errors import Outcome
 from router.kvindex.route import Result
 
@@ -137,12 +137,12 @@ class StateCollector(Collector):
             labels=["model", "role", "engine"],
         )
         healthy = GaugeMetricFamily(
-            "pdrouter_instance_healthy",
+            "pdrouter_engine_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown)",
             labels=["model", "role", "engine"],
         )
         degraded = GaugeMetricFamily(
-            "pdrouter_instance_degraded",
+            "pdrouter_engine_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             labels=["model", "engine"],
         )
@@ -294,14 +294,14 @@ class WorkerStateGauges:
             multiprocess_mode="livemax",
         )
         self.healthy = _Gauge(
-            "pdrouter_instance_healthy",
+            "pdrouter_engine_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown), worst worker",
             mri,
             registry=r,
             multiprocess_mode="livemin",
         )
         self.degraded = _Gauge(
-            "pdrouter_instance_degraded",
+            "pdrouter_engine_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
             mi,
             registry=r,
@@ -410,15 +410,15 @@ class Metrics:
             ["model", "role", "result"],
             registry=r,
         )
-        self.kv_returns = _Counter(
-            "pdrouter_kv_return",
+        self.kept_turns = _Counter(
+            "pdrouter_kept_turns",
             "Finished turns kept on D for the next P, and what became of them "
             "(kept, reused, partial, mismatch, expired, unavailable, offered)",
             ["model", "result"],
             registry=r,
         )
-        self.kv_returns_kept = _Gauge(
-            "pdrouter_kv_return_entries",
+        self.kept_turns_entries = _Gauge(
+            "pdrouter_kept_turns_entries",
             "Finished turns kept on D and not yet taken by a next turn",
             ["model"],
             registry=r,
@@ -567,7 +567,7 @@ class Metrics:
         At scrape time, so models added by a reload or discovery get theirs too."""
         for pool in self._pools() if self._pools is not None else ():
             cfg = pool.config
-            flags = (cfg.sessions.enabled, cfg.kv_return.enabled, cfg.kv_events.enabled)
+            flags = (cfg.sessions.enabled, cfg.kept_turns.enabled, cfg.kv_events.enabled)
             key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill), flags)
             if key in self._zeroed:
                 continue
@@ -597,10 +597,10 @@ class Metrics:
                 self.cache_prompt_tokens.labels(pool.name, role.value)
                 self.cache_predicted.labels(pool.name, role.value)
             self.cache_tokenize.labels(pool.name)
-        if pool.config.kv_return.enabled:
-            for result in Reuse:
-                self.kv_returns.labels(pool.name, result.value)
-            self.kv_returns_kept.labels(pool.name)
+        if pool.config.kept_turns.enabled:
+            for result in KeptTurnResult:
+                self.kept_turns.labels(pool.name, result.value)
+            self.kept_turns_entries.labels(pool.name)
 
     def render(self) -> bytes:
         self._zero_series()

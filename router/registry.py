@@ -26,7 +26,7 @@ from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.choice import Chooser
 from router.engines.instance import Instance, Role, candidates
-from router.engines.kv_return import KvReturns
+from router.engines.kept_turns import KeptTurnTable
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
 from router.errors import Fault
@@ -54,7 +54,7 @@ class ModelPool:
     ledger: SlotLedger
     prefill_policy: Policy
     affinity: Affinity
-    kv_returns: KvReturns
+    kept_turns: KeptTurnTable
 
     @property
     def name(self) -> str:
@@ -276,7 +276,7 @@ class Registry:
             affinity=affinity,
         )
         policy = make_policy(cfg.policy.prefill)
-        return ModelPool(cfg, [], [], ledger, policy, affinity, KvReturns(self._clock))
+        return ModelPool(cfg, [], [], ledger, policy, affinity, KeptTurnTable(self._clock))
 
     def _instance(self, url: str, role: Role, model: str) -> Instance:
         b = self._config.breaker

@@ -271,7 +271,7 @@ class RelayResponse(Response):
     def _log_stream(self, dispatch: Dispatch, event: str, err: UpstreamError | None) -> None:
         if err is None:
             log.warning(
-                "event=%s request_id=%s client_id=%s role=decode instance=%s",
+                "event=%s request_id=%s client_id=%s role=decode engine=%s",
                 event,
                 dispatch.request_id,
                 self._client_id,
@@ -279,7 +279,7 @@ class RelayResponse(Response):
             )
             return
         log.warning(
-            "event=%s request_id=%s client_id=%s role=%s instance=%s reason=%r cause=%r",
+            "event=%s request_id=%s client_id=%s role=%s engine=%s reason=%r cause=%r",
             event,
             dispatch.request_id,
             self._client_id,

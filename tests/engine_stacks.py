@@ -5,7 +5,7 @@ Every engine test names the stack it runs on by parametrising the session fixtur
 runs the engine tests grouped by stack in the order of ``KINDS`` (destructive tests last in
 their group, marked ``destructive``), so pytest stops one stack before it starts the next:
 never more than two engines on the two cores. A stack is kept for every (mode, engine flags)
-the suites need; what differs only in the router (timeouts, tracing, KV that flows back,
+the suites need; what differs only in the router (timeouts, tracing, kept turns,
 push-sequential over push engines) is a second router over the same engines
 (``Running.routed``).
 
@@ -57,7 +57,7 @@ KINDS = [
     "pull",
     "push",
     "pipelined",
-    "pull-kv-return",
+    "pull-kept-turns",
     "pull-cached",
     "push-cached",
     "pipelined-cached",
@@ -120,8 +120,8 @@ def _stack_for(kind: str, otlp_url: str | None) -> Any:
         shared = (*ENGINE_FLAGS, *TRACKING, "--otlp-traces-endpoint", otlp_url)
         p_flags = (*shared, "--max-model-len", str(P_MAX_MODEL_LEN))
         return Stack(variant=MODEL, mode=kind, engine_args={P: p_flags, D: shared})
-    if kind == "pull-kv-return":
-        return Stack(variant=MODEL, mode="pull", kv_return=True)
+    if kind == "pull-kept-turns":
+        return Stack(variant=MODEL, mode="pull", kept_turns=True)
     if kind.endswith("-cached"):
         # Prefix caching, and the KV events that say what it holds (vLLM publishes them only
         # with caching on): the stack's routers route by them (tests/e2e/test_kv_events_real.py).

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from router.discovery.pods import (
     pod_name,
     prefill_configs,
 )
+from router.engines.instance import Role
 from router.registry import Registry
 
 if TYPE_CHECKING:
@@ -52,11 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["KubernetesDiscovery", "WatchExpired"]
 
 log = logging.getLogger("pd_router.discovery")
-
-
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class WatchExpired(Exception):

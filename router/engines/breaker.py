@@ -22,7 +22,7 @@ a probe failed during the ejection (the engine was down and is back), ends the
 ejection at once.
 
 Every state change calls ``on_change`` (the owner's re-evaluation hook) and is
-logged once as a ``key=value`` line (``event=ejected role=... instance=... reason=...``).
+logged once as a ``key=value`` line (``event=ejected role=... engine=... reason=...``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Breaker:
         self._answer_threshold = threshold if answer_threshold is None else answer_threshold
         self._open_seconds = open_seconds
         self._clock = clock
-        self.name = "instance=?"  # for log lines; the owning Instance names it
+        self.name = "engine=?"  # for log lines; the owning Instance names it
         self.on_change: Callable[[], None] = _nothing
         self._engine_faults = 0
         self._answer_faults = 0

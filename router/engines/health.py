@@ -85,12 +85,12 @@ class HealthMonitor:
         failures = inst.probed(ok)
         if ok:
             if inst.healthy is False:
-                log.warning("event=healthy role=%s instance=%s", inst.role, inst.url)
+                log.warning("event=healthy role=%s engine=%s", inst.role, inst.url)
             inst.healthy = True
         elif failures >= self._config.unhealthy_after or inst.healthy is None:
             if inst.healthy is not False:
                 log.warning(
-                    "event=unhealthy role=%s instance=%s failed_checks=%d",
+                    "event=unhealthy role=%s engine=%s failed_checks=%d",
                     inst.role,
                     inst.url,
                     failures,
@@ -121,11 +121,11 @@ class HealthMonitor:
         leaked = load.kv_usage > self._config.leak_usage_epsilon
         if leaked and not inst.degraded:
             log.error(
-                "event=degraded role=decode instance=%s kv_usage=%.4f reason=%r",
+                "event=degraded role=decode engine=%s kv_usage=%.4f reason=%r",
                 inst.url,
                 load.kv_usage,
                 "holds KV blocks with no request running or waiting",
             )
         if not leaked and inst.degraded:
-            log.warning("event=degraded_cleared role=decode instance=%s", inst.url)
+            log.warning("event=degraded_cleared role=decode engine=%s", inst.url)
         inst.leak_checked(leaked)

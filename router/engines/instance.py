@@ -87,7 +87,7 @@ class Instance:
         # Deadlines of legs waiting on this engine: cut short when it turns unhealthy.
         self._deadlines: set[asyncio.Timeout] = set()
         breaker.on_change = self._changed
-        breaker.name = f"role={role} instance={url}"
+        breaker.name = f"role={role} engine={url}"
 
     def __repr__(self) -> str:
         return f"Instance({self.role.value} {self.url})"
@@ -142,10 +142,10 @@ class Instance:
         if now != self._in_rotation:
             self._in_rotation = now
             if now:
-                log.warning("event=rotation_in role=%s instance=%s", self.role, self.url)
+                log.warning("event=rotation_in role=%s engine=%s", self.role, self.url)
             else:
                 log.warning(
-                    "event=rotation_out role=%s instance=%s reason=%r",
+                    "event=rotation_out role=%s engine=%s reason=%r",
                     self.role,
                     self.url,
                     self.why_out(),

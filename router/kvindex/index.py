@@ -133,4 +133,4 @@ def _ended(stream: Stream, task: asyncio.Task[None]) -> None:
     exc = task.exception()
     if exc is not None:
         stream.index.known = False
-        log.error("event=kv_events_stopped instance=%s", stream.url, exc_info=exc)
+        log.error("event=kv_events_stopped engine=%s", stream.url, exc_info=exc)

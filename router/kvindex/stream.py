@@ -96,7 +96,7 @@ class Stream:
             try:
                 await self._follow()
             except (zmq.ZMQError, OSError) as exc:
-                log.warning("event=kv_events_error instance=%s error=%r", self.url, str(exc))
+                log.warning("event=kv_events_error engine=%s error=%r", self.url, str(exc))
                 await asyncio.sleep(_ERROR_PAUSE_S)
 
     async def _follow(self) -> None:
@@ -201,7 +201,7 @@ class Stream:
             self.index.stats.decode_errors += 1
         finally:
             sock.close(linger=0)
-        log.warning("event=kv_replay_failed instance=%s start=%d", self.url, start)
+        log.warning("event=kv_replay_failed engine=%s start=%d", self.url, start)
         return None
 
     def _apply(self, seq: int, payload: bytes) -> None:
@@ -211,7 +211,7 @@ class Stream:
         except EventError as exc:
             index.stats.decode_errors += 1
             log.warning(
-                "event=kv_events_undecodable instance=%s seq=%d error=%r", self.url, seq, str(exc)
+                "event=kv_events_undecodable engine=%s seq=%d error=%r", self.url, seq, str(exc)
             )
             index.clear()
             index.known = False
@@ -227,7 +227,7 @@ class Stream:
 
     def _restarted(self) -> None:
         """The engine began again: its cache is empty, its sequence numbers start at 0."""
-        log.warning("event=kv_events_restart instance=%s", self.url)
+        log.warning("event=kv_events_restart engine=%s", self.url)
         self.index.stats.restarts += 1
         self._start_over()
         self._history_gone = False
@@ -242,7 +242,7 @@ class Stream:
     def _lost(self, resume_at: int) -> None:
         """Batches before ``resume_at`` cannot be had: the index is no longer whole."""
         log.warning(
-            "event=kv_events_gap_unfilled instance=%s missing_from=%d missing_to=%d",
+            "event=kv_events_gap_unfilled engine=%s missing_from=%d missing_to=%d",
             self.url,
             self._next,
             resume_at - 1,

@@ -31,12 +31,12 @@ from router.errors import NoHealthyEngine, UpstreamError, UpstreamStatus
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.metrics import Metrics
 from router.pd import kv_params as kp
+from router.pd.kept_turns import KeptTurns, TurnPlan
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.opened import Dispatch
 from router.pd.plans import Decision, Pair, Plan, decide, plans
 from router.pd.routing import Route, prefill_busy, routing_key
 from router.pd.settle import Settler, cancel_task, discard_decode
-from router.pd.turns import TurnPlan, Turns
 from router.registry import ModelPool
 from router.tracing import Tracing
 
@@ -49,7 +49,7 @@ class Dispatcher:
     def __init__(
         self,
         legs: LegRunner,
-        turns: Turns,
+        turns: KeptTurns,
         metrics: Metrics,
         retries: RetryConfig,
         clock: Callable[[], float] = time.monotonic,
@@ -241,7 +241,7 @@ class Dispatcher:
         turn: TurnPlan | None = None,
     ) -> Dispatch:
         """P to completion, then D with parameters derived from P's response; with a
-        ``turn`` (router/pd/turns.py), P may read the conversation's kept turn from D,
+        ``turn`` (router/pd/kept_turns.py), P may read the conversation's kept turn from D,
         and D's answer may be kept for the next one."""
         result = await self._prefill_turn(pool, plan, pair, turn)
         assert result.kv_params is not None  # required by sequential plans (legs.prefill)
@@ -270,7 +270,7 @@ class Dispatcher:
             return await self._prefill(pool, plan, pair, {**params, **turn.reuse})
         except UpstreamStatus as exc:
             log.warning(
-                "event=kv_return_failed request_id=%s instance=%s status=%d",
+                "event=kept_turn_failed request_id=%s engine=%s status=%d",
                 pair.ids.request_id,
                 pair.prefill.url,
                 exc.status,
@@ -288,14 +288,14 @@ class Dispatcher:
     ) -> Dispatch:
         """Both legs at once. If P fails first, D is closed and P's error surfaces;
         if D answers first, P keeps running and is watched (see :meth:`_watch_prefill`).
-        With a ``turn`` (pipelined, router/pd/turns.py), P is handed the conversation's
+        With a ``turn`` (pipelined, router/pd/kept_turns.py), P is handed the conversation's
         kept turn and D keeps this one once its answer ends cleanly."""
         p_params = plan.prefill_params(pair)
         d_params = plan.decode_params(pair, None)
         on_clean_end = None
         if turn is not None:
             p_params = {**p_params, **(self._turns.offer(pool, turn) or {})}
-            d_params = {**d_params, "kv_keep": self._turns.keep_value(turn)}
+            d_params = {**d_params, "keep_turn": self._turns.keep_value(turn)}
             tid, d = pair.ids.transfer_id, pair.decode
             on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)
         d_body = kp.decode_body(pair.creq.body, d_params)
@@ -376,7 +376,7 @@ class Dispatcher:
         started = self._clock()
         p = pair.prefill
         try:
-            with self._tracing.span("prefill", {"pdrouter.instance": p.url}):
+            with self._tracing.span("prefill", {"pdrouter.engine": p.url}):
                 result = await self._legs.prefill(
                     pool.name,
                     p,
@@ -413,7 +413,7 @@ class Dispatcher:
         first bytes: the other requests need not wait for the whole stream to know that D
         is back."""
         try:
-            with self._tracing.span("decode_first_byte", {"pdrouter.instance": d.url}):
+            with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
                 leg = await self._legs.open_decode(
                     d,
                     creq.endpoint.value,
@@ -463,7 +463,7 @@ class Dispatcher:
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:
     log.warning(
         "event=attempt_failed request_id=%s client_id=%s attempt=%d role=%s "
-        "instance=%s reason=%r cause=%r retry=%s",
+        "engine=%s reason=%r cause=%r retry=%s",
         exc.request_id,
         client_id,
         attempt,

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from router.config import TimeoutConfig
-from router.engines.instance import Instance
+from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError, UpstreamStatus
 from router.metrics import Metrics
 from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
@@ -212,7 +212,7 @@ class LegRunner:
             raise UpstreamError(
                 "prefill engine returned no kv_transfer_params "
                 "(is it running a NIXL connector with kv_role kv_producer?)",
-                role="prefill",
+                role=Role.PREFILL,
                 instance=inst.url,
                 code="kv_transfer_params_missing",
             )
@@ -232,7 +232,9 @@ class LegRunner:
                 inst, path, body, request_id, read_timeout=limit, traceparent=traceparent
             )
         if answer.status != 200:
-            raise UpstreamStatus(answer.status, answer.content, role="prefill", instance=inst.url)
+            raise UpstreamStatus(
+                answer.status, answer.content, role=Role.PREFILL, instance=inst.url
+            )
         return answer.content
 
     async def open_decode(
@@ -275,7 +277,7 @@ class LegRunner:
         if opened.status >= 400 or not stream:
             content = await _read_bounded(opened)
             if opened.status >= 400:
-                raise UpstreamStatus(opened.status, content, role="decode", instance=inst.url)
+                raise UpstreamStatus(opened.status, content, role=Role.DECODE, instance=inst.url)
             return DecodeLeg(inst, opened, content, None, self._clock)
         rest = opened.chunks().__aiter__()
         first = await anext(rest, b"")

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from connector.address import NixlAddress
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
-from router.engines.instance import Instance
+from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError
 from router.pd import kv_params as kp
 from router.pd import pipelined_params as pp
@@ -185,7 +185,7 @@ class PushSequential(_Defaults):
         if address is None:
             raise UpstreamError(
                 "prefill engine returned kv_transfer_params without its NIXL identity",
-                role="prefill",
+                role=Role.PREFILL,
                 instance=pair.prefill.url,
                 code="kv_transfer_params_incomplete",
             )

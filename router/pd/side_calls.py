@@ -1,6 +1,8 @@
-"""Side calls to an engine for kept turns (router/pd/turns.py): a prompt's token ids from
-P's ``/tokenize`` and D's ``/metrics`` page. A side call's failure costs the optimisation,
-never the request: each answers None then."""
+"""Side calls to an engine, beside a request's legs (router/pd/legs.py): a prompt's token ids
+from an engine's ``/tokenize`` (kept turns in pull mode, router/pd/kept_turns.py; cache-aware
+routing, router/kvindex/route.py) and D's ``/metrics`` page (its block size, for kept turns).
+A side call's failure costs the optimisation, never the request: each answers None then, and
+no breaker or engine counter hears of it (a leg's failure is judged; a side call's is not)."""
 
 from __future__ import annotations
 

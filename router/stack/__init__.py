@@ -4,16 +4,17 @@ Engine-side dependencies (``vllm``, ``torch``, ``transformers``) are imported la
 importing this package needs only the router's own dependencies.
 """
 
-from router.stack.engines import EngineSpec, Mode
+from router.config import Mode
+from router.stack.engines import EngineSpec
 from router.stack.launcher import ExtraRouter, RouterSettings, Stack, StackError
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from router.stack.model import cache_root, ensure_model
 from router.stack.routed import RoutedStack
 
 __all__ = [
     "EngineSpec",
     "ExtraRouter",
-    "Metrics",
+    "MetricsPage",
     "Mode",
     "RoutedStack",
     "RouterSettings",

@@ -14,9 +14,9 @@ import time
 from types import FrameType
 from typing import Any
 
-from router.stack.engines import Mode
+from router.config import Mode
 from router.stack.launcher import Stack, StackError
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from router.stack.model import DEFAULT_VARIANT, known_variants
 
 BYTES_METRIC = "vllm:nixl_bytes_transferred_sum"
@@ -132,6 +132,6 @@ def _bytes_by_engine(stack: Stack) -> dict[str, float]:
     totals: dict[str, float] = {}
     names = PIPELINED_BYTES_METRICS if stack.mode is Mode.PIPELINED else (BYTES_METRIC,)
     for spec in stack.engines:
-        metrics: Metrics = stack.engine_metrics(spec.name)
+        metrics: MetricsPage = stack.engine_metrics(spec.name)
         totals[spec.name] = sum(metrics.total(n) for n in names)
     return totals

@@ -11,40 +11,35 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
+
+from router.config import Mode
 
 ENGINE_SITE_DIR = Path(__file__).resolve().parent / "engine_site"
 LOCALHOST = "127.0.0.1"
 
 
-class Mode(StrEnum):
-    """Router modes the stack can run (same spelling as the router config)."""
-
-    PULL = "pull"
-    PUSH = "push"
-    PUSH_SEQUENTIAL = "push-sequential"
-    PIPELINED = "pipelined"
-    AGGREGATED = "aggregated"
-
-    @property
-    def connector(self) -> str | None:
-        """The vLLM KV connector both engines of this mode use (None: no P/D)."""
-        if self is Mode.PULL:
-            return "NixlConnector"
-        if self in (Mode.PUSH, Mode.PUSH_SEQUENTIAL):
-            return "NixlPushConnector"
-        if self is Mode.PIPELINED:
-            return PIPELINED_CONNECTOR
-        return None
-
-
 # This project's connector (connector/), loaded by vLLM from the installed package.
 PIPELINED_CONNECTOR = "PipelinedPushConnector"
 
+# The vLLM KV connector both engines of a mode use; a mode not here (aggregated) has no P/D.
+_CONNECTORS = {
+    Mode.PULL: "NixlConnector",
+    Mode.PUSH: "NixlPushConnector",
+    Mode.PUSH_SEQUENTIAL: "NixlPushConnector",
+    Mode.PIPELINED: PIPELINED_CONNECTOR,
+}
 
-Role = Literal["prefill", "decode", "aggregated"]
+
+def connector_of(mode: Mode) -> str | None:
+    """The vLLM KV connector both engines of ``mode`` use (None: no P/D)."""
+    return _CONNECTORS.get(mode)
+
+
+# What an engine is started as: the router's roles (router.engines.instance.Role), or a whole
+# engine serving alone (aggregated mode).
+EngineKind = Literal["prefill", "decode", "aggregated"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +47,7 @@ class EngineSpec:
     """Everything needed to launch one engine and to describe it in the router config."""
 
     name: str
-    role: Role
+    role: EngineKind
     port: int
     core: int | str  # a CPU, or a list in VLLM_CPU_OMP_THREADS_BIND syntax ("0-1")
     connector: str | None = None
@@ -96,7 +91,7 @@ def plan_engines(
     ``ports``/``kv_ports`` must hold at least two distinct free ports each; ``engine_id`` is
     pinned on P so the router knows it before any request (push needs it up front).
     """
-    connector = mode.connector
+    connector = connector_of(mode)
     if connector is None:
         cpus = aggregated_cpus if aggregated_cpus is not None else cores[1]
         return [EngineSpec("aggregated-0", "aggregated", ports[0], cpus)]

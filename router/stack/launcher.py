@@ -30,17 +30,18 @@ from typing import Any, TextIO
 import httpx
 import yaml
 
+from router.config import Mode
 from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack import ports as portmod
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
-# KV that flows back (kv_return): how long D keeps a finished turn, and how much sooner the
+# Kept turns (``kept_turns``): how long D keeps a finished turn, and how much sooner the
 # router stops handing it out (it never names blocks D may have freed).
-KV_RETURN_ENGINE_TTL_S = 120
-KV_RETURN_MARGIN_S = 30
+KEPT_TURNS_ENGINE_TTL_S = 120
+KEPT_TURNS_MARGIN_S = 30
 _RELOADED = "reloaded "  # the router's log line for an applied reload (router/reload.py)
 _RELOAD_TIMEOUT_S = 10.0
 _PROGRESS_EVERY_S = 5.0
@@ -65,12 +66,12 @@ class StackError(RuntimeError):
 class RouterSettings:
     """What one router over a stack's engines is configured with: its mode (the engines'
     connector must serve it: push and push-sequential share engines), top-level config
-    sections, keys of the model entry, and KV that flows back."""
+    sections, keys of the model entry, and kept turns."""
 
-    mode: eng.Mode
+    mode: Mode
     router_overrides: Mapping[str, Any] = field(default_factory=dict)
     model_overrides: Mapping[str, Any] = field(default_factory=dict)
-    kv_return: bool = False
+    kept_turns: bool = False
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ExtraRouter:
     def url(self) -> str:
         return f"http://{eng.LOCALHOST}:{self.port}"
 
-    def metrics(self) -> Metrics:
+    def metrics(self) -> MetricsPage:
         return scrape(self.url)
 
     def pids(self) -> list[int]:
@@ -104,7 +105,7 @@ class Stack:
 
     def __init__(
         self,
-        mode: str | eng.Mode = eng.Mode.PUSH,
+        mode: str | Mode = Mode.PUSH,
         *,
         variant: str = tiny_model.DEFAULT_VARIANT,
         cache_dir: str | os.PathLike[str] | None = None,
@@ -122,7 +123,7 @@ class Stack:
         log: TextIO | None = None,
         router_overrides: Mapping[str, Any] | None = None,
         engine_args: Mapping[str, Sequence[str]] | None = None,
-        kv_return: bool = False,
+        kept_turns: bool = False,
         model_overrides: Mapping[str, Any] | None = None,
         prefix_caching: bool = False,
         kv_events: bool = False,
@@ -137,9 +138,9 @@ class Stack:
         the forward pass, as vLLM alone does, and lets the rest run on any core (then one engine's
         scheduler and API server take time from the other's forward). ``connector_extra``: more
         ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
-        what the engines compute in (default: the model's, ``serving_dtype``). ``kv_return``
+        what the engines compute in (default: the model's, ``serving_dtype``). ``kept_turns``
         (pull or pipelined mode): D keeps a conversation's finished turn and the router hands it
-        to its next P (router/pd/kv_return.py); in pull mode both engines run vLLM's
+        to its next P (router/pd/kept_turn_params.py); in pull mode both engines run vLLM's
         ``bidirectional_kv_xfer``, in pipelined this project's connector keeps it.
         ``model_overrides``: keys merged into the router config's model entry (e.g.
         ``{"disagg_max_prefill_queue": 2}``). ``prefix_caching``: on in every engine (vLLM's
@@ -147,7 +148,7 @@ class Stack:
         ``kv_events``: every engine publishes its KV cache events (``--kv-events-config``, with a
         replay endpoint) and every router over the stack routes by them (``kv_events`` in its
         model entry; vLLM publishes only with prefix caching on)."""
-        self.mode = eng.Mode(mode)
+        self.mode = Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
         self.model_name = model_name or variant  # the name clients send as "model"
@@ -159,18 +160,18 @@ class Stack:
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
         self.connector_extra = dict(connector_extra or {})
-        if kv_return and self.mode not in (eng.Mode.PULL, eng.Mode.PIPELINED):
-            raise StackError(f"kv_return needs mode pull or pipelined, not {self.mode.value}")
-        self.kv_return = kv_return
+        if kept_turns and self.mode not in (Mode.PULL, Mode.PIPELINED):
+            raise StackError(f"kept_turns needs mode pull or pipelined, not {self.mode.value}")
+        self.kept_turns = kept_turns
         self.model_overrides = dict(model_overrides or {})
         self.prefix_caching = prefix_caching
         self.kv_events = kv_events
-        if kv_return and self.mode is eng.Mode.PIPELINED:  # this project's connector
-            self.connector_extra = {"keep_ttl_s": KV_RETURN_ENGINE_TTL_S, **self.connector_extra}
-        elif kv_return:  # vLLM's NixlConnector
+        if kept_turns and self.mode is Mode.PIPELINED:  # this project's connector
+            self.connector_extra = {"keep_ttl_s": KEPT_TURNS_ENGINE_TTL_S, **self.connector_extra}
+        elif kept_turns:  # vLLM's NixlConnector
             self.connector_extra = {
                 "bidirectional_kv_xfer": True,
-                "decoder_kv_blocks_ttl": KV_RETURN_ENGINE_TTL_S,
+                "decoder_kv_blocks_ttl": KEPT_TURNS_ENGINE_TTL_S,
                 **self.connector_extra,
             }
         self.dtype = dtype or tiny_model.serving_dtype(variant)
@@ -319,27 +320,27 @@ class Stack:
         self,
         name: str,
         *,
-        mode: str | eng.Mode | None = None,
+        mode: str | Mode | None = None,
         router_overrides: Mapping[str, Any] | None = None,
         model_overrides: Mapping[str, Any] | None = None,
-        kv_return: bool = False,
+        kept_turns: bool = False,
     ) -> ExtraRouter:
         """Start another router over this stack's running engines, with its own settings
         (``mode``: default the stack's; push-sequential runs on push engines); returns once
         its ``/ready`` answers 200. It stops with the stack (or by :meth:`stop_router`), and
         a restarted P's new engine id reaches it as it reaches the stack's own router.
-        ``kv_return`` in pull mode needs engines started with ``kv_return`` (vLLM's
+        ``kept_turns`` in pull mode needs engines started with ``kept_turns`` (vLLM's
         ``bidirectional_kv_xfer``); this project's connector keeps turns on request."""
         settings = RouterSettings(
-            eng.Mode(mode or self.mode),
+            Mode(mode or self.mode),
             dict(router_overrides or {}),
             dict(model_overrides or {}),
-            kv_return,
+            kept_turns,
         )
-        if settings.mode.connector != self.mode.connector:
+        if eng.connector_of(settings.mode) != eng.connector_of(self.mode):
             raise StackError(f"{settings.mode.value} cannot run on {self.mode.value} engines")
-        if kv_return and not (self.kv_return or settings.mode is eng.Mode.PIPELINED):
-            raise StackError("kv_return in pull mode needs engines started with kv_return")
+        if kept_turns and not (self.kept_turns or settings.mode is Mode.PIPELINED):
+            raise StackError("kept_turns in pull mode needs engines started with kept_turns")
         if name == "router" or any(r.name == name for r in self._extra_routers):
             raise StackError(f"a router named {name!r} runs already")
         assert self.run_dir is not None
@@ -519,11 +520,11 @@ class Stack:
         """The engine that answers clients: D, or the single engine in aggregated mode."""
         return self.engines[-1]
 
-    def engine_metrics(self, name: str) -> Metrics:
+    def engine_metrics(self, name: str) -> MetricsPage:
         """Scrape engine ``name``'s ``/metrics``."""
         return scrape(self.engine(name).url)
 
-    def router_metrics(self) -> Metrics:
+    def router_metrics(self) -> MetricsPage:
         """Scrape the router's ``/metrics``."""
         return scrape(self.router_url)
 
@@ -536,7 +537,7 @@ class Stack:
         """The router config for this stack (the shape ``pd-router serve --config`` reads)."""
         assert self.router_port is not None
         settings = RouterSettings(
-            self.mode, self.router_overrides, self.model_overrides, self.kv_return
+            self.mode, self.router_overrides, self.model_overrides, self.kept_turns
         )
         return self.config_for(settings, self.router_port)
 
@@ -545,9 +546,9 @@ class Stack:
         config = router_config(
             settings.mode, self.engines, self.model_name, port, self.decode_slots
         )
-        if settings.kv_return:
-            ttl = KV_RETURN_ENGINE_TTL_S - KV_RETURN_MARGIN_S
-            config["models"][0]["kv_return"] = {"enabled": True, "ttl_seconds": ttl}
+        if settings.kept_turns:
+            ttl = KEPT_TURNS_ENGINE_TTL_S - KEPT_TURNS_MARGIN_S
+            config["models"][0]["kept_turns"] = {"enabled": True, "ttl_seconds": ttl}
         config["models"][0] |= settings.model_overrides
         return config | dict(settings.router_overrides)
 
@@ -556,7 +557,7 @@ class Stack:
 
 
 def router_config(
-    mode: eng.Mode,
+    mode: Mode,
     engines: list[eng.EngineSpec],
     model_name: str,
     port: int,
@@ -578,7 +579,7 @@ def router_config(
         for s in engines
         if s.role in ("decode", "aggregated")
     ]
-    if mode is eng.Mode.PIPELINED:  # P writes into D: the router gives P D's identity
+    if mode is Mode.PIPELINED:  # P writes into D: the router gives P D's identity
         d_specs = [s for s in engines if s.role == "decode"]
         for entry, s in zip(decode, d_specs, strict=True):
             entry |= {"engine_id": s.engine_id, "kv_host": eng.LOCALHOST, "kv_port": s.kv_port}

@@ -18,14 +18,14 @@ class Sample:
     value: float
 
 
-class Metrics:
+class MetricsPage:
     """An immutable snapshot of one ``/metrics`` page."""
 
     def __init__(self, samples: list[Sample]) -> None:
         self.samples = samples
 
     @classmethod
-    def parse(cls, text: str) -> Metrics:
+    def parse(cls, text: str) -> MetricsPage:
         """Parse Prometheus text exposition format."""
         samples = [
             Sample(s.name, dict(s.labels), float(s.value))
@@ -55,8 +55,8 @@ class Metrics:
         return sorted({s.name for s in self.samples if contains in s.name})
 
 
-def scrape(base_url: str, timeout_s: float = 5.0) -> Metrics:
+def scrape(base_url: str, timeout_s: float = 5.0) -> MetricsPage:
     """GET ``base_url``/metrics and parse it; raises ``httpx.HTTPError`` on failure."""
     response = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=timeout_s)
     response.raise_for_status()
-    return Metrics.parse(response.text)
+    return MetricsPage.parse(response.text)

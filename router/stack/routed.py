@@ -2,7 +2,7 @@
 
 Tests written against a :class:`Stack` (its engines and its router) run unchanged against a
 second router over the same engines: push-sequential over push engines, or other timeouts,
-tracing or KV that flows back, without starting engines again.
+tracing or kept turns, without starting engines again.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from router.config import Mode
 from router.stack import engines as eng
 from router.stack.launcher import ExtraRouter, Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 
 __all__ = ["RoutedStack"]
 
@@ -28,14 +29,14 @@ class RoutedStack:
     # -- the router ------------------------------------------------------------------------
 
     @property
-    def mode(self) -> eng.Mode:
+    def mode(self) -> Mode:
         return self.router.settings.mode
 
     @property
     def router_url(self) -> str:
         return self.router.url
 
-    def router_metrics(self) -> Metrics:
+    def router_metrics(self) -> MetricsPage:
         return self.router.metrics()
 
     def router_pids(self) -> list[int]:
@@ -65,7 +66,7 @@ class RoutedStack:
     def decode(self) -> eng.EngineSpec:
         return self.stack.decode
 
-    def engine_metrics(self, name: str) -> Metrics:
+    def engine_metrics(self, name: str) -> MetricsPage:
         return self.stack.engine_metrics(name)
 
     def engine_pids(self, name: str) -> list[int]:

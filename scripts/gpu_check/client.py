@@ -90,13 +90,13 @@ def pd(
     pool: cf.ThreadPoolExecutor,
 ) -> tuple[Output, str]:
     """One request through P and D; (D's answer, the transfer id). ``keep``: D keeps the turn
-    for a next one (``kv_keep``); ``reuse``: the kept turn's transfer id, handed to P."""
+    for a next one (``keep_turn``); ``reuse``: the kept turn's transfer id, handed to P."""
     assert p.identity is not None and d.identity is not None
     tid, xid = f"check-{uuid.uuid4().hex}", uuid.uuid4().hex
     p_params = prefill_params(tid, d.identity)
     if reuse is not None:
-        p_params["kv_reuse"] = {"transfer_id": reuse, **d.identity.as_params()}
-    d_params = decode_params(tid, p.identity) | ({"kv_keep": True} if keep else {})
+        p_params["read_kept_turn"] = {"transfer_id": reuse, **d.identity.as_params()}
+    d_params = decode_params(tid, p.identity) | ({"keep_turn": True} if keep else {})
     p_leg = pool.submit(complete, p, prompt, 1, p_params, xid)
     out = complete(d, prompt, MAX_TOKENS, d_params, xid)
     p_out = p_leg.result()

@@ -10,8 +10,8 @@ gate off (the negative control, ``layer``), and send every case the way the rout
 pipelined mode does. Cases (prompt lengths from the engine's block size): shorter than a
 block, several blocks, chunked prefill (``--max-num-batched-tokens``), an exact multiple of
 the block, the same prompt twice (the second is P's one-token step on its prefix cache), 16
-concurrent requests, and a kept-turn follow-up (D keeps turn 1, ``kv_keep``; P reuses it for
-turn 2, ``kv_reuse``).
+concurrent requests, and a kept-turn follow-up (D keeps turn 1, ``keep_turn``; P reuses it for
+turn 2, ``read_kept_turn``).
 
 Checked per case: D's answers equal the reference token for token (a first difference where
 the reference's two best tokens were within ``client.NEAR_TIE`` is accepted and shown), and
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from router.stack import engines as stack_engines
 from router.stack import model as tiny_model
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from scripts.gpu_check.client import Output, compare, complete, pd
 from scripts.gpu_check.engines import Engine, Launch, Variant, block_size, started
 from scripts.gpu_check.report import table
@@ -158,7 +158,7 @@ _COUNTERS = (
 def _counters(engines: Sequence[Engine]) -> tuple[float, ...]:
     """(bytes written, bytes received, tokens pulled) so far, summed over ``engines`` (P's
     writes to D, and a kept turn's D's writes to P)."""
-    pages: list[Metrics] = [scrape(e.url) for e in engines]
+    pages: list[MetricsPage] = [scrape(e.url) for e in engines]
     return tuple(sum(m.total(name) for m in pages) for name in _COUNTERS)
 
 

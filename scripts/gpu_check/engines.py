@@ -18,19 +18,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from connector.address import NixlAddress
 from router.stack import engines as eng
+from router.stack.engines import EngineKind
 from router.stack.metrics import scrape
 from router.stack.ports import ENGINE_HTTP_PORTS, SIDE_CHANNEL_PORTS, pick_ports
 from router.stack.procs import ManagedProcess, stop_all
 
 __all__ = ["Engine", "Launch", "Variant", "block_size", "started"]
 
-Role = Literal["aggregated", "prefill", "decode"]
+
 SERVED_NAME = "check"
 
 
@@ -71,7 +72,7 @@ class Engine:
     proc: ManagedProcess
 
 
-def kv_config(role: Role, identity: NixlAddress, launch: Launch, variant: Variant) -> str:
+def kv_config(role: EngineKind, identity: NixlAddress, launch: Launch, variant: Variant) -> str:
     """``--kv-transfer-config`` for P or D (see connector/README.md)."""
     extra: dict[str, Any] = {
         "side_channel_host": identity.host,
@@ -95,7 +96,7 @@ def kv_config(role: Role, identity: NixlAddress, launch: Launch, variant: Varian
     return json.dumps(config, separators=(",", ":"))
 
 
-def argv(role: Role, port: int, launch: Launch, eager: bool, kv: str | None) -> list[str]:
+def argv(role: EngineKind, port: int, launch: Launch, eager: bool, kv: str | None) -> list[str]:
     """``vllm serve`` through this interpreter, with explicit flags."""
     args = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(launch.model),
@@ -117,11 +118,11 @@ def argv(role: Role, port: int, launch: Launch, eager: bool, kv: str | None) -> 
     return args
 
 
-_CPU_CORES: dict[Role, int] = {"prefill": 0, "decode": 1, "aggregated": 1}
+_CPU_CORES: dict[EngineKind, int] = {"prefill": 0, "decode": 1, "aggregated": 1}
 
 
 def _launch(
-    role: Role,
+    role: EngineKind,
     launch: Launch,
     eager: bool,
     variant: Variant | None,
@@ -150,7 +151,7 @@ def _launch(
 
 @contextmanager
 def started(
-    launch: Launch, roles: Sequence[Role], eager: bool, variant: Variant | None = None
+    launch: Launch, roles: Sequence[EngineKind], eager: bool, variant: Variant | None = None
 ) -> Iterator[list[Engine]]:
     """Start ``roles`` (``variant``: P and D's connector settings) and wait until each answers
     ``/health``; always stops them all (process groups) on exit. ``eager``: no CUDA graphs."""

@@ -28,7 +28,7 @@ from connector.address import NixlAddress
 from router.pd.pipelined_params import decode_params, prefill_params
 from router.stack import engines as eng
 from router.stack import model as tiny_model
-from router.stack.metrics import Metrics, scrape
+from router.stack.metrics import MetricsPage, scrape
 from router.stack.ports import pick_ports
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
@@ -46,7 +46,7 @@ class Engine:
     def url(self) -> str:
         return self.spec.url
 
-    def metrics(self) -> Metrics:
+    def metrics(self) -> MetricsPage:
         return scrape(self.url)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from connector.kept_turns import prefix_hashes
 from connector.metadata import KeepSpec, Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.readiness import CudaReadiness, HostReadiness, Readiness, readiness_for
-from connector.reuse import prefix_hashes
 from tests.connector.fake_readiness import HeldReadiness
 from tests.connector.helpers import (
     D_ADDR,

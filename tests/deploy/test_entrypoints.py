@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from router.cli import build_parser
-from router.config import load_config, parse_config
+from router.config import Mode, load_config, parse_config
 from router.stack import engines as eng
 from tests.deploy.fake_kube import matches
 from tests.needs import missing
@@ -75,9 +75,9 @@ def split_kv_config(argv: list[str]) -> tuple[list[str], dict[str, Any] | None]:
     return argv[:i] + argv[i + 2 :], json.loads(argv[i + 1])
 
 
-@pytest.mark.parametrize("mode", [eng.Mode.PULL, eng.Mode.PUSH, eng.Mode.PUSH_SEQUENTIAL,
-                                  eng.Mode.AGGREGATED])  # fmt: skip
-def test_engine_entrypoint_matches_the_stack(mode: eng.Mode) -> None:
+@pytest.mark.parametrize("mode", [Mode.PULL, Mode.PUSH, Mode.PUSH_SEQUENTIAL,
+                                  Mode.AGGREGATED])  # fmt: skip
+def test_engine_entrypoint_matches_the_stack(mode: Mode) -> None:
     opts = eng.EngineOptions(model_path=Path("/models/m"), served_model_name="pd-model")
     for spec in eng.plan_engines(mode, [8100, 8200], [5600, 5601], "prefill-0"):
         engine_id = spec.engine_id or f"{spec.name}-id"

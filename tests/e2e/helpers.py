@@ -14,7 +14,7 @@ from typing import Any
 import openai
 
 from router.stack import Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 
 # The random-weight model (served as "tiny"): the tests that need speed run on it; the stack's
 # default is the real SmolLM2 model.
@@ -98,7 +98,7 @@ def token_ids(choice: Any) -> tuple[int, ...]:
     return tuple(extra.get("token_ids") or ())
 
 
-def delta(after: Metrics, before: Metrics, name: str, **labels: str) -> float:
+def delta(after: MetricsPage, before: MetricsPage, name: str, **labels: str) -> float:
     """How much the summed samples ``name``{labels} grew between two scrapes."""
     return after.total(name, **labels) - before.total(name, **labels)
 
@@ -206,7 +206,7 @@ def logged(log: Path, what: str) -> int:
     return log.read_text(errors="replace").count(what)
 
 
-def settled(scrape: Callable[[], Metrics], name: str, timeout_s: float = 10.0) -> Metrics:
+def settled(scrape: Callable[[], MetricsPage], name: str, timeout_s: float = 10.0) -> MetricsPage:
     """``scrape()`` once the total of ``name`` is the same in two scrapes 0.2 s apart (an
     engine counts a request's tokens as its answer goes out); fails the test if it is still
     moving after ``timeout_s``."""

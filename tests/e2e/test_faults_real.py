@@ -33,7 +33,7 @@ In the last three, D is closed while it waits for KV that never comes (each test
 holds the request in that state before it lets the fault happen), and vLLM 0.32 keeps that
 request's blocks for good (KV usage above idle with nothing running or waiting; vLLM issue
 #48633). The router reads D's metrics, marks it degraded (``/ready`` 503,
-``pdrouter_instance_degraded`` 1) and, while another D serves, sends it nothing while its KV
+``pdrouter_engine_degraded`` 1) and, while another D serves, sends it nothing while its KV
 stays above idle; the only D keeps serving (the panic threshold: a leak is no outage). Each
 test asserts the outcome its timing decides: a leak where D was closed waiting, none where
 the KV landed. A leaked D is restarted before the next test (``Stack.restart_engine``) and the
@@ -220,7 +220,7 @@ def _router(stack: Stack) -> RouterView:
     (model,) = ready.json()["models"].values()
     return RouterView(
         m.total("pdrouter_decode_slots_in_use"),
-        m.total("pdrouter_instance_degraded"),
+        m.total("pdrouter_engine_degraded"),
         ready.status_code,
         {i["role"]: i for i in model["instances"]},
     )
@@ -273,7 +273,7 @@ def _assert_decode_leak_handled(stack: Stack, *, leaked: bool) -> None:
     """After D's request ended: nothing runs or waits on D, no slot is held, D leaked its KV
     exactly when ``leaked`` says (closed while waiting for KV that never came: vLLM 0.32 keeps
     the blocks), and the router's verdict matches D's own metrics: KV above idle means
-    degraded and out of rotation (``/ready`` 503, ``pdrouter_instance_degraded`` 1); idle KV
+    degraded and out of rotation (``/ready`` 503, ``pdrouter_engine_degraded`` 1); idle KV
     means in rotation."""
 
     def verdict() -> tuple[bool, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from router.stack import Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, AnyStack
 from tests.engine_stacks import Running
@@ -32,7 +32,7 @@ BLOCK = 128  # vLLM's KV block on CPU
 SYSTEMS = [f"System prompt {k}. " + " ".join(f"rule{k}-{i}" for i in range(300)) for k in range(2)]
 
 
-def _index_settled(stack: Stack) -> Metrics:
+def _index_settled(stack: Stack) -> MetricsPage:
     """The router's metrics once its index follows both engines and has applied every event
     they published (its position in their streams holds still for two scrapes)."""
     ok, what, _ = h.wait_until(
@@ -46,7 +46,7 @@ def _index_settled(stack: Stack) -> Metrics:
     return h.settled(stack.router_metrics, "pdrouter_kv_index_next_seq")
 
 
-def _p_counted(stack: AnyStack, before: Metrics, name: str) -> Metrics:
+def _p_counted(stack: AnyStack, before: MetricsPage, name: str) -> MetricsPage:
     """P's metrics once it has counted one more finished request and ``name`` has settled."""
     ok, what, _ = h.wait_until(
         lambda: (h.delta(stack.engine_metrics("prefill-0"), before, FINISHED) >= 1, "P"),
@@ -85,8 +85,8 @@ def test_the_routers_prediction_is_what_p_finds_in_its_cache(engine_stack: Runni
 @pytest.mark.parametrize("engine_stack", ["pipelined"], indirect=True)
 def test_any_replica_hands_p_the_turn_kept_by_another(engine_stack: Running) -> None:
     replicas: list[AnyStack] = [
-        engine_stack.routed("kv-return", kv_return=True),
-        engine_stack.routed("kv-return-b", kv_return=True),
+        engine_stack.routed("kept-turns", kept_turns=True),
+        engine_stack.routed("kept-turns-b", kept_turns=True),
     ]
     clients = [
         h.client_for(r.router_url).with_options(default_headers={"x-session-id": "two-routers"})
@@ -112,7 +112,7 @@ def test_any_replica_hands_p_the_turn_kept_by_another(engine_stack: Running) -> 
     for row in rows:
         print("  ", *row)
     assert rows[0][3] == 0  # nothing kept yet
-    # Every turn reads at least the previous turn's prompt (in spans of 16, connector/reuse.py)
+    # Every turn reads at least the previous turn's prompt (in spans of 16, connector/kept_turns.py)
     # from the turn the other replica served.
     for t, _, _, from_d, missed in rows[1:]:
         previous_prompt = rows[t - 1][2] + rows[t - 1][3]

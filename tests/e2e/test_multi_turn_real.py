@@ -17,7 +17,7 @@ import time
 import pytest
 
 from router.stack import Stack
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, MULTI_TURN_TURNS, Reference, multi_turn
 from tests.engine_stacks import Running
@@ -54,7 +54,7 @@ def _kv_bytes_per_token() -> int:
     return kv_bytes_per_token(ensure_model(h.FAST))
 
 
-def _snapshot(stack: Stack) -> dict[str, Metrics]:
+def _snapshot(stack: Stack) -> dict[str, MetricsPage]:
     """Both engines' metrics once they have counted everything (two scrapes 0.2 s apart
     agree: engines count a request's tokens and transfers after its answer); fails the test
     if they still move after ``SETTLE_S``."""
@@ -69,11 +69,11 @@ def _snapshot(stack: Stack) -> dict[str, Metrics]:
     raise AssertionError(f"engine counters still moving after {SETTLE_S} s")
 
 
-def _scrape(stack: Stack) -> dict[str, Metrics]:
+def _scrape(stack: Stack) -> dict[str, MetricsPage]:
     return {name: stack.engine_metrics(name) for name in ("prefill-0", "decode-0")}
 
 
-def _key(m: Metrics) -> tuple[float, ...]:
+def _key(m: MetricsPage) -> tuple[float, ...]:
     names = (BY_SOURCE, *{b for _, b in KV_BYTES.values()})
     return tuple(m.total(n) for n in names)
 

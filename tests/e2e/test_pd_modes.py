@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
 from tests.e2e.conftest import CONVERSATIONS, MODEL, ON_PD_MODES, AnyStack, Reference
@@ -97,7 +97,7 @@ def test_responses_api_goes_through_p_where_the_mode_splits_it(
         assert from_p == 0 and computed > 0, (from_p, computed)
 
 
-def _assert_prompts_came_over_nixl(stack: AnyStack, before: Metrics, requests: int) -> None:
+def _assert_prompts_came_over_nixl(stack: AnyStack, before: MetricsPage, requests: int) -> None:
     """Every request went through P: D took its prompt from NIXL.
 
     D computes at most one prompt token per request itself: a 1-token prompt has nothing to
@@ -194,7 +194,7 @@ def _disconnect_mid_stream(stack: AnyStack) -> bool:
     return True
 
 
-def _settled(stack: AnyStack, name: str) -> Metrics:
+def _settled(stack: AnyStack, name: str) -> MetricsPage:
     """Engine ``name``'s metrics once its prompt-token counts by source have settled (the
     test fails if they keep moving)."""
     return h.settled(lambda: stack.engine_metrics(name), BY_SOURCE)
@@ -214,11 +214,11 @@ def _wait_idle(stack: AnyStack, idle_kv: dict[str, float]) -> None:
     assert idle, f"not idle {waited:.1f}s after disconnect: {state}"
 
 
-def _load(m: Metrics) -> tuple[float, float, float]:
+def _load(m: MetricsPage) -> tuple[float, float, float]:
     return m.total(RUNNING), m.total(WAITING), m.total(KV_USAGE)
 
 
-def _router_slots_in_use(m: Metrics) -> float:
+def _router_slots_in_use(m: MetricsPage) -> float:
     """Sum of the router's decode-slots-in-use gauge over all instances (must exist)."""
     names = [n for n in m.names("slots_in_use") if not n.endswith("_created")]
     assert names, "router /metrics exposes no *slots_in_use gauge"

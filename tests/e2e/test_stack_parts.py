@@ -12,39 +12,39 @@ from pathlib import Path
 
 import pytest
 
-from router.config import parse_config
+from router.config import Mode, parse_config
 from router.stack import engines as eng
 from router.stack.launcher import RouterSettings, Stack, StackError, router_config
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 ENGINE_ID = "prefill-0-test"
 
 
-def _plan(mode: eng.Mode) -> list[eng.EngineSpec]:
+def _plan(mode: Mode) -> list[eng.EngineSpec]:
     return eng.plan_engines(mode, [8101, 8102], [5601, 5602], ENGINE_ID)
 
 
-@pytest.mark.parametrize("mode", list(eng.Mode))
-def test_router_accepts_the_stack_config(mode: eng.Mode) -> None:
+@pytest.mark.parametrize("mode", list(Mode))
+def test_router_accepts_the_stack_config(mode: Mode) -> None:
     cfg = parse_config(router_config(mode, _plan(mode), "tiny", 8001))
     model = cfg.models[0]
     assert model.mode.value == mode.value
     assert len(model.decode) == 1
-    assert len(model.prefill) == (0 if mode is eng.Mode.AGGREGATED else 1)
+    assert len(model.prefill) == (0 if mode is Mode.AGGREGATED else 1)
 
 
 def test_pipelined_engines_load_this_projects_connector() -> None:
     """Pipelined mode: both engines load connector/ and are named; the router config gives
     P the decode engine's identity (side-channel port included)."""
-    p, d = _plan(eng.Mode.PIPELINED)
+    p, d = _plan(Mode.PIPELINED)
     for spec, role in ((p, "kv_producer"), (d, "kv_consumer")):
         cfg = json.loads(eng.kv_transfer_config(spec) or "{}")
         assert cfg["kv_connector"] == "PipelinedPushConnector" and cfg["kv_role"] == role
         assert cfg["kv_connector_module_path"] == "connector"
         assert cfg["engine_id"] == spec.engine_id
         assert cfg["kv_connector_extra_config"]["side_channel_port"] == spec.kv_port
-    model = parse_config(router_config(eng.Mode.PIPELINED, [p, d], "tiny", 8001)).models[0]
+    model = parse_config(router_config(Mode.PIPELINED, [p, d], "tiny", 8001)).models[0]
     assert (model.decode[0].engine_id, model.decode[0].kv_port) == (d.engine_id, d.kv_port)
     assert (model.prefill[0].engine_id, model.prefill[0].kv_port) == (ENGINE_ID, p.kv_port)
 
@@ -52,12 +52,12 @@ def test_pipelined_engines_load_this_projects_connector() -> None:
 @pytest.mark.parametrize(
     ("mode", "connector"),
     [
-        (eng.Mode.PULL, "NixlConnector"),
-        (eng.Mode.PUSH, "NixlPushConnector"),
-        (eng.Mode.PUSH_SEQUENTIAL, "NixlPushConnector"),
+        (Mode.PULL, "NixlConnector"),
+        (Mode.PUSH, "NixlPushConnector"),
+        (Mode.PUSH_SEQUENTIAL, "NixlPushConnector"),
     ],
 )
-def test_pd_engines_pair_one_connector_on_two_cores(mode: eng.Mode, connector: str) -> None:
+def test_pd_engines_pair_one_connector_on_two_cores(mode: Mode, connector: str) -> None:
     p, d = _plan(mode)
     p_cfg = json.loads(eng.kv_transfer_config(p) or "{}")
     d_cfg = json.loads(eng.kv_transfer_config(d) or "{}")
@@ -115,13 +115,13 @@ def test_kv_events_reach_every_engine_and_every_router_config() -> None:
 
 
 def test_aggregated_engine_has_no_connector() -> None:
-    (only,) = _plan(eng.Mode.AGGREGATED)
+    (only,) = _plan(Mode.AGGREGATED)
     assert eng.kv_transfer_config(only) is None
     assert "--kv-transfer-config" not in eng.engine_argv(only, eng.EngineOptions(Path("m")))
 
 
 def test_engine_fixes_reach_engines_only() -> None:
-    (only,) = _plan(eng.Mode.AGGREGATED)
+    (only,) = _plan(Mode.AGGREGATED)
     path = eng.engine_env(only, {"PYTHONPATH": "x"})["PYTHONPATH"].split(os.pathsep)
     assert path == [str(eng.ENGINE_SITE_DIR), "x"]
     assert str(eng.ENGINE_SITE_DIR) not in sys.path
@@ -149,7 +149,7 @@ def test_affinity_fix_ignores_only_nixl_base_worker(tmp_path: Path) -> None:
 
 
 def test_metrics_parse_and_sum() -> None:
-    m = Metrics.parse(
+    m = MetricsPage.parse(
         "# TYPE x_total counter\n"
         'x_total{engine="0",source="a"} 2\n'
         'x_total{engine="0",source="b"} 3\n'
@@ -185,7 +185,7 @@ def test_cpu_lists() -> None:
     assert eng.cpu_set(1) == {1}
     assert eng.cpu_set("0-1") == {0, 1}
     assert eng.cpu_set("0,2-3") == {0, 2, 3}
-    (agg,) = eng.plan_engines(eng.Mode.AGGREGATED, [8101], [5601], ENGINE_ID, aggregated_cpus="0-1")
+    (agg,) = eng.plan_engines(Mode.AGGREGATED, [8101], [5601], ENGINE_ID, aggregated_cpus="0-1")
     assert agg.core == "0-1"
 
 
@@ -212,15 +212,15 @@ def test_the_connector_settings_reach_the_pipelined_engines() -> None:
 
 
 def test_pipelined_kept_turns_reach_d_s_ttl_p_s_recompute_and_the_router() -> None:
-    """With kv_return, D keeps turns for longer than the router hands them out, and a P
+    """With kept_turns, D keeps turns for longer than the router hands them out, and a P
     whose pull fails recomputes (vLLM's default would fail the request)."""
-    stack = Stack("pipelined", kv_return=True)
+    stack = Stack("pipelined", kept_turns=True)
     p, d = stack._plan()
     p_cfg, d_cfg = (json.loads(eng.kv_transfer_config(s) or "{}") for s in (p, d))
     assert p_cfg["kv_load_failure_policy"] == "recompute" and "kv_load_failure_policy" not in d_cfg
     engine_ttl = d_cfg["kv_connector_extra_config"]["keep_ttl_s"]
     stack.router_port = 1
-    router_ttl = stack.router_config()["models"][0]["kv_return"]["ttl_seconds"]
+    router_ttl = stack.router_config()["models"][0]["kept_turns"]["ttl_seconds"]
     assert 0 < router_ttl < engine_ttl
     assert "bidirectional_kv_xfer" not in d_cfg["kv_connector_extra_config"]
 
@@ -230,7 +230,7 @@ def test_a_second_router_serves_the_same_engines_with_its_own_settings() -> None
     own port; nothing of the stack's router settings."""
     stack = Stack("push", router_overrides={"retries": {"max_attempts": 1}})
     stack.engines, stack.router_port = stack._plan(), 8001
-    settings = RouterSettings(eng.Mode.PUSH_SEQUENTIAL, {"tracing": {"endpoint": "http://t"}})
+    settings = RouterSettings(Mode.PUSH_SEQUENTIAL, {"tracing": {"endpoint": "http://t"}})
     cfg = parse_config(stack.config_for(settings, 8002))
     (model,) = cfg.models
     assert model.mode == "push-sequential" and cfg.listen.port == 8002
@@ -240,16 +240,16 @@ def test_a_second_router_serves_the_same_engines_with_its_own_settings() -> None
 
 
 @pytest.mark.parametrize(
-    ("stack", "mode", "kv_return", "refusal"),
+    ("stack", "mode", "kept_turns", "refusal"),
     [
         (Stack("push"), "pull", False, "cannot run on push engines"),
         (Stack("pull"), "push-sequential", False, "cannot run on pull engines"),
-        (Stack("pull"), "pull", True, "needs engines started with kv_return"),
+        (Stack("pull"), "pull", True, "needs engines started with kept_turns"),
     ],
-    ids=["pull-on-push", "push-sequential-on-pull", "kv-return-on-plain-pull"],
+    ids=["pull-on-push", "push-sequential-on-pull", "kept-turns-on-plain-pull"],
 )
 def test_a_second_router_refuses_what_the_engines_cannot_serve(
-    stack: Stack, mode: str, kv_return: bool, refusal: str
+    stack: Stack, mode: str, kept_turns: bool, refusal: str
 ) -> None:
     with pytest.raises(StackError, match=refusal):
-        stack.start_router("second", mode=mode, kv_return=kv_return)
+        stack.start_router("second", mode=mode, kept_turns=kept_turns)

@@ -289,7 +289,7 @@ async def test_leaking_decode_is_flagged_and_still_serves_as_the_last_one(
     ready = await client.get(url + "/ready")
     assert ready.status_code == 503
     assert ready.json()["models"]["tiny"]["instances"][1]["degraded"] is True
-    assert metric(ctx, "pdrouter_instance_degraded") == 1
+    assert metric(ctx, "pdrouter_engine_degraded") == 1
     # The only D: leaked blocks cost capacity, not correctness; it still serves
     # (panic threshold) rather than turning the leak into an outage.
     cluster.prefill[0].behaviour.status = 200

@@ -24,7 +24,7 @@ import httpx
 
 from router.app import AppContext, create_app
 from router.config import parse_config
-from router.pd.turns import keep_id
+from router.pd.kept_turns import keep_id
 from tests.fakes.fake_vllm import FakeEngine, KvBus, Received
 from tests.fakes.kv_cluster import events_config, synced, with_events
 from tests.fakes.servers import serve
@@ -101,7 +101,7 @@ async def scale() -> AsyncIterator[Scale]:
             "decode": [
                 _instance(by_name[f"d{i}"], f"D{i}", 100 + i, slots=64) for i in range(ENGINES)
             ],
-            "kv_return": {"enabled": True},
+            "kept_turns": {"enabled": True},
         }
         cfg = {
             "models": [model],
@@ -266,7 +266,7 @@ def _check(t: Tally, conv: int, p: Received, d: Received, last: tuple[str, int])
     t.turns += 1
     t.p_holds += (p.cached or 0) >= last_blocks * BS
     t.d_holds += (d.cached or 0) >= last_blocks * BS
-    reuse = p.kv.get("kv_reuse") or {}
+    reuse = p.kv.get("read_kept_turn") or {}
     t.offered += (
         reuse.get("transfer_id") == keep_id("tiny", "anonymous", f"conv-{conv:03d}")
         and reuse.get("remote_engine_id") == last_d

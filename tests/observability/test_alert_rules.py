@@ -39,11 +39,11 @@ def _healthy_router(minutes: int = 20) -> dict[str, str]:
     n = minutes * 4
     return {
         'up{job="pd-router", instance="r1:8000"}': f"1x{n}",
-        f"pdrouter_instance_healthy{{{D}}}": f"1x{n}",
-        f"pdrouter_instance_healthy{{{P}}}": f"1x{n}",
+        f"pdrouter_engine_healthy{{{D}}}": f"1x{n}",
+        f"pdrouter_engine_healthy{{{P}}}": f"1x{n}",
         f"pdrouter_breaker_state{{{D}}}": f"0x{n}",
         f"pdrouter_breaker_state{{{P}}}": f"0x{n}",
-        'pdrouter_instance_degraded{model="m", engine="http://d1:8000"}': f"0x{n}",
+        'pdrouter_engine_degraded{model="m", engine="http://d1:8000"}': f"0x{n}",
         'pdrouter_queue_depth{model="m"}': f"0x{n}",
         f'pdrouter_requests_total{{{R}, outcome="success"}}': f"0+30x{n}",
         f'pdrouter_requests_total{{{R}, outcome="client_error"}}': f"0+1x{n}",
@@ -84,7 +84,7 @@ SCENARIOS: dict[str, Scenario] = {
         # D fails its health checks; then it passes them but stays ejected.
         _with(
             **{
-                f"pdrouter_instance_healthy{{{D}}}": "0x8 1x20",
+                f"pdrouter_engine_healthy{{{D}}}": "0x8 1x20",
                 f"pdrouter_breaker_state{{{D}}}": "1x30",
             }
         ),
@@ -96,8 +96,8 @@ SCENARIOS: dict[str, Scenario] = {
         # One of two decode engines: the other one still serves.
         _with(
             **{
-                f"pdrouter_instance_healthy{{{D}}}": "0x20",
-                f"pdrouter_instance_healthy{{{D2}}}": "1x20",
+                f"pdrouter_engine_healthy{{{D}}}": "0x20",
+                f"pdrouter_engine_healthy{{{D2}}}": "1x20",
                 f"pdrouter_breaker_state{{{D2}}}": "0x20",
             }
         ),
@@ -111,7 +111,7 @@ SCENARIOS: dict[str, Scenario] = {
         _with(
             **{
                 f"pdrouter_breaker_state{{{P}}}": " ".join(["1 1 2"] * 12),
-                f"pdrouter_instance_healthy{{{P2}}}": "1x40",
+                f"pdrouter_engine_healthy{{{P2}}}": "1x40",
                 f"pdrouter_breaker_state{{{P2}}}": "0x40",
             }
         ),
@@ -120,7 +120,7 @@ SCENARIOS: dict[str, Scenario] = {
         labels=[{"model": "m", "role": "prefill", "engine": "http://p1:8000"}],
     ),
     "PdRouterDecodeDegraded": Scenario(
-        _with(**{'pdrouter_instance_degraded{model="m", engine="http://d1:8000"}': "1x60"}),
+        _with(**{'pdrouter_engine_degraded{model="m", engine="http://d1:8000"}': "1x60"}),
         at="11m",
         quiet_at="9m",
         labels=[{"model": "m", "engine": "http://d1:8000"}],

@@ -88,11 +88,11 @@ def _active(alerts: list[dict[str, Any]], name: str, **labels: str) -> bool:
 async def test_router_panels_return_data_and_no_alert_goes_off_while_healthy(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    # Pipelined with KV that flows back: the kept-turn panels have series too.
+    # Pipelined with kept turns: the kept-turn panels have series too.
     url, _ = await _router(
         cluster,
         "pipelined",
-        model={"kv_return": {"enabled": True}},
+        model={"kept_turns": {"enabled": True}},
         prefill_extra={"engine_id": "P", "kv_host": "127.0.0.1", "kv_port": 7001},
         decode_extra={"engine_id": "D", "kv_host": "127.0.0.1", "kv_port": 7002},
     )

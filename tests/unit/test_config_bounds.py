@@ -69,7 +69,7 @@ SECONDS = [
     "connections__body_timeout",
     "connections__write_timeout",
     "models__0__sessions__ttl_seconds",
-    "models__0__kv_return__ttl_seconds",
+    "models__0__kept_turns__ttl_seconds",
 ]
 
 # (field, a bad value, the message, the boundary value that is accepted)
@@ -87,8 +87,8 @@ BOUNDS: list[tuple[str, Any, str, Any]] = [
     ("models__0__sessions__load_factor", 0.99, _ge(1), 1.0),
     ("models__0__sessions__load_factor", INF, FINITE, 100.0),
     ("models__0__sessions__max_sessions", 0, _ge(1), 1),
-    ("models__0__kv_return__min_tokens", 0, _ge(1), 1),
-    ("models__0__kv_return__max_entries", 0, _ge(1), 1),
+    ("models__0__kept_turns__min_tokens", 0, _ge(1), 1),
+    ("models__0__kept_turns__max_entries", 0, _ge(1), 1),
     ("models__0__disagg_min_prompt_tokens", -1, _ge(0), 0),
     ("models__0__disagg_max_prefill_queue", -1, _ge(0), 0),
     ("models__0__max_model_len", 0, _ge(1), 1),
@@ -171,18 +171,18 @@ RULES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "prompt that long fits the context, so none would be disaggregated",
         {"models__0__max_model_len": 4096, "models__0__disagg_min_prompt_tokens": 4095},
     ),
-    "kv_return.min_tokens at the context": (
+    "kept_turns.min_tokens at the context": (
         {
             "models__0__max_model_len": 256,
-            "models__0__kv_return__enabled": True,
-            "models__0__kv_return__min_tokens": 256,
+            "models__0__kept_turns__enabled": True,
+            "models__0__kept_turns__min_tokens": 256,
         },
-        "models.0: kv_return.min_tokens (256) must be below max_model_len (256): no turn that "
+        "models.0: kept_turns.min_tokens (256) must be below max_model_len (256): no turn that "
         "long fits the context, so none would be reused",
         {
             "models__0__max_model_len": 256,
-            "models__0__kv_return__enabled": True,
-            "models__0__kv_return__min_tokens": 255,
+            "models__0__kept_turns__enabled": True,
+            "models__0__kept_turns__min_tokens": 255,
         },
     ),
 }
@@ -195,10 +195,10 @@ def test_a_cross_field_rule_names_both_fields(rule: str) -> None:
     parse_config(_with(**boundary))
 
 
-def test_kv_return_min_tokens_is_free_while_kv_return_is_off() -> None:
+def test_kept_turns_min_tokens_is_free_while_kept_turns_is_off() -> None:
     """The rule is about reuse: a model without it may keep the default above its context."""
     cfg = parse_config(_with(models__0__max_model_len=32))
-    assert cfg.models[0].kv_return.min_tokens == 64 and not cfg.models[0].kv_return.enabled
+    assert cfg.models[0].kept_turns.min_tokens == 64 and not cfg.models[0].kept_turns.enabled
 
 
 def test_every_problem_is_reported_at_once() -> None:
@@ -213,3 +213,45 @@ def test_every_problem_is_reported_at_once() -> None:
         "  retries.backoff_max: must be at least backoff_initial (2), got 1",
         "  timeouts.total: Input should be greater than 0",
     ]
+
+
+def test_the_old_kv_return_key_is_read_as_kept_turns_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Renamed in this release (CHANGELOG.md): a file written for the last one still loads,
+    and says what to rename."""
+    old = {"enabled": True, "ttl_seconds": 30, "min_tokens": 8, "max_entries": 5}
+    with caplog.at_level("WARNING", logger="pd_router.config"):
+        cfg = parse_config(_with(models__0__kv_return=old))
+    kept = cfg.models[0].kept_turns
+    assert (kept.enabled, kept.ttl_seconds, kept.min_tokens, kept.max_entries) == (
+        True,
+        30,
+        8,
+        5,
+    )
+    [record] = [r for r in caplog.records if r.name == "pd_router.config"]
+    assert record.levelname == "WARNING"
+    assert "old=kv_return new=kept_turns" in record.getMessage()
+    assert "model=tiny" in record.getMessage()
+
+
+def test_the_new_key_loads_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="pd_router.config"):
+        cfg = parse_config(_with(models__0__kept_turns={"enabled": True}))
+    assert cfg.models[0].kept_turns.enabled
+    assert not [r for r in caplog.records if r.name == "pd_router.config"]
+
+
+def test_an_old_key_is_checked_under_its_new_name() -> None:
+    assert _problems(_with(models__0__kv_return={"ttl_seconds": 0})) == [
+        f"  models.0.kept_turns.ttl_seconds: {GT0}"
+    ]
+
+
+def test_the_old_and_the_new_key_together_are_refused() -> None:
+    problems = _problems(
+        _with(models__0__kv_return={"enabled": True}, models__0__kept_turns={"enabled": False})
+    )
+    assert len(problems) == 1
+    assert "kv_return is the old name of kept_turns: give only kept_turns" in problems[0]

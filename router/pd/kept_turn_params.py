@@ -1,8 +1,8 @@
-"""KV that flows back: a conversation's finished turn stays on D for its next P.
+"""Kept turns: a conversation's finished turn stays on D for its next P.
 
-Pipelined mode (this project's connector, ``connector/reuse.py``): D's leg asks D to keep the
-turn (``kv_keep``); once its answer has ended cleanly, streamed or not, the entry is the
-turn's transfer id and D's NIXL address. The next turn's P gets them (``kv_reuse``), asks D
+Pipelined mode (this project's connector, ``connector/kept_turns.py``): D's leg asks D to keep the
+turn (``keep_turn``); once its answer has ended cleanly, streamed or not, the entry is the
+turn's transfer id and D's NIXL address. The next turn's P gets them (``read_kept_turn``), asks D
 what it holds and checks it by block hashes of token ids itself, so the router checks
 nothing but that D is the same engine, still in rotation.
 
@@ -16,7 +16,7 @@ KV from D and compute only the rest. vLLM does not check that those tokens start
 prompt: an edited history would be served with the old history's KV, and P's prefix cache
 would keep it for later requests. Here the check is made before P is asked:
 
-* the model's table (:class:`~router.engines.kv_return.KvReturns`) records, per session, D's
+* the model's table (:class:`~router.engines.kept_turns.KeptTurnTable`) records, per session, D's
   params and the token ids its KV holds (D's prompt and output ids, asked for with
   ``return_token_ids``, cut at ``remote_num_tokens``), and hands an entry out at most once,
   within its TTL.
@@ -38,7 +38,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from router.engines.kv_return import Kept, Reuse
+from router.engines.kept_turns import KeptTurn, KeptTurnResult
 
 __all__ = ["kept_from_response", "reuse_params"]
 
@@ -52,8 +52,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def reuse_params(
-    kept: Kept, prompt_ids: Sequence[int], block_size: int | None, min_tokens: int
-) -> tuple[Reuse, dict[str, Any] | None]:
+    kept: KeptTurn, prompt_ids: Sequence[int], block_size: int | None, min_tokens: int
+) -> tuple[KeptTurnResult, dict[str, Any] | None]:
     """P's ``kv_transfer_params`` for a prompt of ``prompt_ids`` from ``kept``, and how.
 
     At most ``len(prompt_ids) - 1`` tokens are reused: P computes at least the last prompt
@@ -62,21 +62,21 @@ def reuse_params(
     held = len(kept.token_ids)
     usable = min(common_prefix(kept.token_ids, prompt_ids), len(prompt_ids) - 1)
     if usable < min_tokens:
-        return Reuse.MISMATCH, None
+        return KeptTurnResult.MISMATCH, None
     if usable == held:
-        return Reuse.REUSED, dict(kept.params)
+        return KeptTurnResult.REUSED, dict(kept.params)
     if block_size is None:
-        return Reuse.UNAVAILABLE, None
+        return KeptTurnResult.UNAVAILABLE, None
     blocks = -(-usable // block_size)
     groups = kept.params.get("remote_block_ids")
     if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-        return Reuse.UNAVAILABLE, None
+        return KeptTurnResult.UNAVAILABLE, None
     params = {
         **kept.params,
         "remote_block_ids": [g[:blocks] for g in groups],
         "remote_num_tokens": usable,
     }
-    return Reuse.PARTIAL, params
+    return KeptTurnResult.PARTIAL, params
 
 
 def kept_from_response(

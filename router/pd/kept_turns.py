@@ -1,16 +1,17 @@
-"""The legs of a conversation's turn with KV that flows back (router/pd/kv_return.py).
+"""Kept turns in the dispatch: D keeps a conversation's turn, its next P reads it
+(router/pd/kept_turn_params.py).
 
-One :class:`Turns` per dispatcher. For a request that qualifies (pull or pipelined mode,
-``kv_return`` on, a client session id, completions or chat, one choice).
+One :class:`KeptTurns` per dispatcher. For a request that qualifies (pull or pipelined mode,
+``kept_turns`` on, a client session id, completions or chat, one choice).
 
 Pipelined, with no table in the router: D's params ask D to keep this turn under the
 conversation's keep id (:func:`keep_id`, derived from the model, the API key's name and the
 session), replacing the conversation's previous kept turn on that D; P's params name the keep
-id and the D that holds the conversation (:meth:`Turns.offer`): the D whose KV events show the
+id and the D that holds the conversation (:meth:`KeptTurns.offer`): the D whose KV events show the
 longest prefix of this prompt (``router/kvindex``), else this turn's own D (session affinity
 places a conversation's turns alike on every replica). Any router replica can therefore offer
 the last kept turn; P's connector checks hashes of the token ids before it reads anything, and
-a D that keeps nothing under the id refuses at once (``connector/returns.py``).
+a D that keeps nothing under the id refuses at once (``connector/kept_turns_worker.py``).
 
 Pull:
 
@@ -34,18 +35,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
 from router.engines.instance import Instance
-from router.engines.kv_return import Kept, Reuse
+from router.engines.kept_turns import KeptTurn, KeptTurnResult
 from router.kvindex.route import CacheRoute
 from router.kvindex.tokens import tokenize_query
 from router.metrics import Metrics
-from router.pd.kv_return import kept_from_response, reuse_params
+from router.pd.kept_turn_params import kept_from_response, reuse_params
 from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 
-__all__ = ["TurnPlan", "Turns", "keep_id"]
+__all__ = ["KeptTurns", "TurnPlan", "keep_id"]
 
-log = logging.getLogger("pd_router.turns")
+log = logging.getLogger("pd_router.kept_turns")
 
 _BLOCK_SIZE_INFO = "vllm:cache_config_info"
 
@@ -78,7 +79,7 @@ def _first_turn(creq: ClientRequest) -> bool:
     return not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
 
 
-class Turns:
+class KeptTurns:
     def __init__(self, side_calls: SideCalls, metrics: Metrics) -> None:
         self._side = side_calls
         self._metrics = metrics
@@ -93,7 +94,7 @@ class Turns:
         """None when the request does not qualify (see module doc). Pipelined: ``cache`` (the
         request's cache-aware route, if any) finds the D that holds the conversation, else
         ``decode``, this turn's own D."""
-        if not pool.config.kv_return.enabled or pool.mode not in (Mode.PULL, Mode.PIPELINED):
+        if not pool.config.kept_turns.enabled or pool.mode not in (Mode.PULL, Mode.PIPELINED):
             return None
         if creq.session is None or creq.n != 1 or creq.num_prompts != 1:
             return None
@@ -102,7 +103,7 @@ class Turns:
         if pool.mode is not Mode.PIPELINED:
             # vLLM's D keeps no streamed turn (its params come with the body).
             return TurnPlan(creq.session, keep=not creq.stream)
-        min_tokens = pool.config.kv_return.min_tokens
+        min_tokens = pool.config.kept_turns.min_tokens
         holder = cache.holder(pool.decode, min_tokens) if cache is not None else None
         return TurnPlan(
             creq.session,
@@ -112,35 +113,35 @@ class Turns:
         )
 
     def keep_value(self, turn: TurnPlan) -> str | bool:
-        """D's ``kv_keep``: the conversation's keep id (pipelined)."""
+        """D's ``keep_turn``: the conversation's keep id (pipelined)."""
         return turn.keep_id if turn.keep_id is not None else True
 
     def offer(self, pool: ModelPool, turn: TurnPlan) -> dict[str, Any] | None:
-        """Pipelined: the ``kv_reuse`` params that name the conversation's kept turn and the D
+        """Pipelined: the ``read_kept_turn`` params that name the conversation's kept turn and the D
         that holds it (module doc), if that D is in rotation with a known NIXL address."""
         d = turn.holder
         if turn.keep_id is None or d is None:
             return None
         if d.healthy is False or d.nixl is None:
-            self._count(pool, Reuse.UNAVAILABLE)
+            self._count(pool, KeptTurnResult.UNAVAILABLE)
             return None
-        self._count(pool, Reuse.OFFERED)
-        return {"kv_reuse": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}
+        self._count(pool, KeptTurnResult.OFFERED)
+        return {"read_kept_turn": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}
 
     def kept(self, pool: ModelPool, turn: TurnPlan, transfer_id: str, d: Instance) -> None:
-        """Pipelined: D answered the turn cleanly and keeps it (``kv_keep``) for the next;
+        """Pipelined: D answered the turn cleanly and keeps it (``keep_turn``) for the next;
         nothing is recorded here (the keep id names it)."""
-        self._count(pool, Reuse.KEPT)
+        self._count(pool, KeptTurnResult.KEPT)
 
     async def prepare(
         self, pool: ModelPool, creq: ClientRequest, p: Instance, turn: TurnPlan
     ) -> None:
         """Take the session's kept turn and set ``turn.reuse`` where the new prompt on ``p``
         starts with (enough of) the tokens it holds."""
-        taken = pool.kv_returns.take(turn.session)
+        taken = pool.kept_turns.take(turn.session)
         if taken is None:
             return
-        if isinstance(taken, Reuse):
+        if isinstance(taken, KeptTurnResult):
             self._count(pool, taken)
             return
         result, params = await self._check(pool, creq, p, taken)
@@ -148,18 +149,18 @@ class Turns:
         turn.reuse = params
 
     async def _check(
-        self, pool: ModelPool, creq: ClientRequest, p: Instance, kept: Kept
-    ) -> tuple[Reuse, dict[str, Any] | None]:
+        self, pool: ModelPool, creq: ClientRequest, p: Instance, kept: KeptTurn
+    ) -> tuple[KeptTurnResult, dict[str, Any] | None]:
         d = next((i for i in pool.decode if i.url == kept.decode_url), None)
         if d is None or d.healthy is False:
-            return Reuse.UNAVAILABLE, None
+            return KeptTurnResult.UNAVAILABLE, None
         prompt_ids = await self._prompt_ids(p, creq)
         if prompt_ids is None:
-            return Reuse.UNAVAILABLE, None
+            return KeptTurnResult.UNAVAILABLE, None
         if d.block_size is None:
             d.learn_block_size(await self._block_size(d))
         block_size = d.block_size
-        return reuse_params(kept, prompt_ids, block_size, pool.config.kv_return.min_tokens)
+        return reuse_params(kept, prompt_ids, block_size, pool.config.kept_turns.min_tokens)
 
     async def _prompt_ids(self, p: Instance, creq: ClientRequest) -> list[int] | None:
         query = tokenize_query(creq)
@@ -195,10 +196,10 @@ class Turns:
         found, leg.first = kept_from_response(leg.first, bool(creq.body.get("return_token_ids")))
         if found is not None:
             params, token_ids = found
-            kept = pool.config.kv_return, turn.session, params, token_ids, leg.instance.url
-            pool.kv_returns.keep(*kept)
-            self._count(pool, Reuse.KEPT)
+            kept = pool.config.kept_turns, turn.session, params, token_ids, leg.instance.url
+            pool.kept_turns.keep(*kept)
+            self._count(pool, KeptTurnResult.KEPT)
 
-    def _count(self, pool: ModelPool, result: Reuse) -> None:
-        self._metrics.kv_returns.labels(pool.name, result.value).inc()
-        self._metrics.kv_returns_kept.labels(pool.name).set(len(pool.kv_returns))
+    def _count(self, pool: ModelPool, result: KeptTurnResult) -> None:
+        self._metrics.kept_turns.labels(pool.name, result.value).inc()
+        self._metrics.kept_turns_entries.labels(pool.name).set(len(pool.kept_turns))

@@ -1,13 +1,13 @@
-"""KV that flows back, scheduler side: a finished turn kept on D, read by the next turn's P.
+"""Kept turns, scheduler side: a finished turn kept on D, read by the next turn's P.
 
-D (``kv_transfer_params["kv_keep"]``, set by the router on a conversation's decode leg): when
+D (``kv_transfer_params["keep_turn"]``, set by the router on a conversation's decode leg): when
 the request finishes normally its blocks stay allocated, and the worker keeps them with the
 chained hashes of the token ids their KV holds (``KeepSpec``) until a P reads them,
-declines them, or ``keep_ttl_s`` ends (``connector.returns.Keeper``).
+declines them, or ``keep_ttl_s`` ends (``connector.kept_turns_worker.KeptTurnKeeper``).
 
-P (``kv_transfer_params["kv_reuse"]``: the kept turn's ``transfer_id`` and D's address): before
-vLLM schedules the request, the worker ASKs D what it holds, and the request waits (vLLM skips
-it while ``get_num_new_matched_tokens`` answers None) for D's answer, a refusal, or
+P (``kv_transfer_params["read_kept_turn"]``: the kept turn's ``transfer_id`` and D's address):
+before vLLM schedules the request, the worker ASKs D what it holds, and the request waits (vLLM
+skips it while ``get_num_new_matched_tokens`` answers None) for D's answer, a refusal, or
 ``reuse_timeout_s``. P then compares D's hashes with those of its own prompt, span by span
 (``HASH_TOKENS`` token ids each, whatever the KV block size), and claims (an asynchronous load)
 the longest common prefix beyond its own prefix-cache hit, at most all but the last prompt
@@ -29,7 +29,14 @@ from typing import Any
 from connector.address import NixlAddress
 from connector.metadata import KeepSpec, RecvSpec, StepMeta
 
-__all__ = ["HASH_TOKENS", "KeptAnswer", "Lookups", "keep_spec", "prefix_hashes", "usable_tokens"]
+__all__ = [
+    "HASH_TOKENS",
+    "KeptTurnAnswer",
+    "Lookups",
+    "keep_spec",
+    "prefix_hashes",
+    "usable_tokens",
+]
 
 # Token ids per hash: the granularity of a match. A client that resends the model's reply as
 # text re-tokenises it, and may differ from the sampled ids a few tokens in; with one hash per
@@ -37,7 +44,7 @@ __all__ = ["HASH_TOKENS", "KeptAnswer", "Lookups", "keep_spec", "prefix_hashes",
 HASH_TOKENS = 16
 
 # D's answer to an ASK: (tokens held, their prefix_hashes); None: nothing to reuse.
-KeptAnswer = tuple[int, list[str]] | None
+KeptTurnAnswer = tuple[int, list[str]] | None
 
 
 def prefix_hashes(token_ids: Sequence[int]) -> list[str]:
@@ -84,7 +91,7 @@ class _Lookup:
     peer: NixlAddress
     asked_at: float
     answered: bool = False
-    answer: KeptAnswer = None
+    answer: KeptTurnAnswer = None
     usable: int | None = None  # from the answer and the prompt, computed once
 
 
@@ -105,8 +112,8 @@ class Lookups:
         return any(not lk.answered for lk in self._lookups.values())
 
     def start(self, req_id: str, params: dict[str, Any], step: StepMeta) -> None:
-        """A new P request; ASK D if its params name a kept turn (``kv_reuse``)."""
-        reuse = params.get("kv_reuse")
+        """A new P request; ASK D if its params name a kept turn (``read_kept_turn``)."""
+        reuse = params.get("read_kept_turn")
         if not isinstance(reuse, dict):
             return
         peer = NixlAddress.from_params(reuse)
@@ -116,7 +123,7 @@ class Lookups:
         self._lookups[req_id] = _Lookup(str(tid), peer, self._clock())
         step.asks[req_id] = (str(tid), peer)
 
-    def on_answers(self, answers: dict[str, KeptAnswer]) -> None:
+    def on_answers(self, answers: dict[str, KeptTurnAnswer]) -> None:
         """D's answers, as the workers reported them (by request id)."""
         for req_id, answer in answers.items():
             lookup = self._lookups.get(req_id)

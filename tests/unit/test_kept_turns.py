@@ -1,29 +1,30 @@
-"""The kept-turn table (router/engines/kv_return.py), the reuse check (router/pd/kv_return.py)."""
+"""The kept-turn table (router/engines/kept_turns.py), the reuse check
+(router/pd/kept_turn_params.py)."""
 
 from __future__ import annotations
 
 import json
 
-from router.config import KvReturnConfig
-from router.engines.kv_return import Kept, KvReturns, Reuse
-from router.pd.kv_return import kept_from_response, reuse_params
+from router.config import KeptTurnsConfig
+from router.engines.kept_turns import KeptTurn, KeptTurnResult, KeptTurnTable
+from router.pd.kept_turn_params import kept_from_response, reuse_params
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[7, 8, 9], [17, 18, 19]]}
 
 
-def _kept(ids: list[int]) -> Kept:
-    return Kept({**PARAMS, "remote_num_tokens": len(ids)}, tuple(ids), "http://d", 10.0)
+def _kept(ids: list[int]) -> KeptTurn:
+    return KeptTurn({**PARAMS, "remote_num_tokens": len(ids)}, tuple(ids), "http://d", 10.0)
 
 
 def test_whole_history_reused_as_is() -> None:
     result, params = reuse_params(_kept(list(range(40))), [*range(40), 1, 2], 16, 8)
-    assert result is Reuse.REUSED and params == {**PARAMS, "remote_num_tokens": 40}
+    assert result is KeptTurnResult.REUSED and params == {**PARAMS, "remote_num_tokens": 40}
 
 
 def test_common_prefix_names_its_blocks_only_in_every_group() -> None:
     prompt = [*range(20), 99, 98, 97]  # differs at token 20: two blocks of 16, one partial
     result, params = reuse_params(_kept(list(range(40))), prompt, 16, 8)
-    assert result is Reuse.PARTIAL and params is not None
+    assert result is KeptTurnResult.PARTIAL and params is not None
     assert params["remote_num_tokens"] == 20
     assert params["remote_block_ids"] == [[7, 8], [17, 18]]
 
@@ -31,31 +32,31 @@ def test_common_prefix_names_its_blocks_only_in_every_group() -> None:
 def test_p_always_computes_the_last_prompt_token() -> None:
     # The new prompt is exactly what D holds (a resent turn): one token is left to compute.
     result, params = reuse_params(_kept(list(range(40))), list(range(40)), 16, 8)
-    assert result is Reuse.PARTIAL and params is not None
+    assert result is KeptTurnResult.PARTIAL and params is not None
     assert params["remote_num_tokens"] == 39 and params["remote_block_ids"][0] == [7, 8, 9]
 
 
 def test_short_common_prefix_and_unknown_block_size_are_not_reused() -> None:
     assert reuse_params(_kept(list(range(40))), [*range(5), 50, 51], 16, 8) == (
-        Reuse.MISMATCH,
+        KeptTurnResult.MISMATCH,
         None,
     )
     assert reuse_params(_kept(list(range(40))), [*range(20), 99], None, 8) == (
-        Reuse.UNAVAILABLE,
+        KeptTurnResult.UNAVAILABLE,
         None,
     )
 
 
 def test_table_hands_out_once_expires_and_stays_bounded() -> None:
     now = [0.0]
-    table = KvReturns(lambda: now[0])
-    cfg = KvReturnConfig(enabled=True, ttl_seconds=5, max_entries=2)
+    table = KeptTurnTable(lambda: now[0])
+    cfg = KeptTurnsConfig(enabled=True, ttl_seconds=5, max_entries=2)
     for session in ("a", "b", "c"):
         table.keep(cfg, session, PARAMS, [1, 2], "http://d")
     assert len(table) == 2 and table.take("a") is None  # the oldest went first
-    assert isinstance(table.take("b"), Kept) and table.take("b") is None
+    assert isinstance(table.take("b"), KeptTurn) and table.take("b") is None
     now[0] = 5.0
-    assert table.take("c") is Reuse.EXPIRED and len(table) == 0
+    assert table.take("c") is KeptTurnResult.EXPIRED and len(table) == 0
 
 
 def test_kept_from_response_cuts_ids_at_what_d_holds_and_hides_them() -> None:

@@ -1,4 +1,4 @@
-"""KV that flows back, on real engines: a conversation whose history holds the model's own
+"""Kept turns, on real engines: a conversation whose history holds the model's own
 replies, one turn after the other with the session in ``x-session-id``. In pull mode (vLLM's
 ``bidirectional_kv_xfer`` on both engines) the turns are not streamed (vLLM keeps only
 those); in pipelined mode (this project's connector) they are streamed. Prefix caching is
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from router.stack.metrics import Metrics
+from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, AnyStack, Reference, feed_back
 from tests.engine_stacks import Running
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 FINISHED = "vllm:request_success_total"
-KV_RETURN = "pdrouter_kv_return_total"
+KEPT_TURNS = "pdrouter_kept_turns_total"
 RESULTS = ("kept", "reused", "partial", "offered", "mismatch", "expired", "unavailable")
 
 
@@ -42,7 +42,7 @@ ASK: dict[str, Callable[[openai.OpenAI, str, list[dict[str, str]]], h.Reply]] = 
 # project's connector keeps a turn only when asked) through a second router that asks.
 pytestmark.append(
     pytest.mark.parametrize(
-        "engine_stack", ["pull-kv-return", "pipelined"], indirect=True, ids=list(ASK)
+        "engine_stack", ["pull-kept-turns", "pipelined"], indirect=True, ids=list(ASK)
     )
 )
 
@@ -50,7 +50,7 @@ pytestmark.append(
 @pytest.fixture
 def stack(engine_stack: Running) -> AnyStack:
     if engine_stack.kind == "pipelined":
-        routed: AnyStack = engine_stack.routed("kv-return", kv_return=True)
+        routed: AnyStack = engine_stack.routed("kept-turns", kept_turns=True)
         return routed
     st: AnyStack = engine_stack.stack
     return st
@@ -73,7 +73,7 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
         from_d = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
         rows.append((len(rows), computed, from_d, int(computed + from_d)))
         router = stack.router_metrics()
-        print("turn", len(rows) - 1, {r: router.total(KV_RETURN, result=r) for r in RESULTS})
+        print("turn", len(rows) - 1, {r: router.total(KEPT_TURNS, result=r) for r in RESULTS})
         return reply
 
     got = feed_back(say)
@@ -87,7 +87,8 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
             print(f"turn {turn}: a near-tie went the other way; later turns not compared")
             break
     assert rows[0][2] == 0  # nothing kept yet
-    # Pull: the router compares token ids; pipelined: P compares hashes of 16 (reuse.py).
+    # Pull: the router compares token ids; pipelined: P compares hashes of 16
+    # (connector/kept_turns.py).
     grain = 16 if stack.mode.value == "pipelined" else 1
     # Every turn reads at least the last turn's prompt from D.
     assert all(from_d >= rows[t - 1][3] // grain * grain for t, _, from_d, _ in rows[1:]), rows
@@ -98,8 +99,8 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
         assert h.delta(p, p0, "vllm:pdr_kept_missed_total") == 0
     router = stack.router_metrics()
     results = ("reused", "partial", "offered")  # pipelined: offered, P checks it
-    assert sum(h.delta(router, router0, KV_RETURN, result=r) for r in results) == len(rows) - 1
-    assert h.delta(router, router0, KV_RETURN, result="mismatch") == 0
+    assert sum(h.delta(router, router0, KEPT_TURNS, result=r) for r in results) == len(rows) - 1
+    assert h.delta(router, router0, KEPT_TURNS, result="mismatch") == 0
 
 
 def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) -> None:
@@ -120,10 +121,10 @@ def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) 
     assert h.delta(after, before, BY_SOURCE, source="external_kv_transfer") == 0
     assert again.token_ids == fresh.token_ids
     if stack.mode.value == "pull":  # the router compares token ids; in pipelined, P does
-        assert stack.router_metrics().total(KV_RETURN, result="mismatch") >= 1
+        assert stack.router_metrics().total(KEPT_TURNS, result="mismatch") >= 1
 
 
-def _p_counted(stack: AnyStack, before: Metrics) -> Metrics:
+def _p_counted(stack: AnyStack, before: MetricsPage) -> MetricsPage:
     """P's metrics once it has counted one more finished request and its prompt tokens by
     source have settled: in pipelined mode D's answer may end before P's own is counted, and
     a check that nothing came from D proves nothing before then."""

@@ -1,4 +1,4 @@
-"""Kept turns (KV that flows back): D keeps a finished turn, the next turn's P asks, compares
+"""Kept turns: D keeps a finished turn, the next turn's P asks, compares
 block hashes, claims what matches and pulls it; every way out frees D's blocks once."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from connector.address import NixlAddress
+from connector.kept_turns import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.metadata import KeepSpec, Kind, RecvSpec, StepMeta, decode
-from connector.reuse import HASH_TOKENS, prefix_hashes, usable_tokens
 from connector.scheduler import SchedulerSide
 from connector.worker import Timeouts
 from router.pd.pipelined_params import decode_params, prefill_params
@@ -39,7 +39,7 @@ def kept_request(
     transfer id ``t1`` (``keep=True``) or under the router's keep id ``keep``."""
     return SimpleNamespace(
         request_id="d1",
-        kv_transfer_params={**decode_params("t1", P_ADDR), "kv_keep": keep},
+        kv_transfer_params={**decode_params("t1", P_ADDR), "keep_turn": keep},
         num_prompt_tokens=30,
         status=SimpleNamespace(name=status),
         all_token_ids=[*TURN, 99],
@@ -51,7 +51,7 @@ def next_turn(prompt: list[int], req_id: str = "p2") -> SimpleNamespace:
     reuse = {"transfer_id": "t1", **D_ADDR.as_params()}
     return SimpleNamespace(
         request_id=req_id,
-        kv_transfer_params={**prefill_params("t2", D_ADDR), "kv_reuse": reuse},
+        kv_transfer_params={**prefill_params("t2", D_ADDR), "read_kept_turn": reuse},
         num_prompt_tokens=len(prompt),
         prompt_token_ids=prompt,
         status=SimpleNamespace(name="WAITING"),

@@ -1,8 +1,9 @@
-"""Kept turns on the worker side: D's ``Keeper`` and P's ``Asker`` (see ``connector.reuse``).
+"""Kept turns on the worker side: D's ``KeptTurnKeeper`` and P's ``KeptTurnAsker`` (see
+``connector.kept_turns``).
 
 Flow for one kept turn ``tid`` (the finished turn's transfer id)::
 
-    D scheduler: request finished normally with kv_keep -> KeepSpec -> D worker keeps it
+    D scheduler: request finished normally with keep_turn -> KeepSpec -> D worker keeps it
     next turn's P scheduler: ASK planned ------ ASK(tid) --------------------------> D worker
     D worker: the entry is taken (used once) <- HELD(tid, tokens, hashes) ---------- D worker
     P scheduler compares hashes, claims a prefix; PULL(tid, start, blocks) -------> D worker
@@ -18,7 +19,7 @@ request's plan a step or two later (one more with asynchronous scheduling); such
 up to ``early_ask_s`` for it, while a request to be kept under that id is still running
 (``expect``, from the scheduler when it admits the request); an ASK for an id no running
 request will keep is refused at once, so a router that names a keep id without knowing
-whether it was kept (``router/pd/turns.py``) costs P one round trip, not ``early_ask_s``.
+whether it was kept (``router/pd/kept_turns.py``) costs P one round trip, not ``early_ask_s``.
 
 The id of a kept turn (``tid``) is the router's keep id (one per conversation: each kept turn
 replaces the conversation's previous one on this D) or the turn's transfer id. A turn kept
@@ -35,12 +36,12 @@ from typing import Any
 
 from connector.address import NixlAddress
 from connector.context import WorkerContext
+from connector.kept_turns import KeptTurnAnswer
 from connector.metadata import KeepSpec, Kind, encode
 from connector.peers import Link, LinkState
 from connector.readiness import Mark
-from connector.reuse import KeptAnswer
 
-__all__ = ["Asker", "Keeper"]
+__all__ = ["KeptTurnAsker", "KeptTurnKeeper"]
 
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -60,7 +61,7 @@ class _Kept:
     asker: str | None = None  # the P whose ASK took the entry
 
 
-class Keeper:
+class KeptTurnKeeper:
     """D: the finished turns this rank keeps, by tid; their only owner."""
 
     def __init__(self, ctx: WorkerContext) -> None:
@@ -249,14 +250,14 @@ class Keeper:
         kept.handles = pending
 
 
-class Asker:
+class KeptTurnAsker:
     """P: the questions this rank asked kept turns' D, by tid; their only owner. Rank 0 asks
     (every rank's D holds the same turn); each rank pulls its own KV shard."""
 
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
         self._asks: dict[str, _Ask] = {}
-        self._answers: dict[str, KeptAnswer] = {}
+        self._answers: dict[str, KeptTurnAnswer] = {}
 
     def knows(self, tid: str) -> bool:
         return tid in self._asks
@@ -283,7 +284,7 @@ class Asker:
             return
         hashes = body.get("hashes")
         tokens = body.get("tokens")
-        answer: KeptAnswer = None
+        answer: KeptTurnAnswer = None
         if isinstance(tokens, int) and isinstance(hashes, list):
             answer = (tokens, [str(h) for h in hashes])
         self._answers[ask.req_id] = answer
@@ -301,7 +302,7 @@ class Asker:
             if ask.link == link.name:
                 self._try_ask(tid)
 
-    def take_answers(self) -> dict[str, KeptAnswer]:
+    def take_answers(self) -> dict[str, KeptTurnAnswer]:
         """D's answers since the last call, by request id; questions unanswered for
         ``pull_s`` are answered None (the scheduler has long stopped waiting)."""
         cutoff = self._ctx.clock() - self._ctx.t.pull_s

@@ -1,4 +1,4 @@
-"""KV that flows back in pull mode (router/pd/kv_return.py) over real sockets: a finished turn's
+"""Kept turns in pull mode (router/pd/kept_turn_params.py) over real sockets: a finished turn's
 params from D reach the conversation's next P only when the new prompt starts with the tokens
 D holds, at most once and within the TTL; the client sees D's answer as an aggregated engine
 gives it (no params, no token ids it did not ask for)."""
@@ -16,13 +16,13 @@ import pytest
 from connector.address import NixlAddress
 from router.app import create_app
 from router.config import ConfigError, parse_config
-from router.pd.turns import keep_id
+from router.pd.kept_turns import keep_id
 from tests.conftest import Cluster, metric
 from tests.fakes.servers import serve
 
 HISTORY = [{"role": "user", "content": "Tell me about routers. " * 8}]
 REPLY = "t0 t1 t2 t3 "  # what the fake D answers with its default four tokens
-KV_RETURN = {"model": {"kv_return": {"enabled": True, "min_tokens": 16}}}
+KEPT_TURNS = {"model": {"kept_turns": {"enabled": True, "min_tokens": 16}}}
 
 
 def _chat(messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _next_turn(reply: str = REPLY, question: str = "And then?") -> list[dict[str
 
 async def _router(cluster: Cluster, **model: Any) -> tuple[str, Any]:
     cluster.decode[0].behaviour.bidirectional = True
-    cfg = {"kv_return": {"enabled": True, "min_tokens": 16, **model}}
+    cfg = {"kept_turns": {"enabled": True, "min_tokens": 16, **model}}
     return await cluster.router("pull", model=cfg)
 
 
@@ -61,7 +61,7 @@ OUTCOMES = ("success", "client_disconnect")
 
 
 def _result(ctx: Any, result: str) -> float:
-    return metric(ctx, "pdrouter_kv_return_total", model="tiny", result=result)
+    return metric(ctx, "pdrouter_kept_turns_total", model="tiny", result=result)
 
 
 async def test_next_turn_reads_the_kept_turn_from_d(
@@ -75,7 +75,7 @@ async def test_next_turn_reads_the_kept_turn_from_d(
     assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
     assert cluster.decode[0].received[-1].body["return_token_ids"] is True
     assert _result(ctx, "kept") == 1
-    assert metric(ctx, "pdrouter_kv_return_entries", model="tiny") == 1
+    assert metric(ctx, "pdrouter_kept_turns_entries", model="tiny") == 1
     kept = cluster.decode[0].received[-1]
 
     await _say(client, url, _chat(_next_turn()))
@@ -132,7 +132,7 @@ async def test_a_changed_reply_reuses_the_common_prefix_blocks_only(
 async def test_a_kept_turn_expires(cluster: Cluster, client: httpx.AsyncClient) -> None:
     cluster.decode[0].behaviour.bidirectional = True
     skew = [0.0]  # the router's clock runs with time, and jumps when the test says
-    model = {"kv_return": {"enabled": True, "min_tokens": 16, "ttl_seconds": 60}}
+    model = {"kept_turns": {"enabled": True, "min_tokens": 16, "ttl_seconds": 60}}
     app = create_app(
         parse_config(cluster.config("pull", model=model)),
         health_checks=False,
@@ -199,7 +199,7 @@ async def test_a_failed_read_from_d_costs_a_recompute_not_the_request(
 async def test_without_bidirectional_engines_nothing_is_kept_and_ids_stay_hidden(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
-    url, ctx = await cluster.router("pull", **KV_RETURN)  # D returns no params
+    url, ctx = await cluster.router("pull", **KEPT_TURNS)  # D returns no params
     doc = (await _say(client, url, _chat(HISTORY))).json()
     assert "prompt_token_ids" not in doc and "token_ids" not in doc["choices"][0]
     assert _result(ctx, "kept") == 0
@@ -216,16 +216,16 @@ async def test_without_a_session_nothing_is_kept(
 
 
 @pytest.mark.parametrize("mode", ["push", "push-sequential", "aggregated"])
-def test_kv_return_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: str) -> None:
-    cfg = cluster.config(mode, **KV_RETURN)
-    with pytest.raises(ConfigError, match="kv_return needs mode 'pull' or 'pipelined'"):
+def test_kept_turns_is_a_pull_or_pipelined_mode_setting(cluster: Cluster, mode: str) -> None:
+    cfg = cluster.config(mode, **KEPT_TURNS)
+    with pytest.raises(ConfigError, match="kept_turns needs mode 'pull' or 'pipelined'"):
         create_app(parse_config(cfg))
 
 
 # -- pipelined: this project's connector keeps the turn; P checks it itself --------------------
 
 
-# Pipelined mode with kv_return on: the engines' NIXL identities as the router needs them.
+# Pipelined mode with kept_turns on: the engines' NIXL identities as the router needs them.
 PIPELINED: dict[str, Any] = {
     "prefill_extra": {"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
     "decode_extra": {"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002},
@@ -233,13 +233,13 @@ PIPELINED: dict[str, Any] = {
 
 
 async def _pipelined(cluster: Cluster, **model: Any) -> tuple[str, Any]:
-    cfg = {"kv_return": {"enabled": True, **model}}
+    cfg = {"kept_turns": {"enabled": True, **model}}
     return await cluster.router("pipelined", model=cfg, **PIPELINED)
 
 
 def _pipelined_app(cluster: Cluster) -> Any:
     """The router app itself, for a test that wraps it in an ASGI spy."""
-    cfg = cluster.config("pipelined", model={"kv_return": {"enabled": True}}, **PIPELINED)
+    cfg = cluster.config("pipelined", model={"kept_turns": {"enabled": True}}, **PIPELINED)
     return create_app(parse_config(cfg))
 
 
@@ -261,20 +261,20 @@ async def test_pipelined_streamed_turns_hand_p_the_previous_turn_kept_on_d(
     await _stream(client, url, HISTORY, "conv-1")
     (p1,), (d1,) = cluster.prefill[0].received, cluster.decode[0].received
     # D keeps the turn under the conversation's keep id; a first turn has nothing to read.
-    assert d1.kv["kv_keep"] == kid and "kv_reuse" not in p1.kv
+    assert d1.kv["keep_turn"] == kid and "read_kept_turn" not in p1.kv
     assert _result(ctx, "kept") == 1
 
     await _stream(client, url, _next_turn(), "conv-1")
     p2, d2 = cluster.prefill[0].received[-1], cluster.decode[0].received[-1]
     # P is told where the last turn is kept: the keep id and D's NIXL address.
-    assert p2.kv["kv_reuse"] == {
+    assert p2.kv["read_kept_turn"] == {
         "transfer_id": kid,
         "remote_engine_id": "D",
         "remote_host": "10.0.0.2",
         "remote_port": 7002,
     }
     assert p2.kv["transfer_id"] == d2.kv["transfer_id"] != d1.kv["transfer_id"]
-    assert d2.kv["kv_keep"] == kid  # replaces the first turn on D
+    assert d2.kv["keep_turn"] == kid  # replaces the first turn on D
     assert _result(ctx, "offered") == 1
     assert keep_id("tiny", "other-key", "conv-1") != kid != keep_id("tiny", "anonymous", "c2")
 
@@ -361,8 +361,8 @@ async def test_pipelined_requests_without_a_session_keep_nothing(
     url, ctx = await _pipelined(cluster)
     await _stream(client, url, HISTORY, None)
     await _stream(client, url, _next_turn(), None)
-    assert all("kv_keep" not in r.kv for r in cluster.decode[0].received)
-    assert all("kv_reuse" not in r.kv for r in cluster.prefill[0].received)
+    assert all("keep_turn" not in r.kv for r in cluster.decode[0].received)
+    assert all("read_kept_turn" not in r.kv for r in cluster.prefill[0].received)
     assert _result(ctx, "kept") == 0
 
 
@@ -380,8 +380,8 @@ async def test_pipelined_keeps_no_turn_whose_stream_broke(
     cluster.decode[0].behaviour.drop_after = None
     await _stream(client, url, _next_turn(), "conv-1")
     # The router keeps no table: P is pointed at D, which kept nothing under the id and
-    # refuses at once (connector/returns.py); P computes everything.
-    assert cluster.prefill[0].received[-1].kv["kv_reuse"]["transfer_id"] == keep_id(
+    # refuses at once (connector/kept_turns_worker.py); P computes everything.
+    assert cluster.prefill[0].received[-1].kv["read_kept_turn"]["transfer_id"] == keep_id(
         "tiny", "anonymous", "conv-1"
     )
     assert _result(ctx, "kept") == 1  # the second turn only
@@ -398,7 +398,7 @@ async def test_pipelined_names_the_current_engine_of_a_restarted_d(
     pool.decode[0].configure_nixl(NixlAddress("D-2", "10.0.0.2", 7002), None)
     await _stream(client, url, _next_turn(), "conv-1")
     p2 = cluster.prefill[0].received[-1].kv
-    assert p2["kv_reuse"]["remote_engine_id"] == p2["remote_engine_id"] == "D-2"
+    assert p2["read_kept_turn"]["remote_engine_id"] == p2["remote_engine_id"] == "D-2"
 
 
 async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
@@ -408,7 +408,7 @@ async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
     P is pointed at the D that kept the previous one (both replicas place a session on the same
     D, by rendezvous over the load the engines report)."""
     cfg = cluster2.config(
-        "pipelined", model={"kv_return": {"enabled": True}}, admission={"replicas": 2}
+        "pipelined", model={"kept_turns": {"enabled": True}}, admission={"replicas": 2}
     )
     model = cfg["models"][0]
     for i, inst in enumerate([*model["prefill"], *model["decode"]]):
@@ -437,11 +437,11 @@ async def test_pipelined_any_replica_offers_the_turn_another_one_kept(
                 if r.kv.get("transfer_id") == p.kv["transfer_id"]
             )
             if kept_by is not None:
-                assert p.kv["kv_reuse"] == {
+                assert p.kv["read_kept_turn"] == {
                     "transfer_id": keep_id("tiny", "anonymous", session),
                     **kept_by,
                 }
-            assert d.kv["kv_keep"] == keep_id("tiny", "anonymous", session)
+            assert d.kv["keep_turn"] == keep_id("tiny", "anonymous", session)
             kept_by = {k: p.kv[k] for k in ("remote_engine_id", "remote_host", "remote_port")}
             messages += [
                 {"role": "assistant", "content": REPLY},
