@@ -9,7 +9,8 @@ Flow, per role (prefill, decode), each in its own task:
    pods; BOOKMARKs only move the resource version. When the server ends the
    watch (timeout) it is renewed from the last version seen;
 3. a watch answered with 410 Gone (the version was compacted away) goes back
-   to 1: a fresh list is the only way to learn what was missed.
+   to 1: a fresh list is the only way to learn what was missed. A 410 to the very
+   version a list has just returned waits a doubling backoff first (no list/watch loop).
 
 After each change the serving pods of both roles (see :mod:`router.discovery.pods`)
 are handed to :meth:`Registry.set_instances`, which keeps the state of instances
@@ -115,15 +116,29 @@ class KubernetesDiscovery:
     # -- one role ------------------------------------------------------------
 
     async def _follow(self, api: ApiClient, role: Role) -> None:
-        delay = self._backoff[0]
+        delay = expiry_delay = self._backoff[0]
         while True:
+            watched = False  # a watch from this list's version ran to its end
             try:
                 version = await self._list(api, role)
                 delay = self._backoff[0]
                 while True:
                     version = await self._watch(api, role, version)
+                    watched = True
             except WatchExpired:
-                log.info("discovery %s/%s: watch expired, listing again", self.model, role)
+                if watched:  # history moved on while we watched: list again at once
+                    expiry_delay = self._backoff[0]
+                    log.info("discovery %s/%s: watch expired, listing again", self.model, role)
+                    continue
+                # Expired before any watch from a fresh list's version ended: listing again at
+                # once could spin (a server answering 410 to the version it just listed).
+                log.warning(
+                    "discovery %s/%s: the watch from a fresh list expired at once; "
+                    "listing again in %.1fs",
+                    self.model, role, expiry_delay,
+                )  # fmt: skip
+                await asyncio.sleep(expiry_delay)
+                expiry_delay = min(expiry_delay * 2, self._backoff[1])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: keep the last pods, retry later

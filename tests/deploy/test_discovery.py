@@ -138,6 +138,38 @@ async def test_expired_watch_lists_again_and_sees_missed_changes(cluster2: Clust
     assert any(r.watch and r.resource_version for r in kube.requests)
 
 
+async def test_a_watch_refused_at_every_version_backs_off(
+    cluster2: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that answers 410 even to the version it has just listed: the router lists
+    again after a doubling wait (not in a loop) and keeps the pods it knew."""
+    (p0, _), (d0, _) = cluster2.prefill_urls, cluster2.decode_urls
+    kube = FakeKube()
+    await kube.add_pod("p-0", "prefill", port_of(p0))
+    await kube.add_pod("d-0", "decode", port_of(d0))
+    _, ctx = await start_router(cluster2, kube)
+    pool = ctx.registry.get("tiny")
+    assert pool is not None
+    await eventually(lambda: urls(pool) == ([p0], [d0]))
+
+    caplog.set_level(logging.WARNING, logger="pd_router.discovery")
+    kube.compacted = 10**9  # every watch from any version is gone
+    await kube.end_watches()
+
+    def waits() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("pd_router.discovery")]
+        return [
+            line.rsplit(" ", 1)[-1]
+            for line in lines
+            if "tiny/prefill:" in line and "expired at once" in line
+        ]
+
+    await eventually(lambda: len(waits()) >= 3)
+    assert waits()[:3] == ["0.5s", "1.0s", "2.0s"]
+    assert kube.lists() < 20  # a loop without the wait lists thousands of times a second
+    assert urls(pool) == ([p0], [d0])
+
+
 def _outage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
