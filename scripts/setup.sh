@@ -29,6 +29,11 @@ while IFS= read -r line; do
   esac
 done < <("$PY" -m pip config list 2>/dev/null)
 export UV_INDEX_STRATEGY=unsafe-best-match
+# Compile the packages' bytecode at install, as pip does and uv does not by default: where
+# PYTHONDONTWRITEBYTECODE is set, every vLLM process (API server, EngineCore, Worker, at each
+# engine start) would otherwise compile torch's and vLLM's sources again (the real-engine run of
+# a clean clone took 1,486 s so, against 978 s with compiled packages).
+export UV_COMPILE_BYTECODE=1
 pip_install() { "$UV" pip install -q --python "$PY" "$@"; }
 # Prometheus and promtool (Debian package) for tests/observability; without them those tests
 # skip, and in CI (CI=true) fail.
