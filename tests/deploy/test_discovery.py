@@ -114,15 +114,22 @@ async def test_pool_follows_pods_and_streams_survive_removal(
     ]
 
 
-async def test_expired_watch_lists_again_and_sees_missed_changes(cluster2: Cluster) -> None:
-    (p0, p1), (d0, _) = cluster2.prefill_urls, cluster2.decode_urls
+async def discovered(cluster: Cluster, p0: str, d0: str) -> tuple[FakeKube, ModelPool]:
+    """A fake API server with pods p-0 (at ``p0``) and d-0 (at ``d0``), and a router's pool
+    that has discovered both."""
     kube = FakeKube()
     await kube.add_pod("p-0", "prefill", port_of(p0))
     await kube.add_pod("d-0", "decode", port_of(d0))
-    _, ctx = await start_router(cluster2, kube)
+    _, ctx = await start_router(cluster, kube)
     pool = ctx.registry.get("tiny")
     assert pool is not None
     await eventually(lambda: urls(pool) == ([p0], [d0]))
+    return kube, pool
+
+
+async def test_expired_watch_lists_again_and_sees_missed_changes(cluster2: Cluster) -> None:
+    (p0, p1), (d0, _) = cluster2.prefill_urls, cluster2.decode_urls
+    kube, pool = await discovered(cluster2, p0, d0)
     lists = kube.lists()
 
     kube.hold_watches.clear()  # the connection drops and stays down a while...
@@ -144,13 +151,7 @@ async def test_a_watch_refused_at_every_version_backs_off(
     """A server that answers 410 even to the version it has just listed: the router lists
     again after a doubling wait (not in a loop) and keeps the pods it knew."""
     (p0, _), (d0, _) = cluster2.prefill_urls, cluster2.decode_urls
-    kube = FakeKube()
-    await kube.add_pod("p-0", "prefill", port_of(p0))
-    await kube.add_pod("d-0", "decode", port_of(d0))
-    _, ctx = await start_router(cluster2, kube)
-    pool = ctx.registry.get("tiny")
-    assert pool is not None
-    await eventually(lambda: urls(pool) == ([p0], [d0]))
+    kube, pool = await discovered(cluster2, p0, d0)
 
     caplog.set_level(logging.WARNING, logger="pd_router.discovery")
     kube.compacted = 10**9  # every watch from any version is gone
@@ -183,13 +184,7 @@ async def test_api_outage_keeps_last_pods_then_recovers(
     cluster2: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
     (p0, _), (d0, d1) = cluster2.prefill_urls, cluster2.decode_urls
-    kube = FakeKube()
-    await kube.add_pod("p-0", "prefill", port_of(p0))
-    await kube.add_pod("d-0", "decode", port_of(d0))
-    _, ctx = await start_router(cluster2, kube)
-    pool = ctx.registry.get("tiny")
-    assert pool is not None
-    await eventually(lambda: urls(pool) == ([p0], [d0]))
+    kube, pool = await discovered(cluster2, p0, d0)
 
     caplog.set_level(logging.WARNING, logger="pd_router.discovery")
     kube.fail_status = 503
