@@ -37,6 +37,7 @@ from pydantic import (
 from router.config_env import ConfigPath, env_problem, expand_env, require_env
 
 __all__ = [
+    "AdaptiveConfig",
     "AdmissionConfig",
     "ApiKey",
     "AuthConfig",
@@ -278,6 +279,35 @@ class KvEventsConfig(_Strict):
         return v
 
 
+class AdaptiveConfig(_Strict):
+    """The per-request choice between P/D, D alone and P alone (``router/pd/adaptive.py``;
+    the rule in ``docs/policy.md``). Off by default: every request is then served as the
+    model's ``mode`` says.
+
+    ``ttft_ms`` and ``tpot_ms`` are the SLO a request served by one engine must keep: its own
+    TTFT, and the TPOT of the streams that engine is decoding while it computes this prompt.
+    ``stall_tokens``: the output tokens over which a stream's TPOT spreads one stall (the
+    typical answer length: a 1-second stall adds 1000/stall_tokens ms to its TPOT).
+    ``single_engine``: which engine may serve a request alone: the less loaded of the two,
+    or only D (P keeps to prefills), or only P."""
+
+    enabled: bool = False
+    ttft_ms: float = Field(default=1500.0, gt=0, le=3_600_000, allow_inf_nan=False)
+    tpot_ms: float = Field(default=40.0, gt=0, allow_inf_nan=False)  # at most ttft_ms
+    stall_tokens: int = Field(default=64, ge=1, le=1_000_000)
+    single_engine: Literal["less_loaded", "decode", "prefill"] = "less_loaded"
+
+    @model_validator(mode="after")
+    def _ttft_not_below_tpot(self) -> AdaptiveConfig:
+        # The first token costs at least one step: a TTFT target under the TPOT one is a typo.
+        if self.ttft_ms < self.tpot_ms:
+            raise ValueError(
+                f"ttft_ms ({self.ttft_ms:g}) must be at least tpot_ms ({self.tpot_ms:g}): "
+                "the first token takes at least one decode step"
+            )
+        return self
+
+
 class ModelConfig(_Strict):
     name: str = Field(min_length=1)
     mode: Mode = Mode.PUSH
@@ -290,6 +320,7 @@ class ModelConfig(_Strict):
     sessions: SessionConfig = SessionConfig()
     kept_turns: KeptTurnsConfig = KeptTurnsConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
+    adaptive: AdaptiveConfig = AdaptiveConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)
@@ -340,6 +371,16 @@ class ModelConfig(_Strict):
                 f"kept_turns needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "
                 "vLLM 0.32's bidirectional KV transfer exists in NixlConnector only, and "
                 "this project's connector has its own"
+            )
+        if self.adaptive.enabled and not self.mode.uses_prefill:
+            raise ValueError(
+                "adaptive needs a disaggregated mode: in 'aggregated' every request is served "
+                "by D alone already"
+            )
+        if self.adaptive.enabled and self.kept_turns.enabled:
+            raise ValueError(
+                "adaptive and kept_turns cannot both be on: a turn served by one engine keeps "
+                "nothing on D for the next turn's P to read"
             )
         if self.discovery is not None:
             if self.mode.uses_prefill and not self.discovery.kubernetes.prefill_selector:

@@ -35,10 +35,13 @@ if TYPE_CHECKING:
     from router.kvindex.stream import Stream
     from router.registry import ModelPool
 
-__all__ = ["KEY_RESULTS", "WORKER_STATE_INTERVAL", "Metrics"]
+__all__ = ["KEY_RESULTS", "ROUTE_CHOICES", "WORKER_STATE_INTERVAL", "Metrics"]
 
 # What became of a key's requests: pdrouter_key_requests_total{result}.
 KEY_RESULTS = ("admitted", "rate_limited", "concurrency_limited", "queue_share_exceeded")
+# The adaptive rule's choices (router/pd/adaptive.py's Choice, which lies above this module):
+# pdrouter_route_choice_total{choice}.
+ROUTE_CHOICES = ("pd", "decode_alone", "prefill_alone")
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0
@@ -404,6 +407,13 @@ class Metrics:
             ["model", "decision"],
             registry=r,
         )
+        self.route_choices = _Counter(
+            "pdrouter_route_choice",
+            "Choices of the adaptive rule (adaptive: docs/policy.md): pd (the model's mode), "
+            "decode_alone or prefill_alone (one engine serves the whole request)",
+            ["model", "choice"],
+            registry=r,
+        )
         self.session_routes = _Counter(
             "pdrouter_session_routes",
             "Requests with a session key by how affinity placed them (hit, placed, spilled)",
@@ -567,7 +577,12 @@ class Metrics:
         At scrape time, so models added by a reload or discovery get theirs too."""
         for pool in self._pools() if self._pools is not None else ():
             cfg = pool.config
-            flags = (cfg.sessions.enabled, cfg.kept_turns.enabled, cfg.kv_events.enabled)
+            flags = (
+                cfg.sessions.enabled,
+                cfg.kept_turns.enabled,
+                cfg.kv_events.enabled,
+                cfg.adaptive.enabled,
+            )
             key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill), flags)
             if key in self._zeroed:
                 continue
@@ -597,6 +612,9 @@ class Metrics:
                 self.cache_prompt_tokens.labels(pool.name, role.value)
                 self.cache_predicted.labels(pool.name, role.value)
             self.cache_tokenize.labels(pool.name)
+        if pool.config.adaptive.enabled:
+            for choice in ROUTE_CHOICES:
+                self.route_choices.labels(pool.name, choice)
         if pool.config.kept_turns.enabled:
             for result in KeptTurnResult:
                 self.kept_turns.labels(pool.name, result.value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from connector.address import NixlAddress
 from router.config import (
@@ -29,6 +29,7 @@ from router.engines.instance import Instance, Role, candidates
 from router.engines.kept_turns import KeptTurnTable
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
+from router.engines.timings import Timings
 from router.errors import Fault
 from router.shared_slots import WorkerSlots
 
@@ -55,6 +56,8 @@ class ModelPool:
     prefill_policy: Policy
     affinity: Affinity
     kept_turns: KeptTurnTable
+    # Recent prefill and step times (the adaptive choice's estimates; the dispatcher writes).
+    timings: Timings = field(default_factory=Timings)
 
     @property
     def name(self) -> str:

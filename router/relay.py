@@ -183,7 +183,7 @@ class RelayResponse(Response):
         d = self._dispatch
         if d is not None:
             record.request_id, record.decision = d.request_id, d.decision.value
-            record.prefill, record.decode = d.prefill or "-", d.leg.instance.url
+            record.prefill, record.decode = d.prefill or "-", d.decode or "-"
         return record
 
     async def _run(self, send: Send) -> Outcome:

@@ -256,8 +256,9 @@ class Instance:
 
     @property
     def at_engine(self) -> int:
-        """Decode: streams with first bytes in and no end seen yet (router/engines/load.py
-        subtracts them from the engine's own report)."""
+        """Streams with first bytes in and no end seen yet: decode, and a prefill engine's
+        P-alone requests (router/pd/adaptive.py); router/engines/load.py subtracts them
+        from the engine's own report."""
         return self._at_engine
 
     def stream_started(self) -> None:
@@ -270,7 +271,8 @@ class Instance:
 
     @property
     def prefilling(self) -> int:
-        """Decode: legs of D alone (D computes the prompt) still before their first bytes."""
+        """Legs that compute their own prompt, still before their first bytes: D alone on a
+        decode engine, P alone (router/pd/adaptive.py) on a prefill engine."""
         return self._prefilling
 
     @contextlib.contextmanager
@@ -322,8 +324,11 @@ class Instance:
 
     @property
     def load(self) -> int:
-        """What this router runs here: slots held router-wide (decode), legs (prefill)."""
-        return self.in_use if self.role is Role.DECODE else self._legs_running
+        """What this router runs here: slots held router-wide (decode); legs, and requests
+        served alone, on a prefill engine."""
+        if self.role is Role.DECODE:
+            return self.in_use
+        return self._legs_running + self._prefilling + self._at_engine
 
     # -- capacity -----------------------------------------------------------------
 

@@ -9,11 +9,12 @@ the others' requests, so two replicas would spill a session (session affinity's 
 
     load = others + own_now,   others = max(0, reported - own_at_engine_when_read)
 
-where ``own`` is this replica's count (decode: reserved slots; prefill: legs in flight) and
-``own_at_engine`` what of it the engine could see (decode: streams with first bytes in and no
-end yet; prefill: legs in flight). Replicas reading the same report see the same total, give
-or take requests started since the read; with no report yet, or after three failed reads in a
-row, the load is this replica's own count, as with one router.
+where ``own`` is this replica's count (decode: reserved slots; prefill: legs in flight and
+requests it serves alone) and ``own_at_engine`` what of it the engine could see (decode:
+streams with first bytes in and no end yet; prefill: all of it). Replicas reading the same
+report see the same total, give or take requests started since the read; with no report
+yet, or after three failed reads in a row, the load is this replica's own count, as with one
+router.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ class _Report:
 
 
 def own_load(inst: Instance) -> int:
-    """This router's own count on ``inst``: reserved slots (decode), legs in flight (prefill)."""
+    """This router's own count on ``inst``: reserved slots (decode), legs in flight and
+    requests served alone (prefill)."""
     return inst.load
 
 
 def _own_at_engine(inst: Instance) -> int:
-    return inst.at_engine if inst.role is Role.DECODE else inst.legs_running
+    return inst.at_engine if inst.role is Role.DECODE else inst.load
 
 
 class EngineLoads:

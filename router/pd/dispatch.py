@@ -2,8 +2,10 @@
 
 Per attempt: reserve a decode slot (may queue; before any upstream call), select P,
 run the decision's plan (``router/pd/plans.py``) sequentially or concurrently, and
-open D's stream. An attempt that fails before the client has seen a byte is retried
-with fresh ids on a re-selected pair, avoiding the failed instance.
+open D's stream. A model with ``adaptive`` on may serve a request by D alone or P alone
+instead (``router/pd/adaptive.py``); P alone holds no decode slot. An attempt that fails
+before the client has seen a byte is retried with fresh ids on a re-selected pair,
+avoiding the failed instance.
 
 :meth:`Dispatcher.dispatch` is an ``async with``: it is entered once D's first bytes
 are in, and its exit releases everything the request holds (the slot, D's stream,
@@ -30,6 +32,7 @@ from router.engines.ledger import Reservation
 from router.errors import NoHealthyEngine, UpstreamError, UpstreamStatus
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.metrics import Metrics
+from router.pd import adaptive
 from router.pd import kv_params as kp
 from router.pd.kept_turns import KeptTurns, TurnPlan
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
@@ -94,6 +97,7 @@ class Dispatcher:
     async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
         cfg = pool.config
         decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
+        decision = self._adapt(pool, creq, decision)
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
@@ -120,6 +124,16 @@ class Dispatcher:
                 self._tracing.set(pdrouter__retries=attempt)
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _adapt(self, pool: ModelPool, creq: ClientRequest, decision: Decision) -> Decision:
+        """The adaptive rule's decision for a request the model's mode would split (counted);
+        ``decision`` as it is otherwise, or when the model has the rule off."""
+        cfg = pool.config.adaptive
+        if not cfg.enabled or decision.value != pool.mode.value:
+            return decision
+        choice = adaptive.choose(cfg, adaptive.inputs(pool, creq.estimated_prompt_tokens()))
+        self._metrics.route_choices.labels(pool.name, choice).inc()
+        return _ADAPTED.get(choice, decision)
 
     def _count_placement(self, pool: ModelPool, role: Role, placement: Placement | None) -> None:
         if placement is not None:
@@ -171,6 +185,8 @@ class Dispatcher:
         if decision.uses_prefill and not candidates(pool.prefill):
             # Refused before a decode slot is taken: no queue wait can end well.
             raise self._no_prefill(pool)
+        if decision is Decision.PREFILL_ALONE:
+            return await self._prefill_alone(pool, creq, route, avoid)
         reservation = await self._reserve(pool, creq, route, avoid)
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:
@@ -191,6 +207,28 @@ class Dispatcher:
             if not reservation.detached:
                 pool.ledger.release(reservation)
             raise
+
+    async def _prefill_alone(
+        self, pool: ModelPool, creq: ClientRequest, route: Route, avoid: frozenset[Instance]
+    ) -> Dispatch:
+        """P serves the whole request as an aggregated engine (the client's body, no
+        ``kv_transfer_params``); no decode slot is taken, D does no work for it."""
+        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
+        if lease is None:
+            raise self._no_prefill(pool)
+        p = lease.instance
+        self._count_placement(pool, Role.PREFILL, lease.placement)
+        self._count_choice(pool, Role.PREFILL, route.cache)
+        ids = kp.new_dispatch_ids()
+        if self._tracing.enabled:
+            self._tracing.set(pdrouter__prefill=p.url, pdrouter__request_id=ids.request_id)
+        try:
+            body = kp.aggregated_body(creq.body)
+            leg = await self._decode(pool, p, creq, body, ids, alone=True)
+        except UpstreamError as exc:
+            exc.request_id = ids.request_id  # for the attempt's log line
+            raise
+        return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill=p.url)
 
     async def _reserve(
         self, pool: ModelPool, creq: ClientRequest, route: Route, avoid: frozenset[Instance]
@@ -393,6 +431,8 @@ class Dispatcher:
             raise
         else:
             pool.record(p, None)
+            tokens = pair.creq.estimated_prompt_tokens()
+            pool.timings.observe_prefill(self._clock() - started, tokens)
             return result
         finally:
             self._metrics.prefill_duration.labels(pool.name, pool.mode.value).observe(
@@ -408,10 +448,12 @@ class Dispatcher:
         ids: kp.DispatchIds,
         alone: bool = False,
     ) -> DecodeLeg:
-        """Open D's leg (``alone``: D computes the prompt, no P). A leg is judged when it
-        ends (the dispatch's exit), except a half-open D's trial, which succeeds with its
-        first bytes: the other requests need not wait for the whole stream to know that D
-        is back."""
+        """Open D's leg (``alone``: ``d`` computes the prompt, no P; ``d`` is then D, or P
+        serving the request alone). A leg is judged when it ends (the dispatch's exit),
+        except a half-open D's trial, which succeeds with its first bytes: the other
+        requests need not wait for the whole stream to know that D is back. A streamed
+        leg ``alone`` teaches the model's prefill time (its first bytes)."""
+        started = self._clock()
         try:
             with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
                 leg = await self._legs.open_decode(
@@ -428,6 +470,8 @@ class Dispatcher:
             raise
         if d.breaker.state is BreakerState.HALF_OPEN:
             pool.record(d, None)
+        if alone and creq.stream:
+            pool.timings.observe_prefill(self._clock() - started, creq.estimated_prompt_tokens())
         return leg
 
     def _observe_handoff(self, pool: ModelPool, prefill_done_at: float) -> None:
@@ -442,8 +486,10 @@ class Dispatcher:
         try:
             await opened.leg.close()
         finally:
-            pool.ledger.release(opened.reservation)
+            if opened.reservation is not None:
+                pool.ledger.release(opened.reservation)
         pool.record(opened.leg.instance, verdict)
+        _observe_stream(pool, opened.leg)
         task = opened.prefill_task
         if task is None:
             return
@@ -458,6 +504,19 @@ class Dispatcher:
                 opened.request_id,
                 str(task.exception()),
             )
+
+
+# What each single-engine choice of the adaptive rule runs as (pd: the decision as it was).
+_ADAPTED = {
+    adaptive.Choice.DECODE_ALONE: Decision.DECODE_ALONE,
+    adaptive.Choice.PREFILL_ALONE: Decision.PREFILL_ALONE,
+}
+
+
+def _observe_stream(pool: ModelPool, leg: DecodeLeg) -> None:
+    """A stream read cleanly to its end teaches the model's step time."""
+    if leg.verdict is None and leg.ended_at is not None and leg.chunks > 1:
+        pool.timings.observe_stream(leg.ended_at - leg.first_at, leg.chunks - 1)
 
 
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:

@@ -55,7 +55,9 @@ class DecodeLeg:
         "_closed",
         "_counted",
         "chunks",
+        "ended_at",
         "first",
+        "first_at",
         "instance",
         "rest",
         "stream",
@@ -78,6 +80,10 @@ class DecodeLeg:
         self.verdict: Fault | None = Fault.NONE if rest is not None else None
         self.chunks = 1  # chunks read from D, the first included
         self.worst_gap = 0.0  # longest wait between two chunks, seconds
+        # When the first bytes and the last read came (clock seconds; ended_at: None until
+        # forward has read to the end): the stream's step time (router/engines/timings.py).
+        self.first_at = clock()
+        self.ended_at: float | None = None
         self._clock = clock
         self._closed = False
         # A streaming leg whose first bytes are in is surely running at the engine
@@ -135,7 +141,7 @@ class DecodeLeg:
                 raise
             last = held  # the answer was whole ([DONE] read); only D's HTTP end broke
         finally:
-            self.chunks, self.worst_gap = count, worst
+            self.chunks, self.worst_gap, self.ended_at = count, worst, now
             self._mark_ended()
         self.verdict = Fault.ANSWER if error_event else None
         before_last()
@@ -277,7 +283,7 @@ class LegRunner:
         if opened.status >= 400 or not stream:
             content = await _read_bounded(opened)
             if opened.status >= 400:
-                raise UpstreamStatus(opened.status, content, role=Role.DECODE, instance=inst.url)
+                raise UpstreamStatus(opened.status, content, role=inst.role, instance=inst.url)
             return DecodeLeg(inst, opened, content, None, self._clock)
         rest = opened.chunks().__aiter__()
         first = await anext(rest, b"")

@@ -22,9 +22,10 @@ _USAGE_FROM_PREFILL = frozenset({Decision.PUSH, Decision.PUSH_SEQUENTIAL, Decisi
 
 @dataclass(eq=False)
 class Dispatch:
-    """An opened request: D's first bytes are in; the caller forwards the rest of ``leg``."""
+    """An opened request: D's first bytes are in; the caller forwards the rest of ``leg``
+    (P's, for P alone: then ``reservation`` is None, no decode slot is held)."""
 
-    reservation: Reservation
+    reservation: Reservation | None
     leg: DecodeLeg
     decision: Decision
     request_id: str
@@ -70,6 +71,11 @@ class Dispatch:
         callback, self.on_clean_end = self.on_clean_end, None
         if callback is not None and self.verdict is None and self.leg.status == 200:
             callback()
+
+    @property
+    def decode(self) -> str | None:
+        """D's URL (None: P served the request alone)."""
+        return None if self.reservation is None else self.leg.instance.url
 
     @property
     def verdict(self) -> Fault | None:

@@ -3,7 +3,9 @@
 ::
 
     decision                           plan             legs
-    aggregated, decode_only_n/_short   (none)           D alone
+    aggregated, decode_only_*,         (none)           D alone
+      decode_alone
+    prefill_alone                      (none)           P alone, no decode slot
     pull                               Pull             P ──▶ P's params ──▶ D
     push-sequential                    PushSequential   P ──▶ P's address ──▶ D
     push                               Push             P ∥ D while P's address is known,
@@ -44,6 +46,8 @@ class Decision(enum.StrEnum):
     DECODE_ONLY_SHORT = "decode_only_short"  # under disagg_min_prompt_tokens
     DECODE_ONLY_BUSY = "decode_only_busy"  # every P at disagg_max_prefill_queue
     DECODE_ONLY_ENDPOINT = "decode_only_endpoint"  # an endpoint the mode cannot split (below)
+    DECODE_ALONE = "decode_alone"  # the adaptive rule's (router/pd/adaptive.py)
+    PREFILL_ALONE = "prefill_alone"  # the adaptive rule's: P serves the whole request
     PULL = "pull"
     PUSH = "push"
     PUSH_SEQUENTIAL = "push-sequential"
@@ -51,6 +55,7 @@ class Decision(enum.StrEnum):
 
     @property
     def uses_prefill(self) -> bool:
+        """Runs on a P (P alone included)."""
         return self not in _DECODE_ONLY
 
 
@@ -61,6 +66,7 @@ _DECODE_ONLY = frozenset(
         Decision.DECODE_ONLY_SHORT,
         Decision.DECODE_ONLY_BUSY,
         Decision.DECODE_ONLY_ENDPOINT,
+        Decision.DECODE_ALONE,
     }
 )
 # The Responses API disaggregates in pull and pipelined mode: with vLLM 0.32's

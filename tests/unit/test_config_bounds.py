@@ -118,6 +118,11 @@ BOUNDS: list[tuple[str, Any, str, Any]] = [
     ("connections__max_headers", 7, _ge(8), 8),
     ("tracing__sample_ratio", -0.01, _ge(0), 0.0),
     ("tracing__sample_ratio", 1.01, _le(1), 1.0),
+    ("models__0__adaptive__tpot_ms", 0, GT0, 0.001),
+    ("models__0__adaptive__tpot_ms", NAN, FINITE, 40),
+    ("models__0__adaptive__ttft_ms", 0, GT0, 40),
+    ("models__0__adaptive__ttft_ms", 3_600_001, _le(3_600_000), 3_600_000),
+    ("models__0__adaptive__stall_tokens", 0, _ge(1), 1),
 ]
 
 
@@ -170,6 +175,24 @@ RULES: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
         "models.0: disagg_min_prompt_tokens (4096) must be below max_model_len (4096): no "
         "prompt that long fits the context, so none would be disaggregated",
         {"models__0__max_model_len": 4096, "models__0__disagg_min_prompt_tokens": 4095},
+    ),
+    "adaptive.ttft_ms below tpot_ms": (
+        {"models__0__adaptive__ttft_ms": 39.5, "models__0__adaptive__tpot_ms": 40},
+        "models.0.adaptive: ttft_ms (39.5) must be at least tpot_ms (40): the first token "
+        "takes at least one decode step",
+        {"models__0__adaptive__ttft_ms": 40, "models__0__adaptive__tpot_ms": 40},
+    ),
+    "adaptive in aggregated mode": (
+        {"models__0__mode": "aggregated", "models__0__adaptive__enabled": True},
+        "models.0: adaptive needs a disaggregated mode: in 'aggregated' every request is "
+        "served by D alone already",
+        {"models__0__mode": "aggregated", "models__0__adaptive__enabled": False},
+    ),
+    "adaptive with kept turns": (
+        {"models__0__adaptive__enabled": True, "models__0__kept_turns__enabled": True},
+        "models.0: adaptive and kept_turns cannot both be on: a turn served by one engine "
+        "keeps nothing on D for the next turn's P to read",
+        {"models__0__adaptive__enabled": True, "models__0__kept_turns__enabled": False},
     ),
     "kept_turns.min_tokens at the context": (
         {
