@@ -14,6 +14,8 @@ first step, D's own TTFT, the router's TTFT, and what the client adds on top.
 
     .venv/bin/python bench/serve_bench.py                        # the default sweep
     .venv/bin/python bench/serve_bench.py --modes agg1,pipelined --inputs 1536 --qps 1 --repeats 1
+    .venv/bin/python bench/serve_bench.py --modes 'agg1,pipelined,pipelined*' --qps 1,3
+                                          # pipelined*: the adaptive rule (docs/policy.md)
 
 Not a test: it asserts nothing; tables (Markdown) go to stdout, progress to stderr, and every
 ``vllm bench serve`` result (per-request detail included) is kept under ``--out``.
@@ -113,6 +115,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"of {list(MODES)}; ':worker' pins only the forward pass (the control); "
         "'pipelined+step' posts the connector's WRITEs once per step; "
         "'pipelined~2' serves a request on D alone when P already runs 2 prefills; "
+        "'pipelined*' runs the adaptive rule (docs/policy.md) with the SLO of --adaptive-*; "
         f"'@name' adds engine flags, name of {list(ENGINE_FLAGS)}",
     )
     p.add_argument("--inputs", default="512,1536", help="prompt lengths in tokens")
@@ -129,6 +132,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     # (--ignore-eos), and bf16 is what deployments compute in. The stack serves SmolLM2 in fp32
     # because vLLM 0.32's CPU bf16 path answers it wrongly, and fp32 costs 4x the time here.
     p.add_argument("--dtype", default="bfloat16", help="what the engines compute in")
+    p.add_argument("--adaptive-ttft-ms", type=float, default=1500.0, help="'*' modes' SLO")
+    p.add_argument("--adaptive-tpot-ms", type=float, default=40.0, help="'*' modes' SLO")
     return p.parse_args(argv)
 
 
@@ -149,12 +154,18 @@ def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
     """``mode`` is a name of ``MODES``, or one with ``:worker``: vLLM's own pinning (only the
     forward pass on the engine's core), the control for the stack's whole-engine pinning."""
     base, _, pin = mode.partition(":")
+    adaptive = base.endswith("*")  # pipelined*: the adaptive rule on
+    base = base.removesuffix("*")
     base, _, busy = base.partition("~")  # pipelined~2: disagg_max_prefill_queue
     base, _, flags = base.partition("@")  # agg1@compiled: more engine flags
     base, _, batch = base.partition("+")  # pipelined+step: the connector's write_batch
     stack_mode, cpus = MODES[base]
     caching = ["--enable-prefix-caching"] if args.prefix_caching else []
     caching += ENGINE_FLAGS[flags or args.engine]
+    overrides: dict[str, Any] = {"disagg_max_prefill_queue": int(busy)} if busy else {}
+    if adaptive:
+        slo = {"ttft_ms": args.adaptive_ttft_ms, "tpot_ms": args.adaptive_tpot_ms}
+        overrides["adaptive"] = {"enabled": True, **slo}
     names = ["aggregated-0"] if stack_mode == "aggregated" else ["prefill-0", "decode-0"]
     with Stack(
         mode=stack_mode,
@@ -165,7 +176,7 @@ def _stack(mode: str, args: argparse.Namespace) -> Iterator[Stack]:
         dtype=args.dtype,
         connector_extra={"write_batch": batch} if batch else None,
         engine_args={name: caching for name in names},
-        model_overrides={"disagg_max_prefill_queue": int(busy)} if busy else None,
+        model_overrides=overrides or None,
     ) as stack:
         _say(f"{mode}: stack up at {stack.router_url}")
         yield stack

@@ -132,7 +132,9 @@ class StateCollector(Collector):
             "pdrouter_queue_depth", "Requests waiting for a decode slot", labels=["model"]
         )
         inflight = GaugeMetricFamily(
-            "pdrouter_prefill_in_flight", "Prefill legs in flight", labels=["model", "engine"]
+            "pdrouter_prefill_in_flight",
+            "Prefill legs in flight, and requests P serves alone (adaptive)",
+            labels=["model", "engine"],
         )
         breaker = GaugeMetricFamily(
             "pdrouter_breaker_state",
@@ -160,7 +162,7 @@ class StateCollector(Collector):
                 in_use.add_metric([pool.name, d.url], d.in_use)
                 degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
             for p in pool.prefill:
-                inflight.add_metric([pool.name, p.url], p.legs_running)
+                inflight.add_metric([pool.name, p.url], p.load)
             for inst in (*pool.prefill, *pool.decode):
                 labels = [pool.name, inst.role.value, inst.url]
                 breaker.add_metric(labels, int(inst.breaker.state))
@@ -284,7 +286,7 @@ class WorkerStateGauges:
         )
         self.prefill = _Gauge(
             "pdrouter_prefill_in_flight",
-            "Prefill legs in flight",
+            "Prefill legs in flight, and requests P serves alone (adaptive)",
             mi,
             registry=r,
             multiprocess_mode="livesum",
@@ -327,7 +329,7 @@ class WorkerStateGauges:
             for d in pool.decode:
                 self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
             for p in pool.prefill:
-                self.prefill.labels(pool.name, p.url).set(p.legs_running)
+                self.prefill.labels(pool.name, p.url).set(p.load)
             for inst in (*pool.prefill, *pool.decode):
                 labels = (pool.name, inst.role.value, inst.url)
                 self.breaker.labels(*labels).set(int(inst.breaker.state))
