@@ -6,7 +6,8 @@ names the engine; an SLO no load here can break leaves the choice to it alone), 
 rule its timings with one streamed request through P/D, then sends the conformance cases
 (tests/e2e/conformance.py) and compares them field by field with the aggregated reference,
 as ``test_pd_modes.test_conformance_with_single_engine`` does for P/D. The router's counters
-say that every case was served by the forced engine and none through P/D.
+say that every case was served by the forced engine, but for the load the rule must see: with
+P forced, the second prompt of a two-prompt case finds the first pending on P, and goes P/D.
 """
 
 from __future__ import annotations
@@ -19,10 +20,19 @@ from tests.e2e import helpers as h
 from tests.e2e.conftest import MODEL, AnyStack, Reference
 from tests.engine_stacks import Running
 
+# On the pull stack's engines. P alone also passed on the pipelined stack's (this project's
+# connector serves a request without kv_transfer_params as a plain one) at 12 s a run: left out
+# for CI time; add ("pipelined", "prefill_alone") to run it.
+RUNS = [("pull", "decode_alone"), ("pull", "prefill_alone")]
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(600),
-    pytest.mark.parametrize("engine_stack", ["pull", "pipelined"], indirect=True),
+    pytest.mark.parametrize(
+        ("engine_stack", "choice"),
+        RUNS,
+        indirect=["engine_stack"],
+        ids=[f"{k}-{c}" for k, c in RUNS],
+    ),
 ]
 # An SLO no request here can break: only which engine may serve alone decides.
 SLO = {"ttft_ms": 3_600_000, "tpot_ms": 3_600_000}
@@ -38,7 +48,6 @@ def _routed(engine_stack: Running, choice: str) -> AnyStack:
     return routed
 
 
-@pytest.mark.parametrize("choice", list(FORCED))
 def test_a_request_served_alone_answers_as_that_engine_aggregated(
     engine_stack: Running, reference: Reference, choice: str
 ) -> None:
@@ -59,10 +68,27 @@ def test_a_request_served_alone_answers_as_that_engine_aggregated(
     after = scrape(stack.router_url)
     assert diffs == [], "\n".join(diffs[:40])
     assert h.delta(after, before, DECISIONS, decision=choice) > 0
-    assert h.delta(after, before, DECISIONS, decision=mode) == 0, "a case went through P/D"
-    chosen = h.delta(after, before, "pdrouter_route_choice_total", choice=choice)
-    assert chosen == h.delta(after, before, "pdrouter_route_choice_total")
+    # The prompts of a two-prompt case are dispatched at once: with P forced, the second finds
+    # the first pending on P, which is load, so it goes through P/D (docs/policy.md).
+    pd = _extra_prompts() if choice == "prefill_alone" else 0
+    assert h.delta(after, before, DECISIONS, decision=mode) == pd
+    chosen = {
+        c: h.delta(after, before, "pdrouter_route_choice_total", choice=c) for c in ("pd", *FORCED)
+    }
+    other = next(c for c in FORCED if c != choice)
+    assert chosen["pd"] == pd and chosen[other] == 0 and chosen[choice] > 0, chosen
     _assert_released(stack)
+
+
+def _extra_prompts() -> int:
+    """Prompts of the cases beyond the first of each (those of completions with a list)."""
+    lists = [c.body["prompt"] for c in cf.CASES if c.body and _is_prompt_list(c.body)]
+    return sum(len(p) - 1 for p in lists)
+
+
+def _is_prompt_list(body: dict[str, object]) -> bool:
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def _assert_released(stack: AnyStack) -> None:

@@ -9,10 +9,13 @@ means (a request held at an engine) before the request it judges.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
+import pytest
 
+from router.access_log import ACCESS_LOGGER
 from router.app import AppContext
 from router.engines.instance import Instance
 from tests.conftest import Cluster, client_leaves, eventually, metric
@@ -60,7 +63,7 @@ async def test_an_idle_request_is_served_by_d_alone_without_kv_params(
     await _learn(cluster, client, url)
     r = await client.post(url + "/v1/completions", json=STREAM)
     assert r.status_code == 200
-    assert [e for e in sse_payloads(r.text)][-1] == "[DONE]"
+    assert sse_payloads(r.text)[-1] == "[DONE]"
     assert len(cluster.prefill[0].received) == 1  # P saw only the first request
     alone = cluster.decode[0].received[-1]
     assert "kv_transfer_params" not in alone.body
@@ -71,9 +74,12 @@ async def test_an_idle_request_is_served_by_d_alone_without_kv_params(
 
 
 async def test_p_alone_serves_the_whole_request_and_holds_no_decode_slot(
-    cluster: Cluster, client: httpx.AsyncClient
+    cluster: Cluster, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    url, ctx = await cluster.router("pull", model=_adaptive(single_engine="prefill"))
+    url, ctx = await cluster.router(
+        "pull", model=_adaptive(single_engine="prefill"), logging={"access": True}
+    )
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
     p, d = _engines(ctx)
     await _learn(cluster, client, url)
     gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
@@ -88,13 +94,21 @@ async def test_p_alone_serves_the_whole_request_and_holds_no_decode_slot(
         gate.set()
         await asyncio.gather(answer, return_exceptions=True)
     assert r.status_code == 200
-    texts = [e for e in sse_payloads(r.text)]
-    assert texts[-1] == "[DONE]" and len(texts) == 5  # P's 4 tokens, whole
+    events = sse_payloads(r.text)
+    assert events[-1] == "[DONE]" and len(events) == 5  # P's 4 tokens, whole
     alone = cluster.prefill[0].received[-1]
     assert "kv_transfer_params" not in alone.body and alone.body["max_tokens"] == 8
     assert len(cluster.decode[0].received) == 1  # D saw only the first request
     assert _choices(ctx) == {"pd": 1, "decode_alone": 0, "prefill_alone": 1}
     assert _idle(p) and _idle(d)
+    # The access line names P, and no D, for the request P served alone.
+    *_, line = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
+    fields = dict(pair.split("=", 1) for pair in line.split(" "))
+    assert (fields["decision"], fields["prefill"], fields["decode"]) == (
+        "prefill_alone",
+        cluster.prefill_urls[0],
+        "-",
+    )
 
 
 async def test_a_prompt_pending_on_p_sends_the_next_request_through_p_d(
