@@ -29,6 +29,7 @@ from router.engines.instance import Instance, Role, candidates
 from router.engines.kept_turns import KeptTurnTable
 from router.engines.ledger import SlotLedger
 from router.engines.policies import Policy, make_policy
+from router.engines.reported import own_load
 from router.engines.timings import Timings
 from router.errors import Fault
 from router.shared_slots import WorkerSlots
@@ -58,6 +59,8 @@ class ModelPool:
     kept_turns: KeptTurnTable
     # Recent prefill and step times (the adaptive choice's estimates; the dispatcher writes).
     timings: Timings = field(default_factory=Timings)
+    # An engine's load from every router replica (engine-reported with several replicas).
+    load: Callable[[Instance], int] = own_load
 
     @property
     def name(self) -> str:
@@ -279,7 +282,16 @@ class Registry:
             affinity=affinity,
         )
         policy = make_policy(cfg.policy.prefill)
-        return ModelPool(cfg, [], [], ledger, policy, affinity, KeptTurnTable(self._clock))
+        return ModelPool(
+            cfg,
+            [],
+            [],
+            ledger,
+            policy,
+            affinity,
+            KeptTurnTable(self._clock),
+            load=self._load or own_load,
+        )
 
     def _instance(self, url: str, role: Role, model: str) -> Instance:
         b = self._config.breaker

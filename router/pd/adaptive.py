@@ -22,7 +22,10 @@ prompts; P: its P-alone streams, first bytes in and end not seen);
 ``pending(e)``: prompts ``e`` still computes for this router (P: its legs, and its P-alone
 requests before their first bytes; D: its D-alone requests before theirs). P and D are the
 least loaded routable engine of each role (D: with a free slot; of equals, the one with the
-fewest prompts pending). ``single_engine`` limits which may serve alone.
+fewest prompts pending). With several router replicas (``admission.replicas > 1``), the
+engines' own gauges (``vllm:num_requests_running`` + ``waiting``, read every
+``health.load_interval`` by ``router/engines/reported.py``) add the other replicas' requests:
+to P's pending prompts, and to D's streams. ``single_engine`` limits which may serve alone.
 
 :func:`choose` is the rule, a pure function of :class:`Inputs`; :func:`inputs` reads them
 from the model's pool.
@@ -103,23 +106,28 @@ def _least(loads: list[EngineLoad]) -> EngineLoad | None:
     return min(loads, key=lambda e: (e.total, e.pending), default=None)
 
 
-def _prefill_load(p: Instance) -> EngineLoad:
-    return EngineLoad(streams=p.at_engine, pending=p.legs_running + p.prefilling)
+def _prefill_load(p: Instance, others: int) -> EngineLoad:
+    # Other replicas' requests on P are mostly prompts: counted as pending.
+    return EngineLoad(streams=p.at_engine, pending=p.legs_running + p.prefilling + others)
 
 
-def _decode_load(d: Instance) -> EngineLoad:
+def _decode_load(d: Instance, others: int) -> EngineLoad:
     # Every slot held is a request on D: decoding, or waiting for its KV, or a prompt of
-    # its own (pending).
-    return EngineLoad(streams=max(0, d.in_use - d.prefilling), pending=d.prefilling)
+    # its own (pending); other replicas' requests on D count as streams.
+    return EngineLoad(streams=max(0, d.in_use - d.prefilling) + others, pending=d.prefilling)
 
 
 def inputs(pool: ModelPool, prompt_tokens: int) -> Inputs:
     """The rule's inputs for a request of ``prompt_tokens`` (estimated) to ``pool``."""
     timings = pool.timings
+
+    def others(inst: Instance) -> int:
+        return max(0, pool.load(inst) - inst.load)
+
     return Inputs(
         prompt_tokens,
         timings.prefill_s_per_token,
         timings.step_s,
-        _least([_prefill_load(p) for p in candidates(pool.prefill)]),
-        _least([_decode_load(d) for d in candidates(pool.decode) if d.free_slots > 0]),
+        _least([_prefill_load(p, others(p)) for p in candidates(pool.prefill)]),
+        _least([_decode_load(d, others(d)) for d in candidates(pool.decode) if d.free_slots > 0]),
     )

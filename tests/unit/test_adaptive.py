@@ -9,11 +9,13 @@ a stream it stalls.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from router.config import AdaptiveConfig, parse_config
+from router.engines.instance import Instance
 from router.engines.timings import WEIGHT, Timings
 from router.metrics import ROUTE_CHOICES
 from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, inputs
@@ -137,7 +139,7 @@ def test_timings_ignore_observations_without_tokens() -> None:
 # -- inputs read from a pool ----------------------------------------------------------------
 
 
-def _pool() -> Any:
+def _pool(load: Callable[[Instance], int] | None = None) -> Any:
     cfg = parse_config(
         {
             "models": [
@@ -151,7 +153,7 @@ def _pool() -> Any:
             ]
         }
     )
-    pool = Registry(cfg).get("tiny")
+    pool = Registry(cfg, load=load).get("tiny")
     assert pool is not None
     return pool
 
@@ -175,3 +177,12 @@ def test_inputs_read_the_least_loaded_engines_and_the_pool_s_timings() -> None:
         p1.stream_ended()
     assert inputs(pool, 300).prefill == IDLE
     assert p1.load == 0 and p0.load == 0
+
+
+def test_other_replicas_requests_reported_by_the_engines_count_as_load() -> None:
+    """With several replicas, an engine's reported load beyond this router's own is the
+    others': prompts pending on P (so P/D), streams on D."""
+    pool = _pool(load=lambda inst: inst.load + 2)
+    x = inputs(pool, 300)
+    assert (x.prefill, x.decode) == (EngineLoad(0, 2), EngineLoad(2, 0))
+    assert choose(CFG, Inputs(300, 0.002, 0.02, x.prefill, x.decode)) is Choice.PD
