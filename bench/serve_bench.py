@@ -266,13 +266,18 @@ def _breakdown(
 
     decisions = "pdrouter_disagg_decisions_total"
     r0, r1 = before["router"], after["router"]
-    alone = r1.total(decisions, decision="decode_only_busy") - r0.total(
-        decisions, decision="decode_only_busy"
-    )
-    dispatched = r1.total(decisions) - r0.total(decisions)
+
+    def share(*served: str) -> float:
+        """Of the requests dispatched, those with one of these decisions, in %."""
+        n = sum(r1.total(decisions, decision=d) - r0.total(decisions, decision=d) for d in served)
+        dispatched = r1.total(decisions) - r0.total(decisions)
+        return 100 * n / dispatched if dispatched else float("nan")
+
     out = {
-        # Requests served by D alone because P was busy (disagg_max_prefill_queue), in %.
-        "d_alone_pct": 100 * alone / dispatched if dispatched else float("nan"),
+        # Requests served by D alone because P was busy (disagg_max_prefill_queue) or by the
+        # adaptive rule's choice, and by P alone (the rule's), in %.
+        "d_alone_pct": share("decode_only_busy", "decode_alone"),
+        "p_alone_pct": share("prefill_alone"),
         "router_ttft": mean("router", "pdrouter_ttft_seconds"),
         "router_prefill": mean("router", "pdrouter_prefill_duration_seconds"),
         "router_handoff": mean("router", "pdrouter_handoff_seconds"),
@@ -340,7 +345,7 @@ def _print_tables(
             print(" | ".join(cells + ratios) + " |")
     keys = [
         "router_ttft", "p_queue", "p_prefill", "kv_xfer", "d_queue", "d_first_step", "d_ttft",
-        "router_prefill", "router_handoff", "d_alone_pct",
+        "router_prefill", "router_handoff", "d_alone_pct", "p_alone_pct",
     ]  # fmt: skip
     print("\nTTFT breakdown, mean ms per request (router's and engines' own histograms)\n")
     print("| mode | input | QPS | client TTFT | " + " | ".join(keys) + " |")
