@@ -87,12 +87,15 @@ def test_turns_equal_the_aggregated_engine_and_move_only_missing_kv(
     script = multi_turn()
     mismatches, rows = [], []
     previous: dict[str, float] = {}  # each conversation's last prompt length, in tokens
+    # Settled after the last turn, nothing runs between two turns: one turn's "after" is the
+    # next one's "before" (a settle costs a few scrapes of both engines).
+    after = _snapshot(stack)
     for name, messages in script.items():
         conversation = "c0" if name == "edited" else name.split("t")[0]
         client = h.client_for(stack.router_url).with_options(
             default_headers={"x-session-id": conversation}
         )
-        before = _snapshot(stack)
+        before = after
         got = h.chat(client, MODEL, messages, stream=name.endswith("t1"))
         after = _snapshot(stack)
         if (got.token_ids, got.text) != (
