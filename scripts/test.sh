@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up the project virtualenv (router, test tools, CPU vLLM engines + NIXL) and runs every
 # check: ruff (lint and format), mypy --strict, then the tests in two runs of pytest:
-#   1. every suite without real engines, on PD_ROUTER_TEST_WORKERS xdist workers (default 4:
-#      those tests mostly wait on sockets, so four share two cores well);
+#   1. every suite without real engines, on PD_ROUTER_TEST_WORKERS xdist workers (default 6:
+#      those tests mostly wait on sockets: 6 workers took 135 s where 4 took 163 and 8 took
+#      150, side by side on the 2-core machine, 2026-12-03);
 #   2. the real-engine tests (marked e2e), one at a time: each engine stack owns the cores; and
 #      the few tests xdist cannot distribute (marked serial), first.
 # A broken change fails in run 1, within minutes; a table of seconds per step ends the output.
@@ -10,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PD_ROUTER_VENV:-.venv}
-WORKERS=${PD_ROUTER_TEST_WORKERS:-4}
+WORKERS=${PD_ROUTER_TEST_WORKERS:-6}
 declare -a STEPS=()
 FAILED=0
 
