@@ -64,7 +64,10 @@ class Reference:
 
 
 Messages = list[dict[str, str]]
-MULTI_TURN_CONVERSATIONS, MULTI_TURN_TURNS = 4, 5
+# Two conversations, one after the other: the second starts with no cache hit from the first
+# (a new opening), and each turn of both hits what its own history left. Four repeated the
+# same pattern twice more, for about 25 s of CI (2026-12-03).
+MULTI_TURN_CONVERSATIONS, MULTI_TURN_TURNS = 2, 5
 
 
 def multi_turn() -> dict[str, Messages]:

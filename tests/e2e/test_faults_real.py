@@ -251,7 +251,8 @@ def _quiet_beside_a_leak(stack: Stack) -> tuple[bool, str]:
     may hold blocks leaked by an earlier test); no slot held."""
     p, d, view = _load(stack, P), _load(stack, D), _router(stack)
     quiet = p.idle and not (d.running or d.waiting or view.slots_in_use)
-    return quiet and view.instances["prefill"]["healthy"] is True, f"{P} {p} {D} {d} router {view.describe()}"
+    healthy = view.instances["prefill"]["healthy"] is True
+    return quiet and healthy, f"{P} {p} {D} {d} router {view.describe()}"
 
 
 def _wait_phase(stack: Stack, what: str, probe: Callable[[], bool]) -> float:
