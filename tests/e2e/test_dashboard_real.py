@@ -9,6 +9,7 @@ and these panels read only the engines.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -36,17 +37,34 @@ def test_dashboard_engine_panels_return_data(
 
 
 async def _engine_panels(stack: Stack, reference: Reference, tmp_path: Path) -> None:
-    engines = [(s.url, {"role": s.role}) for s in stack.engines]
-    jobs = {"pd-router": [(stack.router_url, {})], "vllm": engines}
+    engines = [(s.url, {"role": str(s.role)}) for s in stack.engines]
+    jobs: dict[str, list[tuple[str, dict[str, str]]]] = {
+        "pd-router": [(stack.router_url, {})],
+        "vllm": engines,
+    }
     client = h.client_for(stack.router_url)
     queries = dashboard_queries(engines=True)
+    stop = threading.Event()
+
+    def traffic() -> int:
+        """Requests one after the other until told to stop; how many were sent."""
+        sent = 0
+        while not stop.is_set():
+            h.complete(client, MODEL, reference.prompts[sent % 2], stream=True)
+            sent += 1
+        return sent
+
     async with prometheus(tmp_path, jobs) as prom:
         await prom.targets_up(3)
-        empty = list(queries)
-        deadline = time.monotonic() + 120
-        while empty and time.monotonic() < deadline:
-            for prompt in reference.prompts[:2]:
-                await asyncio.to_thread(h.complete, client, MODEL, prompt, stream=True)
-            await asyncio.sleep(2.5)  # two scrapes after the last request
-            empty = [t for t in empty if not await prom.has_finite_value(queries[t])]
-    assert empty == [], f"engine panels without data: {empty}"
+        flowing = asyncio.ensure_future(asyncio.to_thread(traffic))
+        try:
+            empty = list(queries)
+            deadline = time.monotonic() + 120
+            while empty and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)  # Prometheus scrapes every second
+                empty = [t for t in empty if not await prom.has_finite_value(queries[t])]
+        finally:
+            stop.set()
+            sent = await flowing
+    assert sent > 0
+    assert empty == [], f"engine panels without data after {sent} requests: {empty}"
