@@ -156,7 +156,7 @@ class RelayResponse(Response):
         self._observe(outcome)
 
     def _observe(self, outcome: Outcome) -> None:
-        self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+        self._metrics.observe_request(self._pool.name, self._pool.mode, outcome, self._ttft)
         if self._access is not None and self._access.enabled:
             self._access.write(self._access_record(outcome))
         if not self._tracing.enabled:

@@ -375,7 +375,7 @@ class Dispatcher:
                 result = await self._legs.prefill(
                     pool.name,
                     p,
-                    pair.creq.endpoint.value,
+                    pair.creq.endpoint,
                     kp.prefill_body(
                         pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id
                     ),
@@ -390,7 +390,7 @@ class Dispatcher:
             pool.record(p, None)
             return result
         finally:
-            self._metrics.prefill_duration.labels(pool.name, pool.mode.value).observe(
+            self._metrics.prefill_duration.labels(pool.name, pool.mode).observe(
                 self._clock() - started
             )
 
@@ -411,7 +411,7 @@ class Dispatcher:
             with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
                 leg = await self._legs.open_decode(
                     d,
-                    creq.endpoint.value,
+                    creq.endpoint,
                     body,
                     ids.request_id,
                     creq.stream,
@@ -427,7 +427,7 @@ class Dispatcher:
 
     def _observe_handoff(self, pool: ModelPool, prefill_done_at: float) -> None:
         handoff = max(0.0, self._clock() - prefill_done_at)
-        self._metrics.handoff.labels(pool.name, pool.mode.value).observe(handoff)
+        self._metrics.handoff.labels(pool.name, pool.mode).observe(handoff)
         self._tracing.set(pdrouter__handoff_s=handoff)
 
     async def _finish(self, pool: ModelPool, opened: Dispatch) -> None:
