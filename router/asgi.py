@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 
@@ -89,10 +90,27 @@ class RouterApp:
         return self.api.openapi()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _has_origin(scope["headers"]):
-            await self._cors(scope, receive, send)
-            return
+        if scope["type"] == "http":
+            if _has_origin(scope["headers"]):
+                await self._cors(scope, receive, send)
+                return
+            endpoint = _HOT_ROUTES.get(scope.get("path", ""))
+            if endpoint is not None and scope["method"] == "POST":
+                # The response is awaited here, not in a helper: every relayed chunk resumes
+                # each coroutine frame between the server and the relay loop.
+                response = await self._open(endpoint, scope, receive, send)
+                if response is not None:
+                    await response(scope, receive, send)
+                return
         await self._route(scope, receive, send)
+
+    async def _generate(
+        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """A generate request that came through the CORS middleware (as :meth:`__call__`)."""
+        response = await self._open(endpoint, scope, receive, send)
+        if response is not None:
+            await response(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -115,21 +133,20 @@ class RouterApp:
                 return
         await self.api(scope, receive, send)
 
-    async def _generate(
+    async def _open(
         self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
-    ) -> None:
+    ) -> Response | None:
+        """The response that runs a generate request, or None once its refusal is sent."""
         request = Request(scope, receive)
         client_id = client_request_id(scope["headers"])
         try:
-            response = await handle(self._ctx, request, endpoint, client_id)
+            return await handle(self._ctx, request, endpoint, client_id)
         except RouterError as exc:
             await send_error(send, exc, client_id)
-            return
         except ClientDisconnect:
-            return  # gone while sending its body: nothing was reserved or sent upstream
+            pass  # gone while sending its body: nothing was reserved or sent upstream
         except Exception:
             log.exception("unhandled error on %s", endpoint.value)
             self._ctx.metrics.observe_request("", "", Outcome.INTERNAL_ERROR)
             await send_error(send, InternalError(), client_id)
-            return
-        await response(scope, receive, send)
+        return None

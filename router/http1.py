@@ -198,13 +198,6 @@ class Http1Response:
         self._headers_in = True
         self._wake()
 
-    def _on_body(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > _HIGH_WATER:
-            self._conn.pause_reading()
-        self._wake()
-
     def _on_complete(self) -> None:
         self._complete = True
         self._wake()
@@ -234,7 +227,10 @@ class Http1Response:
 
     # -- read by the caller ----------------------------------------------------
 
-    async def _wait(self) -> None:
+    def _arm(self) -> asyncio.Future[None]:
+        """The future the next wait awaits (set by :meth:`_wake` or the read timeout).
+        Not a coroutine: the per-chunk wait in :meth:`__anext__` awaits the future itself,
+        without a coroutine object and frame of its own per chunk."""
         waiter = self._waiter = self._loop.create_future()
         if self._read_timeout is not None:
             # One timer per response, not per wait (a timer per streamed chunk was a
@@ -243,8 +239,11 @@ class Http1Response:
             self._deadline = self._loop.time() + self._read_timeout
             if self._timer is None:
                 self._timer = self._loop.call_at(self._deadline, self._on_timer)
+        return waiter
+
+    async def _wait(self) -> None:
         try:
-            await waiter
+            await self._arm()
         finally:
             self._waiter = None
 
@@ -286,22 +285,22 @@ class Http1Response:
 
     async def __anext__(self) -> bytes:
         while True:
-            if self._chunks:
-                return self._take()
+            chunks = self._chunks
+            if chunks:  # what arrived since the last read, joined (_take, inline: per chunk)
+                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                chunks.clear()
+                if self._buffered > _HIGH_WATER:
+                    self._conn.resume_reading()
+                self._buffered = 0
+                return data
             if self._error is not None:
                 self._raise_error()
             if self._complete:
                 raise StopAsyncIteration
-            await self._wait()
-
-    def _take(self) -> bytes:
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        if self._buffered > _HIGH_WATER:
-            self._conn.resume_reading()
-        self._buffered = 0
-        return data
+            try:
+                await self._arm()
+            finally:
+                self._waiter = None
 
     def chunks(self) -> Http1Response:
         return self
@@ -403,8 +402,18 @@ class _Conn(asyncio.Protocol):
             self._response._on_headers(parser.get_status_code(), parser.should_keep_alive())
 
     def on_body(self, body: bytes) -> None:
-        if self._response is not None:
-            self._response._on_body(body)
+        # The response's buffering and _wake(), inline: this runs for every chunk of every
+        # stream (two calls fewer each).
+        response = self._response
+        if response is None:
+            return
+        response._chunks.append(body)
+        response._buffered += len(body)
+        if response._buffered > _HIGH_WATER:
+            self.pause_reading()
+        waiter = response._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         if self._response is not None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any
 
 from starlette.responses import Response
@@ -99,17 +100,14 @@ class RelayResponse(Response):
         self._status = 0  # of the response head sent, if any
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self._traced(scope, receive, send)
-        finally:
-            if self._on_end is not None:
-                self._on_end()
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        # A plain function that returns the exchange to await, and the span only when traced:
+        # every relayed chunk resumes each coroutine frame between the server and the relay.
+        if self._tracing.enabled:
+            return self._traced(scope, receive, send)
+        return self._exchange(receive, send)
 
     async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self._tracing.enabled:
-            await self._exchange(receive, send)
-            return
         attributes = {
             "gen_ai.request.model": self._pool.name,
             "pdrouter.mode": self._pool.mode.value,
@@ -153,10 +151,12 @@ class RelayResponse(Response):
         finally:
             watcher.remove_done_callback(on_disconnect)
             watcher.cancel()
+            if self._on_end is not None:
+                self._on_end()
         self._observe(outcome)
 
     def _observe(self, outcome: Outcome) -> None:
-        self._metrics.observe_request(self._pool.name, self._pool.mode.value, outcome, self._ttft)
+        self._metrics.observe_request(self._pool.name, self._pool.mode, outcome, self._ttft)
         if self._access is not None and self._access.enabled:
             self._access.write(self._access_record(outcome))
         if not self._tracing.enabled:
@@ -187,11 +187,27 @@ class RelayResponse(Response):
         return record
 
     async def _run(self, send: Send) -> Outcome:
+        """Dispatch, send D's status and bytes; a broken stream ends with an SSE error event.
+        The stream is forwarded here, not in a helper: every relayed chunk resumes each
+        coroutine frame between the server and the relay loop."""
         try:
             async with self._dispatcher.dispatch(
                 self._pool, self._creq, self._client_id
             ) as dispatch:
-                await self._relay(dispatch, send)
+                head = await self._answer_head(dispatch, send)
+                if head is not None:
+                    leg, before_last = dispatch.leg, functools.partial(self._before_last, dispatch)
+                    try:
+                        with self._tracing.span("stream"):
+                            await leg.forward(send, before_last, dispatch.usage_patch, head)
+                            self._tracing.set(pdrouter__chunks=leg.chunks)
+                    except UpstreamError as exc:
+                        await self._stream_failed(dispatch, send, exc)
+                    else:
+                        if leg.error_event:
+                            # D's own error event after its 200 (e.g. its KV read from P
+                            # failed): relayed as is, counted as the upstream failure it is.
+                            self._log_stream(dispatch, "stream_error_event", None)
         except RouterError as exc:
             return await self._refuse(send, exc)
         return Outcome.SUCCESS if dispatch.verdict is None else Outcome.UPSTREAM_ERROR
@@ -230,8 +246,10 @@ class RelayResponse(Response):
             exc.message,
         )
 
-    async def _relay(self, dispatch: Dispatch, send: Send) -> None:
-        """Send D's status and bytes; a broken stream ends with an SSE error event."""
+    async def _answer_head(self, dispatch: Dispatch, send: Send) -> bytes | None:
+        """Send D's status and first bytes; None if that was the whole answer, else the
+        bytes held back for :meth:`DecodeLeg.forward` (D's first read, when it already
+        holds the answer's end: its [DONE] waits for D's end)."""
         leg = dispatch.leg
         self._dispatch = dispatch
         first = await dispatch.first_bytes()
@@ -240,33 +258,23 @@ class RelayResponse(Response):
         self._complete = not more
         if not more:
             dispatch.ended_cleanly()
-        # A whole short answer in D's first read: its [DONE] waits for D's end (forward).
         head = first if more and ends_answer(b"", first) else b""
         if not head:
             await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0
-        if not more:
-            return
+        return head if more else None
 
-        def before_last() -> None:
-            self._stream_stats(dispatch)  # counted before the client sees the end
-            self._complete = True
-            dispatch.ended_cleanly()
+    def _before_last(self, dispatch: Dispatch) -> None:
+        self._stream_stats(dispatch)  # counted before the client sees the end
+        self._complete = True
+        dispatch.ended_cleanly()
 
-        try:
-            with self._tracing.span("stream"):
-                await leg.forward(send, before_last, dispatch.usage_patch, head)
-                self._tracing.set(pdrouter__chunks=leg.chunks)
-        except UpstreamError as exc:
-            self._stream_stats(dispatch)
-            err = dispatch.prefill_error or exc
-            self._log_stream(dispatch, "stream_failed", err)
-            await self._end(send, sse_error_event(err.message, err.type, err.code))
-            return
-        if leg.error_event:
-            # D's own error event after its 200 (e.g. its KV read from P failed):
-            # relayed as is, counted as the upstream failure it is.
-            self._log_stream(dispatch, "stream_error_event", None)
+    async def _stream_failed(self, dispatch: Dispatch, send: Send, exc: UpstreamError) -> None:
+        """D's stream broke (or was cut because P failed): end it with an SSE error event."""
+        self._stream_stats(dispatch)
+        err = dispatch.prefill_error or exc
+        self._log_stream(dispatch, "stream_failed", err)
+        await self._end(send, sse_error_event(err.message, err.type, err.code))
 
     def _log_stream(self, dispatch: Dispatch, event: str, err: UpstreamError | None) -> None:
         if err is None:

@@ -19,12 +19,12 @@ legs: an open response whose body the caller reads, closed synchronously.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Protocol
 
 import httpx
@@ -140,6 +140,40 @@ def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
     )
 
 
+class _Within:
+    """:meth:`UpstreamClient.within`: a class, not an ``asynccontextmanager`` (whose generator
+    costs about ten calls more), as every leg of every request enters one. A
+    ``TimeoutError`` leaving the block, the deadline's or not, becomes the engine's error."""
+
+    __slots__ = ("_code", "_engine", "_timeout", "_watch", "_watched")
+
+    def __init__(self, engine: Engine, seconds: float, code: str | None, watched: bool) -> None:
+        self._engine, self._code, self._watched = engine, code, watched
+        self._timeout = asyncio.timeout(seconds)
+        self._watch: AbstractContextManager[None] | None = None
+
+    async def __aenter__(self) -> None:
+        cm = await self._timeout.__aenter__()
+        if self._watched:
+            watch = self._engine.deadline(cm)
+            watch.__enter__()
+            self._watch = watch
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            try:
+                if self._watch is not None:
+                    self._watch.__exit__(kind, exc, tb)
+            finally:
+                await self._timeout.__aexit__(kind, exc, tb)
+        except TimeoutError:
+            raise _expired(self._engine, self._code) from None
+        if exc is not None and isinstance(exc, TimeoutError):
+            raise _expired(self._engine, self._code) from None
+
+
 def _dumps(body: dict[str, Any]) -> bytes:
     """JSON bytes of a leg's body; integers past 64 bits (which orjson refuses) go
     through the standard library, so they reach the engine as the client sent them."""
@@ -226,23 +260,14 @@ class UpstreamClient:
             known = self._posts[url] = (origin, head.encode("latin-1"))
         return known
 
-    @contextlib.asynccontextmanager
-    async def within(
+    def within(
         self, engine: Engine, seconds: float, code: str | None = None, *, watched: bool = False
-    ) -> AsyncIterator[None]:
+    ) -> AbstractAsyncContextManager[None]:
         """At most ``seconds`` for what runs inside, else :class:`UpstreamTimeout` (``code``,
         default ``<role>_timeout``). ``watched``: cut short, as ``<role>_unhealthy``, if the
         health monitor finds the engine unhealthy meanwhile (a frozen engine then costs the
         detection time, not the whole timeout)."""
-        try:
-            async with asyncio.timeout(seconds) as cm:
-                if watched:
-                    with engine.deadline(cm):
-                        yield
-                else:
-                    yield
-        except TimeoutError:
-            raise _expired(engine, code) from None
+        return _Within(engine, seconds, code, watched)
 
     async def open(
         self,

@@ -72,7 +72,7 @@ def engine_stack(
         otlp_url, _ = request.getfixturevalue("otlp_receiver")
     with engine_stacks.start(kind, tmp_path_factory.mktemp(kind), otlp_url) as running:
         if references is not None:
-            references.from_engine(running.stack.decode.url)
+            references.from_engines(running.stack.decode.url, running.stack.prefill.url)
         yield running
 
 

@@ -77,6 +77,11 @@ _SPLIT_ENDPOINTS = {Mode.PULL: frozenset(Endpoint), Mode.PIPELINED: frozenset(En
 _DEFAULT_SPLIT = frozenset({Endpoint.COMPLETIONS, Endpoint.CHAT})
 
 
+# A disaggregated mode's own decision, by mode (an enum lookup by value per request costs
+# several calls).
+_SPLIT_DECISIONS = {m: Decision(m.value) for m in Mode if m.uses_prefill}
+
+
 def decide(
     mode: Mode, creq: ClientRequest, min_prompt_tokens: int, prefill_busy: bool = False
 ) -> Decision:
@@ -92,7 +97,7 @@ def decide(
         return Decision.DECODE_ONLY_SHORT
     if prefill_busy:
         return Decision.DECODE_ONLY_BUSY
-    return Decision(mode.value)
+    return _SPLIT_DECISIONS[mode]
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ failure. Tests of the stack's parts that need no engine run everywhere.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,7 +65,10 @@ class Reference:
 
 
 Messages = list[dict[str, str]]
-MULTI_TURN_CONVERSATIONS, MULTI_TURN_TURNS = 4, 5
+# Two conversations, one after the other: the second starts with no cache hit from the first
+# (a new opening), and each turn of both hits what its own history left. Four repeated the
+# same pattern twice more, for about 25 s of CI (2026-12-03).
+MULTI_TURN_CONVERSATIONS, MULTI_TURN_TURNS = 2, 5
 
 
 def multi_turn() -> dict[str, Messages]:
@@ -121,35 +125,42 @@ def prompts(engines_available: None) -> list[str]:
 
 
 class References:
-    """The aggregated reference, computed once per run. On the first main stack's D (a whole
-    vLLM engine without prefix caching, like the reference engine: a request without
-    ``kv_transfer_params`` is served by it alone), so the run starts no engine for it; where a
-    run starts no main stack, by a one-engine stack of its own, stopped before the P/D stack
-    that needs it starts."""
+    """The aggregated reference, computed once per run. On the first main stack's engines
+    (whole vLLM engines without prefix caching, like the reference engine: a request without
+    ``kv_transfer_params`` is served by the engine alone), so the run starts no engine for it;
+    where a run starts no main stack, by a one-engine stack of its own, stopped before the P/D
+    stack that needs it starts."""
 
     def __init__(self, prompts: list[str]) -> None:
         self._prompts = prompts
         self.value: Reference | None = None
 
-    def from_engine(self, url: str) -> None:
+    def from_engines(self, d_url: str, p_url: str) -> None:
+        """Computed on a main stack's two engines at once: the conformance cases on D, the
+        rest on P (same model and flags, each engine one request at a time, so the same
+        answers as one engine would give; half the time)."""
         if self.value is None:
-            self.value = _reference_from(url, self._prompts)
+            self.value = _reference_from(d_url, p_url, self._prompts)
 
     def standalone(self) -> None:
         if self.value is None:
             flags = {"aggregated-0": ENGINE_FLAGS}
             mode = "aggregated"
             with Stack(variant=h.FAST, mode=mode, with_router=False, engine_args=flags) as st:
-                self.value = _reference_from(st.decode.url, self._prompts)
+                self.value = _reference_from(st.decode.url, st.decode.url, self._prompts)
 
 
-def _reference_from(url: str, prompts: list[str]) -> Reference:
-    client = h.client_for(url)
-    completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
-    chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
-    answers = {case.name: cf.ask(url, case) for case in cf.CASES}
-    turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
-    replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
+def _reference_from(cases_url: str, rest_url: str, prompts: list[str]) -> Reference:
+    """The conformance answers from ``cases_url``, the rest from ``rest_url`` (one engine
+    or two alike), both at once."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        cases = pool.submit(lambda: {case.name: cf.ask(cases_url, case) for case in cf.CASES})
+        client = h.client_for(rest_url)
+        completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
+        chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
+        turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
+        replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
+        answers = cases.result()
     for out in completions + chats:
         assert len(out.token_ids) == h.MAX_TOKENS, "reference engine did not return token ids"
     # Distinct outputs per prompt: the equality tests can tell a wrong or missing KV apart.

@@ -19,8 +19,8 @@ import pytest
 
 from router.stack.metrics import MetricsPage
 from tests.e2e import helpers as h
-from tests.e2e.conftest import MODEL, AnyStack, Reference, feed_back
-from tests.engine_stacks import Running
+from tests.e2e.conftest import AnyStack, Reference, feed_back
+from tests.engine_stacks import NEEDS_REFERENCE, Running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,12 +37,14 @@ ASK: dict[str, Callable[[openai.OpenAI, str, list[dict[str, str]]], h.Reply]] = 
 }
 
 
-# Pull: engines of their own (vLLM's bidirectional_kv_xfer keeps every finished request's
-# blocks on D, which the other pull tests must not see). Pipelined: the shared engines (this
-# project's connector keeps a turn only when asked) through a second router that asks.
+# Pull: the real model's pull engines, which keep finished turns (vLLM's bidirectional_kv_xfer
+# keeps every finished request's blocks on D, which the tiny pull stack's tests must not see);
+# the reference is that stack's D alone. Pipelined: the shared tiny engines (this project's
+# connector keeps a turn only when asked) through a second router that asks; the reference is
+# the run's aggregated one.
 pytestmark.append(
     pytest.mark.parametrize(
-        "engine_stack", ["pull-kept-turns", "pipelined"], indirect=True, ids=list(ASK)
+        "engine_stack", ["smol-pull", "pipelined"], indirect=True, ids=list(ASK)
     )
 )
 
@@ -56,7 +58,27 @@ def stack(engine_stack: Running) -> AnyStack:
     return st
 
 
-def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Reference) -> None:
+@pytest.fixture
+def replies(
+    request: pytest.FixtureRequest, engine_stack: Running, stack: AnyStack
+) -> list[h.Reply]:
+    """The conversation as one engine alone answers it (``feed_back``): the run's aggregated
+    reference on the tiny model; on the real model, its D asked directly (a request without
+    ``kv_transfer_params`` is an ordinary local one, kept by no one), once per stack."""
+    if engine_stack.kind in NEEDS_REFERENCE:
+        reference: Reference = request.getfixturevalue("reference")
+        return reference.replies
+    client = h.client_for(stack.decode.url)
+    ask = ASK[stack.mode.value]
+
+    def make(_: object) -> list[h.Reply]:
+        return feed_back(lambda m: ask(client, stack.model_name, m))
+
+    made: list[h.Reply] = engine_stack.shared("kept-turn-replies", make)
+    return made
+
+
+def test_next_turn_reads_the_history_from_d(stack: AnyStack, replies: list[h.Reply]) -> None:
     client = h.client_for(stack.router_url).with_options(
         default_headers={"x-session-id": "long-talk"}
     )
@@ -67,7 +89,7 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
 
     def say(messages: list[dict[str, str]]) -> h.Reply:
         before = stack.engine_metrics("prefill-0")
-        reply = ask(client, MODEL, messages)
+        reply = ask(client, stack.model_name, messages)
         after = _p_counted(stack, before)
         computed = h.delta(after, before, BY_SOURCE, source="local_compute")
         from_d = h.delta(after, before, BY_SOURCE, source="external_kv_transfer")
@@ -81,7 +103,7 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
     for row in rows:
         print("  ", *row)
     # Turn by turn until the first answer that differs: the histories differ from there on.
-    for turn, (mine, want) in enumerate(zip(got, reference.replies, strict=True)):
+    for turn, (mine, want) in enumerate(zip(got, replies, strict=True)):
         assert h.first_disagreement(mine, want) is None, (turn, h.first_disagreement(mine, want))
         if mine.token_ids != want.token_ids:
             print(f"turn {turn}: a near-tie went the other way; later turns not compared")
@@ -103,18 +125,18 @@ def test_next_turn_reads_the_history_from_d(stack: AnyStack, reference: Referenc
     assert h.delta(router, router0, KEPT_TURNS, result="mismatch") == 0
 
 
-def test_an_edited_history_is_recomputed(stack: AnyStack, reference: Reference) -> None:
+def test_an_edited_history_is_recomputed(stack: AnyStack) -> None:
     """The same conversation's first turn, then a second turn whose first message was
     changed: P computes it all (nothing from D) and the answer is the fresh request's."""
     client = h.client_for(stack.router_url).with_options(
         default_headers={"x-session-id": "edited-talk"}
     )
     first = [{"role": "user", "content": "A long talk. " + "context " * 600}]
-    h.chat(client, MODEL, first, stream=False)
+    h.chat(client, stack.model_name, first, stream=False)
     edited = [{"role": "user", "content": "A long talk. " + "other " * 600}]
-    fresh = h.chat(h.client_for(stack.router_url), MODEL, edited, stream=False)  # no session
+    fresh = h.chat(h.client_for(stack.router_url), stack.model_name, edited, stream=False)
     before = stack.engine_metrics("prefill-0")
-    again = h.chat(client, MODEL, edited, stream=False)
+    again = h.chat(client, stack.model_name, edited, stream=False)
     after = _p_counted(stack, before)
     # P counted this request (it computed the prompt), and none of it came from D.
     assert h.delta(after, before, BY_SOURCE, source="local_compute") > 0

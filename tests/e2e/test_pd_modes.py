@@ -9,10 +9,7 @@ read once they have settled (engines count a request's tokens as its answer goes
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,8 +18,6 @@ from router.stack.metrics import MetricsPage
 from tests.e2e import conformance as cf
 from tests.e2e import helpers as h
 from tests.e2e.conftest import CONVERSATIONS, MODEL, ON_PD_MODES, AnyStack, Reference
-from tests.observability.prometheus import prometheus
-from tests.observability.test_prometheus_live import dashboard_queries
 
 # The first test of each mode also pays for starting engines (30-120 s on a busy 2-core box).
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900), ON_PD_MODES]
@@ -263,29 +258,3 @@ def test_conformance_with_single_engine(
         print("|---|---|---|---|---|---|")
         print("\n".join(rows))
     assert not failures, "\n".join(failures[:40])
-
-
-def test_dashboard_engine_panels_return_data(
-    stack: AnyStack, reference: Reference, tmp_path: Path
-) -> None:
-    """A real Prometheus scrapes the router and both engines: every panel of the dashboard on
-    vLLM's own metrics (KV usage, running/waiting, TTFT, ITL, NIXL bytes and failures) has
-    data for this mode while requests flow."""
-    asyncio.run(_engine_panels(stack, reference, tmp_path))
-
-
-async def _engine_panels(stack: AnyStack, reference: Reference, tmp_path: Path) -> None:
-    engines = [(s.url, {"role": s.role}) for s in stack.engines]
-    jobs = {"pd-router": [(stack.router_url, {})], "vllm": engines}
-    client = h.client_for(stack.router_url)
-    queries = dashboard_queries(engines=True)
-    async with prometheus(tmp_path, jobs) as prom:
-        await prom.targets_up(3)
-        empty = list(queries)
-        deadline = time.monotonic() + 120
-        while empty and time.monotonic() < deadline:
-            for prompt in reference.prompts[:2]:
-                await asyncio.to_thread(h.complete, client, MODEL, prompt, stream=True)
-            await asyncio.sleep(2.5)  # two scrapes after the last request
-            empty = [t for t in empty if not await prom.has_finite_value(queries[t])]
-    assert empty == [], f"engine panels without data: {empty}"
