@@ -26,6 +26,11 @@ need_module("nixl")
 pytestmark = pytest.mark.xdist_group("kv-ports")
 
 
+class AgentNotStarted(Exception):
+    """The process's NIXL agent never said it was ready (the process ended, e.g. its metadata
+    listener could not bind the port picked for it)."""
+
+
 class Proc:
     def __init__(
         self,
@@ -40,7 +45,14 @@ class Proc:
             target=nixl_proc.serve, args=(child, addr, fill, timeouts, compat), daemon=True
         )
         self.proc.start()
-        assert self.conn.poll(60) and self.conn.recv() == "ready"
+        child.close()  # only the child holds its end now: its exit reads as EOF here at once
+        try:
+            ready = self.conn.poll(60) and self.conn.recv() == "ready"
+        except EOFError:
+            ready = False
+        if not ready:
+            self.close()
+            raise AgentNotStarted(f"{addr}: exit code {self.proc.exitcode}")
 
     def call(self, *cmd: Any) -> Any:
         self.conn.send(cmd)
@@ -63,16 +75,37 @@ class Proc:
 def pair(
     timeouts: dict[str, float] | None = None, d_compat: dict[str, Any] | None = None
 ) -> Iterator[tuple[Proc, Proc, NixlAddress, NixlAddress]]:
-    p_port, d_port = pick_ports(2, range(6600, 6800))
-    p_addr = NixlAddress("it-prefill", "127.0.0.1", p_port)
-    d_addr = NixlAddress("it-decode", "127.0.0.1", d_port)
-    p = Proc(p_addr, None, timeouts or {}, {})
-    d = Proc(d_addr, 0.0, timeouts or {}, d_compat or {})
+    p, d, p_addr, d_addr = _started_pair(timeouts or {}, d_compat or {})
     try:
         yield p, d, p_addr, d_addr
     finally:
         p.close()
         d.close()
+
+
+def _started_pair(
+    timeouts: dict[str, float], d_compat: dict[str, Any], attempts: int = 3
+) -> tuple[Proc, Proc, NixlAddress, NixlAddress]:
+    """P and D agents on two ports picked free. A port probed free can be taken before the
+    agent binds it (CI saw "Address already in use" once in three runs): then both are
+    stopped and two other ports picked, up to ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        p_port, d_port = pick_ports(2, range(6600, 6800))
+        p_addr = NixlAddress("it-prefill", "127.0.0.1", p_port)
+        d_addr = NixlAddress("it-decode", "127.0.0.1", d_port)
+        p: Proc | None = None
+        try:
+            p = Proc(p_addr, None, timeouts, {})
+            d = Proc(d_addr, 0.0, timeouts, d_compat)
+        except AgentNotStarted as exc:
+            if p is not None:
+                p.close()
+            if attempt == attempts:
+                raise
+            print(f"agent not started ({exc}); picking other ports")
+            continue
+        return p, d, p_addr, d_addr
+    raise AssertionError("unreachable")
 
 
 def until(fn: Any, timeout: float = 10.0) -> Any:
