@@ -135,10 +135,13 @@ async def test_a_request_whose_token_ids_cannot_be_had_is_routed_as_without_even
     for p in cluster2.prefill:
         p.behaviour.tokenize_status = 500
     url, ctx = await _router(cluster2)
+    await synced([ctx], cluster2.engines)
     r = await client.post(url + "/v1/chat/completions", json=_chat(SYSTEM[0], "q?"))
     assert r.status_code == 200
     assert metric(ctx, "pdrouter_cache_routes_total", result="no_tokens") == 2  # P and D
-    # A prompt of token ids needs no /tokenize.
+    # A prompt of token ids needs no /tokenize. "Cold" (known, nothing cached) needs both
+    # engines' events read, the first request's included: until then an engine is "unknown".
+    await synced([ctx], cluster2.engines)
     body = {"model": "tiny", "prompt": list(range(100)), "max_tokens": 2}
     r = await client.post(url + "/v1/completions", json=body)
     assert r.status_code == 200
