@@ -12,7 +12,9 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
                    or step + (pending(e) + 1) x cost / stall_tokens <= tpot)
 
     no timings yet                   -> pd    (the static mode, which teaches them)
-    P has a prompt pending           -> pd    (not low load: P/D's split pays)
+    P has a prompt pending           -> pd    (not low load: P/D's split pays), unless
+                                              (pending(P) + 1) x cost > ttft and D fits:
+                                              decode_alone (P's overflow)
     neither P nor D fits             -> pd
     else the less loaded that fits   -> prefill_alone or decode_alone
                                              (load = streams + pending; a tie goes to D)
@@ -79,8 +81,6 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     """The rule of the module doc, for one request."""
     if x.prefill_s_per_token is None or x.step_s is None or x.prefill is None:
         return Choice.PD
-    if x.prefill.pending > 0:
-        return Choice.PD
     cost = x.prompt_tokens * x.prefill_s_per_token
     step = x.step_s
 
@@ -93,6 +93,11 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
         return e.streams == 0 or (step + stall / cfg.stall_tokens) * 1000 <= cfg.tpot_ms
 
     d_ok = cfg.single_engine != "prefill" and fits(x.decode)
+    if x.prefill.pending > 0:
+        # Not low load: P/D, while P's queue keeps the TTFT; past that, D takes the prompt
+        # if its own streams keep their TPOT (P's overflow, not every request P delays).
+        behind_p = (x.prefill.pending + 1) * cost * 1000
+        return Choice.DECODE_ALONE if behind_p > cfg.ttft_ms and d_ok else Choice.PD
     p_ok = cfg.single_engine != "decode" and fits(x.prefill)
     if p_ok and (not d_ok or (x.decode is not None and x.prefill.total < x.decode.total)):
         return Choice.PREFILL_ALONE

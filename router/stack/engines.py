@@ -84,23 +84,35 @@ def plan_engines(
     engine_id: str,
     cores: tuple[int, int] = (0, 1),
     aggregated_cpus: str | None = None,
+    aggregated_replicas: int = 1,
 ) -> list[EngineSpec]:
-    """The engines ``mode`` needs: one P (``cores[0]``) and one D (``cores[1]``), or one engine
-    (on ``aggregated_cpus`` if given, e.g. ``"0-1"``, else on ``cores[1]``).
+    """The engines ``mode`` needs: one P (``cores[0]``) and one D (``cores[1]``), or in
+    aggregated mode one engine (on ``aggregated_cpus`` if given, e.g. ``"0-1"``, else on
+    ``cores[1]``) or, with ``aggregated_replicas=2``, two: one on each of ``cores`` (the same
+    hardware as a P/D pair, served as two data-parallel replicas).
 
     ``ports``/``kv_ports`` must hold at least two distinct free ports each; ``engine_id`` is
     pinned on P so the router knows it before any request (push needs it up front).
     """
     connector = connector_of(mode)
     if connector is None:
-        cpus = aggregated_cpus if aggregated_cpus is not None else cores[1]
-        return [EngineSpec("aggregated-0", "aggregated", ports[0], cpus)]
+        return _aggregated(ports, cores, aggregated_cpus, aggregated_replicas)
     # The pipelined connector's P writes into D, so D's identity is pinned too.
     d_engine_id = f"{engine_id}-decode" if mode is Mode.PIPELINED else None
     return [
         EngineSpec("prefill-0", "prefill", ports[0], cores[0], connector, kv_ports[0], engine_id),
         EngineSpec("decode-0", "decode", ports[1], cores[1], connector, kv_ports[1], d_engine_id),
     ]
+
+
+def _aggregated(
+    ports: list[int], cores: tuple[int, int], cpus: str | None, replicas: int
+) -> list[EngineSpec]:
+    if replicas == 1:
+        return [EngineSpec("aggregated-0", "aggregated", ports[0], cpus or cores[1])]
+    if replicas != 2 or cpus is not None:
+        raise ValueError("aggregated_replicas is 1, or 2 (one per core) without aggregated_cpus")
+    return [EngineSpec(f"aggregated-{i}", "aggregated", ports[i], cores[i]) for i in range(2)]
 
 
 def kv_transfer_config(spec: EngineSpec) -> str | None:

@@ -116,6 +116,7 @@ class Stack:
         decode_slots: int = 64,
         cores: tuple[int, int] = (0, 1),
         aggregated_cpus: str | None = None,
+        aggregated_replicas: int = 1,
         pin: str = "engine",
         connector_extra: Mapping[str, Any] | None = None,
         dtype: str | None = None,
@@ -133,10 +134,12 @@ class Stack:
         engine name (e.g. ``{"prefill-0": ["--max-model-len", "2048"]}``); later flags win.
         ``variant``: the model (:func:`router.stack.model.known_variants`), served under
         ``model_name`` (default: the variant's name). ``aggregated_cpus``: where the aggregated
-        engine runs (``"0-1"``: both cores; default ``cores[1]``). ``pin``: ``"engine"`` keeps every
-        process of an engine (API server, EngineCore, Worker) on its cores; ``"worker"`` pins only
-        the forward pass, as vLLM alone does, and lets the rest run on any core (then one engine's
-        scheduler and API server take time from the other's forward). ``connector_extra``: more
+        engine runs (``"0-1"``: both cores; default ``cores[1]``); ``aggregated_replicas=2``: two
+        aggregated engines, one on each of ``cores``, the router over both. ``pin``: ``"engine"``
+        keeps every process of an engine (API server, EngineCore, Worker) on its cores;
+        ``"worker"`` pins only the forward pass, as vLLM alone does, and lets the rest run on any
+        core (then one engine's scheduler and API server take time from the other's forward).
+        ``connector_extra``: more
         ``kv_connector_extra_config`` keys for this project's connector (pipelined mode). ``dtype``:
         what the engines compute in (default: the model's, ``serving_dtype``). ``kept_turns``
         (pull or pipelined mode): D keeps a conversation's finished turn and the router hands it
@@ -156,6 +159,7 @@ class Stack:
         self.decode_slots = decode_slots
         self.cores = cores
         self.aggregated_cpus = aggregated_cpus
+        self.aggregated_replicas = aggregated_replicas
         if pin not in ("engine", "worker"):
             raise StackError(f"pin must be 'engine' or 'worker', not {pin!r}")
         self.pin = pin
@@ -402,7 +406,13 @@ class Stack:
         kv_ports = portmod.pick_ports(2, portmod.SIDE_CHANNEL_PORTS)
         engine_id = f"prefill-0-{uuid.uuid4().hex[:8]}"  # unique per P incarnation
         specs = eng.plan_engines(
-            self.mode, http_ports, kv_ports, engine_id, self.cores, self.aggregated_cpus
+            self.mode,
+            http_ports,
+            kv_ports,
+            engine_id,
+            self.cores,
+            self.aggregated_cpus,
+            self.aggregated_replicas,
         )
         unknown = set(self.engine_args) - {s.name for s in specs}
         if unknown:

@@ -189,6 +189,23 @@ def test_cpu_lists() -> None:
     assert agg.core == "0-1"
 
 
+def test_two_aggregated_replicas_take_one_core_each_and_both_serve_clients() -> None:
+    """dp2, the goodput baseline: the same two cores as a P/D pair, two whole engines, both
+    decode entries of an aggregated router config."""
+    specs = eng.plan_engines(
+        Mode.AGGREGATED, [8101, 8102], [5601, 5602], ENGINE_ID, (0, 1), None, 2
+    )
+    assert [(s.name, s.role, s.port, s.core) for s in specs] == [
+        ("aggregated-0", "aggregated", 8101, 0),
+        ("aggregated-1", "aggregated", 8102, 1),
+    ]
+    model = router_config(Mode.AGGREGATED, specs, "m", 9000)["models"][0]
+    assert [d["url"] for d in model["decode"]] == [s.url for s in specs]
+    assert model["prefill"] == []
+    with pytest.raises(ValueError, match="one per core"):
+        eng.plan_engines(Mode.AGGREGATED, [8101, 8102], [5601, 5602], ENGINE_ID, (0, 1), "0-1", 2)
+
+
 def test_a_pinned_group_runs_on_its_cpus_only(tmp_path: Path) -> None:
     """The whole group, grandchildren included, inherits the CPUs: an engine's API server,
     EngineCore and Worker all stay on the engine's core."""
