@@ -132,7 +132,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"of {list(MODES)}; ':worker' pins only the forward pass (the control); "
         "'pipelined+step' posts the connector's WRITEs once per step; "
         "'pipelined~2' serves a request on D alone when P already runs 2 prefills; "
-        "'pipelined*' runs the adaptive rule (docs/policy.md) with the first --slo; "
+        "'pipelined*' runs the adaptive rule (docs/policy.md) with the first --slo, "
+        "'pipelined*decode' with single_engine: decode; "
         f"'@name' adds engine flags, name of {list(ENGINE_FLAGS)}",
     )
     p.add_argument("--inputs", default="256,768", help="prompt lengths in tokens")
@@ -188,8 +189,8 @@ def _stack(mode: str, args: argparse.Namespace, slo: Slo) -> Iterator[Stack]:
     """``mode`` is a name of ``MODES``, or one with ``:worker``: vLLM's own pinning (only the
     forward pass on the engine's core), the control for the stack's whole-engine pinning."""
     base, _, pin = mode.partition(":")
-    adaptive = base.endswith("*")  # pipelined*: the adaptive rule on
-    base = base.removesuffix("*")
+    base, adaptive, single = base.partition("*")  # pipelined*: the adaptive rule on,
+    # pipelined*decode: with its single_engine (who may serve alone; default less_loaded)
     base, _, busy = base.partition("~")  # pipelined~2: disagg_max_prefill_queue
     base, _, flags = base.partition("@")  # agg1@compiled: more engine flags
     base, _, batch = base.partition("+")  # pipelined+step: the connector's write_batch
@@ -198,7 +199,8 @@ def _stack(mode: str, args: argparse.Namespace, slo: Slo) -> Iterator[Stack]:
     caching += ENGINE_FLAGS[flags or args.engine]
     overrides: dict[str, Any] = {"disagg_max_prefill_queue": int(busy)} if busy else {}
     if adaptive:
-        overrides["adaptive"] = {"enabled": True, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
+        rule = {"enabled": True, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}
+        overrides["adaptive"] = rule | ({"single_engine": single} if single else {})
     if stack_mode != "aggregated":
         names = ["prefill-0", "decode-0"]
     else:

@@ -8,8 +8,10 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
 
     cost    = n x prefill_s_per_token              this prompt, computed on one engine
     fits(e) = (pending(e) + 1) x cost <= ttft      its TTFT there, behind e's own prompts,
-              and (streams(e) = 0                  and e's streams keep their TPOT
-                   or step + (pending(e) + 1) x cost / stall_tokens <= tpot)
+              and (streams(e) = 0 and busy(e) = 0  and the streams there, its own too, keep
+                   or step / (1 - busy(e))         their TPOT: slowed by e's share of time
+                      + (streams(e) > 0 and        on prompts, and stalled by this one
+                         (pending(e) + 1) x cost / stall_tokens) <= tpot)
 
     no timings yet                   -> pd    (the static mode, which teaches them)
     P has a prompt pending           -> pd    (not low load: P/D's split pays), unless
@@ -22,7 +24,10 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
 ``streams(e)``: requests decoding on engine ``e`` (D: the slots held there but its pending
 prompts; P: its P-alone streams, first bytes in and end not seen);
 ``pending(e)``: prompts ``e`` still computes for this router (P: its legs, and its P-alone
-requests before their first bytes; D: its D-alone requests before theirs). P and D are the
+requests before their first bytes; D: its D-alone requests before theirs); ``busy(e)``: the
+share of recent requests that found ``e`` with a prompt pending (``Timings``), i.e. of its
+time on prompts: on P that is every P/D request's prefill, which a stream served by P alone
+would wait behind for as long as it decodes. P and D are the
 least loaded routable engine of each role (D: with a free slot; of equals, the one with the
 fewest prompts pending). With several router replicas (``admission.replicas > 1``), the
 engines' own gauges (``vllm:num_requests_running`` + ``waiting``, read every
@@ -42,7 +47,11 @@ from router.config import AdaptiveConfig
 from router.engines.instance import Instance, candidates
 from router.registry import ModelPool
 
-__all__ = ["Choice", "EngineLoad", "Inputs", "choose", "inputs"]
+__all__ = ["Choice", "EngineLoad", "Inputs", "choose", "decide", "inputs"]
+
+# An engine busy with prompts all the time still decodes between them: the stretch of its
+# streams' steps is capped at 20x (beyond any TPOT target a step could meet).
+_MIN_FREE = 0.05
 
 
 class Choice(enum.StrEnum):
@@ -75,6 +84,8 @@ class Inputs:
     step_s: float | None
     prefill: EngineLoad | None
     decode: EngineLoad | None
+    prefill_busy: float = 0.0  # share of time P spends on prompts (recent requests saw)
+    decode_busy: float = 0.0  # and D
 
 
 def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
@@ -84,26 +95,38 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     cost = x.prompt_tokens * x.prefill_s_per_token
     step = x.step_s
 
-    def fits(e: EngineLoad | None) -> bool:
+    def fits(e: EngineLoad | None, busy: float) -> bool:
         if e is None:
             return False
         stall = (e.pending + 1) * cost
         if stall * 1000 > cfg.ttft_ms:
             return False
-        return e.streams == 0 or (step + stall / cfg.stall_tokens) * 1000 <= cfg.tpot_ms
+        if e.streams == 0 and busy == 0:
+            return True  # nothing decodes there, and no prompt of its own will stall this one
+        tpot = step / max(1.0 - busy, _MIN_FREE) + (stall / cfg.stall_tokens if e.streams else 0)
+        return tpot * 1000 <= cfg.tpot_ms
 
-    d_ok = cfg.single_engine != "prefill" and fits(x.decode)
+    d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_busy)
     if x.prefill.pending > 0:
         # Not low load: P/D, while P's queue keeps the TTFT; past that, D takes the prompt
         # if its own streams keep their TPOT (P's overflow, not every request P delays).
         behind_p = (x.prefill.pending + 1) * cost * 1000
         return Choice.DECODE_ALONE if behind_p > cfg.ttft_ms and d_ok else Choice.PD
-    p_ok = cfg.single_engine != "decode" and fits(x.prefill)
+    p_ok = cfg.single_engine != "decode" and fits(x.prefill, x.prefill_busy)
     if p_ok and (not d_ok or (x.decode is not None and x.prefill.total < x.decode.total)):
         return Choice.PREFILL_ALONE
     if d_ok:
         return Choice.DECODE_ALONE
     return Choice.PD
+
+
+def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int) -> Choice:
+    """The rule's choice for a request of ``prompt_tokens`` (estimated) arriving at ``pool``;
+    what the arrival found is recorded in the pool's timings (the busy shares)."""
+    x = inputs(pool, prompt_tokens)
+    p_busy = x.prefill is not None and x.prefill.pending > 0
+    pool.timings.observe_arrival(p_busy, x.decode is not None and x.decode.pending > 0)
+    return choose(cfg, x)
 
 
 def _least(loads: list[EngineLoad]) -> EngineLoad | None:
@@ -135,4 +158,6 @@ def inputs(pool: ModelPool, prompt_tokens: int) -> Inputs:
         timings.step_s,
         _least([_prefill_load(p, others(p)) for p in candidates(pool.prefill)]),
         _least([_decode_load(d, others(d)) for d in candidates(pool.decode) if d.free_slots > 0]),
+        timings.prefill_busy,
+        timings.decode_busy,
     )

@@ -16,9 +16,9 @@ import pytest
 
 from router.config import AdaptiveConfig, parse_config
 from router.engines.instance import Instance
-from router.engines.timings import WEIGHT, Timings
+from router.engines.timings import BUSY_WEIGHT, WEIGHT, Timings
 from router.metrics import ROUTE_CHOICES
-from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, inputs
+from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, decide, inputs
 from router.registry import Registry
 
 CFG = AdaptiveConfig(enabled=True)
@@ -123,6 +123,20 @@ def test_low_load_goes_to_one_engine_and_high_load_to_p_d() -> None:
     assert choose(CFG, _inputs(loaded, loaded, step=slow_step)) is Choice.PD
 
 
+def test_an_engine_busy_with_prompts_would_stall_a_stream_served_there_alone() -> None:
+    """P idle at this instant but on P/D prompts 80% of the time: a stream it served alone
+    would wait behind them (20 ms / 0.2 = 100 ms a token), so D, less idle but with a TPOT to
+    spare (20 + 15.6 ms), serves it; a share of 10% (22 ms) leaves it to P."""
+    d_decodes = EngineLoad(streams=1, pending=0)
+    assert choose(CFG, _inputs(decode=d_decodes)) is Choice.PREFILL_ALONE
+    x = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.8)
+    assert choose(CFG, x) is Choice.DECODE_ALONE
+    x = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.1)
+    assert choose(CFG, x) is Choice.PREFILL_ALONE
+    both_busy = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.8, decode_busy=0.8)
+    assert choose(CFG, both_busy) is Choice.PD
+
+
 def test_the_counter_s_labels_are_the_rule_s_choices() -> None:
     assert set(ROUTE_CHOICES) == {c.value for c in Choice}
 
@@ -138,6 +152,16 @@ def test_timings_start_unknown_then_follow_recent_observations() -> None:
     assert (t.prefill_s_per_token, t.step_s) == (pytest.approx(0.002), pytest.approx(0.02))
     t.observe_prefill(4.0, 1000)
     assert t.prefill_s_per_token == pytest.approx(0.002 + WEIGHT * 0.002)
+
+
+def test_busy_shares_are_the_share_of_recent_arrivals_that_found_a_prompt_pending() -> None:
+    t = Timings()
+    assert (t.prefill_busy, t.decode_busy) == (0.0, 0.0)
+    t.observe_arrival(prefill_busy=True, decode_busy=False)
+    assert (t.prefill_busy, t.decode_busy) == (pytest.approx(BUSY_WEIGHT), 0.0)
+    for _ in range(100):
+        t.observe_arrival(prefill_busy=True, decode_busy=True)
+    assert t.prefill_busy == pytest.approx(1.0, abs=1e-3) and t.decode_busy > 0.99
 
 
 def test_timings_ignore_observations_without_tokens() -> None:
@@ -188,6 +212,15 @@ def test_inputs_read_the_least_loaded_engines_and_the_pool_s_timings() -> None:
         p1.stream_ended()
     assert inputs(pool, 300).prefill == IDLE
     assert p1.load == 0 and p0.load == 0
+
+
+def test_each_decision_records_what_its_arrival_found() -> None:
+    pool = _pool()
+    p0, p1 = pool.prefill
+    with p0.running_leg(), p1.running_leg():  # every P computes a prompt: P is busy
+        assert decide(CFG, pool, 300) is Choice.PD  # no timings yet
+    assert (pool.timings.prefill_busy, pool.timings.decode_busy) == (BUSY_WEIGHT, 0.0)
+    assert inputs(pool, 300).prefill_busy == BUSY_WEIGHT
 
 
 def test_other_replicas_requests_reported_by_the_engines_count_as_load() -> None:
