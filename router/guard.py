@@ -19,6 +19,10 @@ uvicorn's own protocol adds, per connection (``connections`` in the config):
   kernel it grows to megabytes, which a token stream takes minutes to fill before the
   transport ever pauses.
 
+The protocol also offers itself to the relay as the request's connection
+(:class:`~router.relay.Connection`): its loss calls the relay's hook at once, so that a
+streamed request needs no task of its own waiting for the disconnect.
+
 The body's deadline (``body_timeout``) is the app's where it reads the body
 (``router/intake.py``: a 408 before any slot is reserved); here it ends a connection whose
 answer is already sent while its body still trickles in (a 401, a 404: nobody reads it, and
@@ -41,6 +45,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from router.config import ConnectionsConfig
 from router.errors import error_body
 from router.metrics import Metrics
+from router.relay import CONNECTION
 
 __all__ = ["ClientEvents", "guarded_protocol"]
 
@@ -136,6 +141,9 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             self._header_count = 0
             self._shut = False  # refused or cut: the parser's callbacks do nothing more
             self._counted = False
+            # router.relay.Connection: set by the relay of the request being answered.
+            self.lost = False
+            self.on_lost: Callable[[], None] | None = None
 
         # -- connection --------------------------------------------------------------
 
@@ -159,6 +167,10 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
                 self._counted = False
                 events.closed()
             super().connection_lost(exc)
+            self.lost = True
+            on_lost, self.on_lost = self.on_lost, None
+            if on_lost is not None:
+                on_lost()
 
         def data_received(self, data: bytes) -> None:
             if self._shut:
@@ -180,6 +192,7 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.scope[CONNECTION] = self  # type: ignore[literal-required]
             self._header_count = 0
             self._head_begun = True
 

@@ -2,9 +2,9 @@
 
 It is returned by the route before any upstream call, so one object sees the
 whole life of the request: the dispatch (slot, legs, retries), the relay of D's
-status and body chunk by chunk (no buffering, no re-encoding), a watcher that
-turns a client disconnect into cancellation of everything upstream, and the
-final accounting (metrics, breaker, slot release) on every exit path.
+status and body chunk by chunk (no buffering, no re-encoding), the client's
+disconnect turned into cancellation of everything upstream, and the final
+accounting (metrics, breaker, slot release) on every exit path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 
@@ -39,7 +39,7 @@ from router.pd.sse import ends_answer
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["Receive", "RelayResponse", "Scope", "Send", "send_error"]
+__all__ = ["CONNECTION", "Connection", "Receive", "RelayResponse", "Scope", "Send", "send_error"]
 
 log = logging.getLogger("pd_router.relay")
 
@@ -54,6 +54,19 @@ async def send_error(send: Send, exc: RouterError, request_id: bytes | None = No
     status, headers, body = render(exc, request_id)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# The scope key under which the server's protocol (router/guard.py) offers its connection.
+CONNECTION = "pdrouter.connection"
+
+
+class Connection(Protocol):
+    """The client's connection as the server's protocol offers it (``scope[CONNECTION]``):
+    ``lost`` once it is gone; ``on_lost``, if set, is called once when it goes. The relay
+    sets it for the time of its exchange: a request pays an attribute write, not a task."""
+
+    lost: bool
+    on_lost: Callable[[], None] | None
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -105,7 +118,7 @@ class RelayResponse(Response):
         # every relayed chunk resumes each coroutine frame between the server and the relay.
         if self._tracing.enabled:
             return self._traced(scope, receive, send)
-        return self._exchange(receive, send)
+        return self._exchange(scope, receive, send)
 
     async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
         attributes = {
@@ -116,20 +129,29 @@ class RelayResponse(Response):
             attributes["pdrouter.client_request_id"] = self._client_id
         name = f"POST {self._creq.endpoint.value}"
         with self._tracing.request(name, scope["headers"], attributes):
-            await self._exchange(receive, send)
+            await self._exchange(scope, receive, send)
 
-    async def _exchange(self, receive: Receive, send: Send) -> None:
+    async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_wait_disconnect(receive))
 
-        def on_disconnect(w: asyncio.Task[None]) -> None:
-            # After the last body message the server reports a disconnect by design.
-            if not w.cancelled() and not self._complete:
+        def on_lost() -> None:
+            # After the last body message the connection may close by design.
+            if not self._complete and not self._disconnected:
                 self._disconnected = True
                 task.cancel()
 
-        watcher.add_done_callback(on_disconnect)
+        conn: Connection | None = scope.get(CONNECTION)
+        watcher = None
+        if conn is not None:
+            conn.on_lost = on_lost
+            if conn.lost:
+                on_lost()
+        else:
+            # Another server (uvicorn's h11 protocol in tests): its receive() returns
+            # http.disconnect once the client is gone, which a task per request waits for.
+            watcher = asyncio.create_task(_wait_disconnect(receive))
+            watcher.add_done_callback(lambda w: None if w.cancelled() else on_lost())
         outcome = Outcome.SUCCESS
         try:
             async with asyncio.timeout(self._total):
@@ -149,8 +171,12 @@ class RelayResponse(Response):
             outcome = Outcome.TIMEOUT
             await self._fail_late_or_early(send, TotalTimeout(self._total))
         finally:
-            watcher.remove_done_callback(on_disconnect)
-            watcher.cancel()
+            self._complete = True  # a loss from here on is no disconnect of this request
+            if conn is not None:
+                if conn.on_lost is on_lost:  # not yet a pipelined next request's
+                    conn.on_lost = None
+            elif watcher is not None:
+                watcher.cancel()
             if self._on_end is not None:
                 self._on_end()
         self._observe(outcome)

@@ -23,16 +23,18 @@ from router.app import create_app
 from router.config import ConnectionsConfig, parse_config
 from router.guard import ClientEvents, guarded_protocol
 from router.metrics import Metrics
-from tests.conftest import Cluster, eventually, metric
+from tests.conftest import Cluster, client_leaves, eventually, metric
 from tests.fakes.servers import serve
 
 BOUND_S = 0.5  # each timeout under test
 SLACK_S = 5.0  # how much later than its bound a cut may come on a loaded machine
 
 
-async def _router(cluster: Cluster, **connections: Any) -> tuple[str, Any]:
+async def _router(
+    cluster: Cluster, mode: str = "aggregated", **connections: Any
+) -> tuple[str, Any]:
     limits = {"header_timeout": BOUND_S, "body_timeout": BOUND_S, "write_timeout": BOUND_S}
-    cfg = cluster.config("aggregated", connections={**limits, **connections})
+    cfg = cluster.config(mode, connections={**limits, **connections})
     app = create_app(parse_config(cfg), health_checks=False)
     url = await cluster.stack.enter_async_context(serve(app, http=app.http_protocol))
     ctx = app.state.ctx
@@ -242,3 +244,32 @@ async def test_a_client_that_stops_reading_a_stream_gives_its_slot_back(
     assert "event=client_timeout phase=write" in caplog.text
     streaming = metric(ctx, "pdrouter_client_disconnects_total", phase="streaming")
     assert streaming == 1
+
+
+# -- clients that leave: the guarded protocol tells the relay itself (no watcher task) ----
+
+
+async def test_a_client_gone_before_the_first_byte_ends_both_legs(cluster: Cluster) -> None:
+    cluster.prefill[0].behaviour.hang = True
+    url, ctx = await _router(cluster, "pull")
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    await client_leaves(url + "/v1/completions", body, lambda: bool(cluster.prefill[0].received))
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte") == 1
+    )
+    assert cluster.decode[0].received == []
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_a_client_gone_mid_stream_ends_the_decode_leg(cluster: Cluster) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.01
+    url, ctx = await _router(cluster, "pull")
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    await client_leaves(url + "/v1/completions", body)  # once the first bytes came
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="streaming") == 1
+    )
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
