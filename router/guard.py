@@ -21,7 +21,8 @@ uvicorn's own protocol adds, per connection (``connections`` in the config):
 
 The protocol also offers itself to the relay as the request's connection
 (:class:`~router.relay.Connection`): its loss calls the relay's hook at once, so that a
-streamed request needs no task of its own waiting for the disconnect.
+streamed request needs no task of its own waiting for the disconnect; and the relay, which
+has D's first bytes in hand when it sends the response head, has both written at once.
 
 The body's deadline (``body_timeout``) is the app's where it reads the body
 (``router/intake.py``: a 408 before any slot is reserved); here it ends a connection whose
@@ -122,6 +123,36 @@ def _raw_response(status: int, phrase: str, message: str, code: str) -> bytes:
     return head.encode("latin-1") + body
 
 
+class _HeldHead:
+    """A response's transport between its head and its first body write, which carries
+    both: one write (one send, one segment to the client) instead of two. The first body
+    write, or a close, hands the cycle its transport back."""
+
+    __slots__ = ("_cycle", "_head", "_transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._transport: asyncio.Transport = cycle.transport
+        self._head = b""
+        cycle.transport = self
+
+    def write(self, data: bytes) -> None:
+        if not self._head:
+            self._head = data  # uvicorn writes the whole head at once
+            return
+        self._cycle.transport = self._transport
+        self._transport.write(self._head + data)
+
+    def close(self) -> None:
+        self._cycle.transport = self._transport
+        if self._head:
+            self._transport.write(self._head)
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+
 def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the bounds of ``config`` (``http=`` of uvicorn)."""
 
@@ -189,6 +220,11 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
                 self._body_timer = self.loop.call_later(config.body_timeout, self._body_late)
 
         # -- the parser's callbacks ----------------------------------------------------
+
+        def hold_head(self) -> None:
+            """router.relay.Connection.hold_head: the next head goes with the body after it."""
+            if self.cycle is not None and not self.cycle.response_started:
+                _HeldHead(self.cycle)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -69,6 +69,10 @@ class Connection(Protocol):
     lost: bool
     on_lost: Callable[[], None] | None
 
+    def hold_head(self) -> None:
+        """Write the response head sent next together with the body message sent right
+        after it (one write instead of two); the caller sends that body message at once."""
+
 
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
@@ -113,6 +117,7 @@ class RelayResponse(Response):
         self._disconnected = False
         self._status = 0  # of the response head sent, if any
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
+        self._conn: Connection | None = None  # the server's, if it offers it
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
         # A plain function that returns the exchange to await, and the span only when traced:
@@ -143,6 +148,7 @@ class RelayResponse(Response):
                 task.cancel()
 
         conn: Connection | None = scope.get(CONNECTION)
+        self._conn = conn
         watcher = None
         if conn is not None:
             conn.on_lost = on_lost
@@ -280,12 +286,14 @@ class RelayResponse(Response):
         leg = dispatch.leg
         self._dispatch = dispatch
         first = await dispatch.first_bytes()
-        await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
+        head = first if more and ends_answer(b"", first) else b""
+        if not head and self._conn is not None:
+            self._conn.hold_head()  # the first bytes follow at once: one write for both
+        await self._start(send, leg, dispatch.request_id)
         self._complete = not more
         if not more:
             dispatch.ended_cleanly()
-        head = first if more and ends_answer(b"", first) else b""
         if not head:
             await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0

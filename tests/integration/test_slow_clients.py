@@ -23,6 +23,7 @@ from router.app import create_app
 from router.config import ConnectionsConfig, parse_config
 from router.guard import ClientEvents, guarded_protocol
 from router.metrics import Metrics
+from router.relay import CONNECTION
 from tests.conftest import Cluster, client_leaves, eventually, metric
 from tests.fakes.servers import serve
 
@@ -144,6 +145,64 @@ async def test_client_sockets_get_the_configured_send_buffer() -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+class _Writes:
+    """The response's real transport, with the writes made on it recorded."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport, self.writes = transport, list[bytes]()
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self.transport.is_closing())
+
+
+@pytest.mark.parametrize("more", [True, False], ids=["streamed", "whole"])
+async def test_a_held_head_goes_out_with_the_first_body_write(more: bool) -> None:
+    """The relay's hold_head() on the guarded protocol: the head and the body message sent
+    after it leave in one write; the rest of a streamed answer as before."""
+    metrics = Metrics()
+    protocol = guarded_protocol(ConnectionsConfig(), ClientEvents(metrics))
+    recorded: list[_Writes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        conn = scope[CONNECTION]
+        writes = _Writes(conn.cycle.transport)
+        conn.cycle.transport = writes
+        recorded.append(writes)
+        conn.hold_head()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"-rest", "more_body": False})
+
+    config = uvicorn.Config(app, lifespan="off", log_level="critical")
+    config.load()
+    loop = asyncio.get_running_loop()
+    state = ServerState()
+    server = await loop.create_server(
+        lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient() as client:
+            answer = await client.get(f"http://127.0.0.1:{port}/")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert answer.status_code == 200
+    assert answer.content == (b"first-rest" if more else b"first")
+    (writes,) = recorded
+    head, *rest = writes.writes
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\n5\r\nfirst\r\n" in head
+    assert len(rest) == (1 if more else 0)  # the rest of the stream: a write of its own
 
 
 async def test_a_body_sent_a_byte_at_a_time_is_cut_before_any_slot(
