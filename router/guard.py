@@ -19,6 +19,11 @@ uvicorn's own protocol adds, per connection (``connections`` in the config):
   kernel it grows to megabytes, which a token stream takes minutes to fill before the
   transport ever pauses.
 
+The protocol also offers itself to the relay as the request's connection
+(:class:`~router.relay.Connection`): its loss calls the relay's hook at once, so that a
+streamed request needs no task of its own waiting for the disconnect; and the relay, which
+has D's first bytes in hand when it sends the response head, has both written at once.
+
 The body's deadline (``body_timeout``) is the app's where it reads the body
 (``router/intake.py``: a 408 before any slot is reserved); here it ends a connection whose
 answer is already sent while its body still trickles in (a 401, a 404: nobody reads it, and
@@ -41,6 +46,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from router.config import ConnectionsConfig
 from router.errors import error_body
 from router.metrics import Metrics
+from router.relay import CONNECTION
 
 __all__ = ["ClientEvents", "guarded_protocol"]
 
@@ -117,6 +123,36 @@ def _raw_response(status: int, phrase: str, message: str, code: str) -> bytes:
     return head.encode("latin-1") + body
 
 
+class _HeldHead:
+    """A response's transport between its head and its first body write, which carries
+    both: one write (one send, one segment to the client) instead of two. The first body
+    write, or a close, hands the cycle its transport back."""
+
+    __slots__ = ("_cycle", "_head", "_transport")
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+        self._transport: asyncio.Transport = cycle.transport
+        self._head = b""
+        cycle.transport = self
+
+    def write(self, data: bytes) -> None:
+        if not self._head:
+            self._head = data  # uvicorn writes the whole head at once
+            return
+        self._cycle.transport = self._transport
+        self._transport.write(self._head + data)
+
+    def close(self) -> None:
+        self._cycle.transport = self._transport
+        if self._head:
+            self._transport.write(self._head)
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+
 def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the bounds of ``config`` (``http=`` of uvicorn)."""
 
@@ -136,6 +172,9 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             self._header_count = 0
             self._shut = False  # refused or cut: the parser's callbacks do nothing more
             self._counted = False
+            # router.relay.Connection: set by the relay of the request being answered.
+            self.lost = False
+            self.on_lost: Callable[[], None] | None = None
 
         # -- connection --------------------------------------------------------------
 
@@ -159,6 +198,10 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
                 self._counted = False
                 events.closed()
             super().connection_lost(exc)
+            self.lost = True
+            on_lost, self.on_lost = self.on_lost, None
+            if on_lost is not None:
+                on_lost()
 
         def data_received(self, data: bytes) -> None:
             if self._shut:
@@ -178,8 +221,14 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
 
         # -- the parser's callbacks ----------------------------------------------------
 
+        def hold_head(self) -> None:
+            """router.relay.Connection.hold_head: the next head goes with the body after it."""
+            if self.cycle is not None and not self.cycle.response_started:
+                _HeldHead(self.cycle)
+
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.scope[CONNECTION] = self  # type: ignore[literal-required]
             self._header_count = 0
             self._head_begun = True
 

@@ -2,9 +2,9 @@
 
 It is returned by the route before any upstream call, so one object sees the
 whole life of the request: the dispatch (slot, legs, retries), the relay of D's
-status and body chunk by chunk (no buffering, no re-encoding), a watcher that
-turns a client disconnect into cancellation of everything upstream, and the
-final accounting (metrics, breaker, slot release) on every exit path.
+status and body chunk by chunk (no buffering, no re-encoding), the client's
+disconnect turned into cancellation of everything upstream, and the final
+accounting (metrics, breaker, slot release) on every exit path.
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.responses import Response
 
 from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
 from router.config import TracingConfig
+from router.deadline import Deadline
 from router.errors import (
     FairShareExceeded,
     Outcome,
@@ -39,7 +40,7 @@ from router.pd.sse import ends_answer
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["Receive", "RelayResponse", "Scope", "Send", "send_error"]
+__all__ = ["CONNECTION", "Connection", "Receive", "RelayResponse", "Scope", "Send", "send_error"]
 
 log = logging.getLogger("pd_router.relay")
 
@@ -54,6 +55,23 @@ async def send_error(send: Send, exc: RouterError, request_id: bytes | None = No
     status, headers, body = render(exc, request_id)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# The scope key under which the server's protocol (router/guard.py) offers its connection.
+CONNECTION = "pdrouter.connection"
+
+
+class Connection(Protocol):
+    """The client's connection as the server's protocol offers it (``scope[CONNECTION]``):
+    ``lost`` once it is gone; ``on_lost``, if set, is called once when it goes. The relay
+    sets it for the time of its exchange: a request pays an attribute write, not a task."""
+
+    lost: bool
+    on_lost: Callable[[], None] | None
+
+    def hold_head(self) -> None:
+        """Write the response head sent next together with the body message sent right
+        after it (one write instead of two); the caller sends that body message at once."""
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -99,13 +117,14 @@ class RelayResponse(Response):
         self._disconnected = False
         self._status = 0  # of the response head sent, if any
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
+        self._conn: Connection | None = None  # the server's, if it offers it
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
         # A plain function that returns the exchange to await, and the span only when traced:
         # every relayed chunk resumes each coroutine frame between the server and the relay.
         if self._tracing.enabled:
             return self._traced(scope, receive, send)
-        return self._exchange(receive, send)
+        return self._exchange(scope, receive, send)
 
     async def _traced(self, scope: Scope, receive: Receive, send: Send) -> None:
         attributes = {
@@ -116,23 +135,33 @@ class RelayResponse(Response):
             attributes["pdrouter.client_request_id"] = self._client_id
         name = f"POST {self._creq.endpoint.value}"
         with self._tracing.request(name, scope["headers"], attributes):
-            await self._exchange(receive, send)
+            await self._exchange(scope, receive, send)
 
-    async def _exchange(self, receive: Receive, send: Send) -> None:
+    async def _exchange(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.create_task(_wait_disconnect(receive))
 
-        def on_disconnect(w: asyncio.Task[None]) -> None:
-            # After the last body message the server reports a disconnect by design.
-            if not w.cancelled() and not self._complete:
+        def on_lost() -> None:
+            # After the last body message the connection may close by design.
+            if not self._complete and not self._disconnected:
                 self._disconnected = True
                 task.cancel()
 
-        watcher.add_done_callback(on_disconnect)
+        conn: Connection | None = scope.get(CONNECTION)
+        self._conn = conn
+        watcher = None
+        if conn is not None:
+            conn.on_lost = on_lost
+            if conn.lost:
+                on_lost()
+        else:
+            # Another server (uvicorn's h11 protocol in tests): its receive() returns
+            # http.disconnect once the client is gone, which a task per request waits for.
+            watcher = asyncio.create_task(_wait_disconnect(receive))
+            watcher.add_done_callback(lambda w: None if w.cancelled() else on_lost())
         outcome = Outcome.SUCCESS
         try:
-            async with asyncio.timeout(self._total):
+            with Deadline(self._total):
                 outcome = await self._run(send)
         except asyncio.CancelledError:
             if not self._disconnected:
@@ -149,8 +178,12 @@ class RelayResponse(Response):
             outcome = Outcome.TIMEOUT
             await self._fail_late_or_early(send, TotalTimeout(self._total))
         finally:
-            watcher.remove_done_callback(on_disconnect)
-            watcher.cancel()
+            self._complete = True  # a loss from here on is no disconnect of this request
+            if conn is not None:
+                if conn.on_lost is on_lost:  # not yet a pipelined next request's
+                    conn.on_lost = None
+            elif watcher is not None:
+                watcher.cancel()
             if self._on_end is not None:
                 self._on_end()
         self._observe(outcome)
@@ -253,12 +286,14 @@ class RelayResponse(Response):
         leg = dispatch.leg
         self._dispatch = dispatch
         first = await dispatch.first_bytes()
-        await self._start(send, leg, dispatch.request_id)
         more = leg.rest is not None
+        head = first if more and ends_answer(b"", first) else b""
+        if not head and self._conn is not None:
+            self._conn.hold_head()  # the first bytes follow at once: one write for both
+        await self._start(send, leg, dispatch.request_id)
         self._complete = not more
         if not more:
             dispatch.ended_cleanly()
-        head = first if more and ends_answer(b"", first) else b""
         if not head:
             await send({"type": "http.response.body", "body": first, "more_body": more})
         self._ttft = self._clock() - self._t0

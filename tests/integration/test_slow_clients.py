@@ -23,16 +23,19 @@ from router.app import create_app
 from router.config import ConnectionsConfig, parse_config
 from router.guard import ClientEvents, guarded_protocol
 from router.metrics import Metrics
-from tests.conftest import Cluster, eventually, metric
+from router.relay import CONNECTION
+from tests.conftest import Cluster, client_leaves, eventually, metric
 from tests.fakes.servers import serve
 
 BOUND_S = 0.5  # each timeout under test
 SLACK_S = 5.0  # how much later than its bound a cut may come on a loaded machine
 
 
-async def _router(cluster: Cluster, **connections: Any) -> tuple[str, Any]:
+async def _router(
+    cluster: Cluster, mode: str = "aggregated", **connections: Any
+) -> tuple[str, Any]:
     limits = {"header_timeout": BOUND_S, "body_timeout": BOUND_S, "write_timeout": BOUND_S}
-    cfg = cluster.config("aggregated", connections={**limits, **connections})
+    cfg = cluster.config(mode, connections={**limits, **connections})
     app = create_app(parse_config(cfg), health_checks=False)
     url = await cluster.stack.enter_async_context(serve(app, http=app.http_protocol))
     ctx = app.state.ctx
@@ -144,6 +147,64 @@ async def test_client_sockets_get_the_configured_send_buffer() -> None:
         await server.wait_closed()
 
 
+class _Writes:
+    """The response's real transport, with the writes made on it recorded."""
+
+    def __init__(self, transport: Any) -> None:
+        self.transport, self.writes = transport, list[bytes]()
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+        self.transport.write(data)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self.transport.is_closing())
+
+
+@pytest.mark.parametrize("more", [True, False], ids=["streamed", "whole"])
+async def test_a_held_head_goes_out_with_the_first_body_write(more: bool) -> None:
+    """The relay's hold_head() on the guarded protocol: the head and the body message sent
+    after it leave in one write; the rest of a streamed answer as before."""
+    metrics = Metrics()
+    protocol = guarded_protocol(ConnectionsConfig(), ClientEvents(metrics))
+    recorded: list[_Writes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        conn = scope[CONNECTION]
+        writes = _Writes(conn.cycle.transport)
+        conn.cycle.transport = writes
+        recorded.append(writes)
+        conn.hold_head()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"-rest", "more_body": False})
+
+    config = uvicorn.Config(app, lifespan="off", log_level="critical")
+    config.load()
+    loop = asyncio.get_running_loop()
+    state = ServerState()
+    server = await loop.create_server(
+        lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient() as client:
+            answer = await client.get(f"http://127.0.0.1:{port}/")
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert answer.status_code == 200
+    assert answer.content == (b"first-rest" if more else b"first")
+    (writes,) = recorded
+    head, *rest = writes.writes
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\n\r\n5\r\nfirst\r\n" in head
+    assert len(rest) == (1 if more else 0)  # the rest of the stream: a write of its own
+
+
 async def test_a_body_sent_a_byte_at_a_time_is_cut_before_any_slot(
     cluster: Cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -242,3 +303,32 @@ async def test_a_client_that_stops_reading_a_stream_gives_its_slot_back(
     assert "event=client_timeout phase=write" in caplog.text
     streaming = metric(ctx, "pdrouter_client_disconnects_total", phase="streaming")
     assert streaming == 1
+
+
+# -- clients that leave: the guarded protocol tells the relay itself (no watcher task) ----
+
+
+async def test_a_client_gone_before_the_first_byte_ends_both_legs(cluster: Cluster) -> None:
+    cluster.prefill[0].behaviour.hang = True
+    url, ctx = await _router(cluster, "pull")
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    await client_leaves(url + "/v1/completions", body, lambda: bool(cluster.prefill[0].received))
+    await eventually(lambda: cluster.prefill[0].received[0].closed_by_client)
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="before_first_byte") == 1
+    )
+    assert cluster.decode[0].received == []
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_a_client_gone_mid_stream_ends_the_decode_leg(cluster: Cluster) -> None:
+    d = cluster.decode[0].behaviour
+    d.tokens, d.token_delay = 1000, 0.01
+    url, ctx = await _router(cluster, "pull")
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    await client_leaves(url + "/v1/completions", body)  # once the first bytes came
+    await eventually(lambda: cluster.decode[0].received[0].closed_by_client)
+    await eventually(
+        lambda: metric(ctx, "pdrouter_client_disconnects_total", phase="streaming") == 1
+    )
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
