@@ -17,7 +17,6 @@ breaker and degraded flags take the worst (max) and health the worst (min) view.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -99,101 +98,16 @@ class _CachedLabels:
         return child
 
 
-class _LoopValue:
-    """One sample's value in a single process, written from the event loop's thread only.
-
-    prometheus_client's own value takes a lock on every write, for writers on several
-    threads; the router writes its request-path metrics from its one event loop (about
-    sixteen writes per request), and a scrape reads a whole float either way. With
-    ``--workers N`` the values are prometheus_client's multiprocess ones, untouched.
-    """
-
-    __slots__ = ("exemplar", "value")
-    _multiprocess = False
-
-    def __init__(self) -> None:
-        self.value = 0.0
-        self.exemplar: Any = None
-
-    def inc(self, amount: float) -> None:
-        self.value += amount
-
-    def set(self, value: float, timestamp: float | None = None) -> None:
-        self.value = value
-
-    def set_exemplar(self, exemplar: Any) -> None:
-        self.exemplar = exemplar
-
-    def get(self) -> float:
-        return self.value
-
-    def get_exemplar(self) -> Any:
-        return self.exemplar
+class _Counter(_CachedLabels, Counter):
+    pass
 
 
-class _Fast:
-    """The request path's writes on the values of :class:`_LoopValue`: one call each.
-
-    Whatever the fast write does not cover (a metric with labels still unset, a negative
-    counter increment, an exemplar, NaN, multiprocess values) goes to prometheus_client's
-    own method, with its checks and errors. ``_fast`` is set on a child whose values
-    prometheus_client made for one process (``_multiprocess`` false), replaced by
-    :class:`_LoopValue`.
-    """
-
-    _fast = False
+class _Gauge(_CachedLabels, Gauge):
+    pass
 
 
-class _Counter(_CachedLabels, _Fast, Counter):
-    def _metric_init(self) -> None:
-        super()._metric_init()
-        if not self._value._multiprocess:
-            self._value = _LoopValue()
-            self._fast = True
-
-    def inc(self, amount: float = 1, exemplar: dict[str, str] | None = None) -> None:
-        if self._fast and amount >= 0 and not exemplar:
-            self._value.value += amount
-        else:
-            super().inc(amount, exemplar)
-
-
-class _Gauge(_CachedLabels, _Fast, Gauge):
-    def _metric_init(self) -> None:
-        super()._metric_init()
-        if not self._value._multiprocess:
-            self._value = _LoopValue()
-            self._fast = True
-
-    def inc(self, amount: float = 1) -> None:
-        if self._fast:
-            self._value.value += amount
-        else:
-            super().inc(amount)
-
-    def dec(self, amount: float = 1) -> None:
-        if self._fast:
-            self._value.value -= amount
-        else:
-            super().dec(amount)
-
-
-class _Histogram(_CachedLabels, _Fast, Histogram):
-    def _metric_init(self) -> None:
-        super()._metric_init()
-        if not self._sum._multiprocess:
-            self._sum = _LoopValue()
-            self._buckets = [_LoopValue() for _ in self._buckets]
-            self._fast = True
-
-    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        # NaN (amount != amount) falls in no bucket: prometheus_client's own walk says so.
-        if self._fast and not exemplar and amount == amount:
-            self._sum.value += amount
-            # The first bound at or above the amount (the last bound is +Inf).
-            self._buckets[bisect_left(self._upper_bounds, amount)].value += 1
-        else:
-            super().observe(amount, exemplar)
+class _Histogram(_CachedLabels, Histogram):
+    pass
 
 
 class StateCollector(Collector):
