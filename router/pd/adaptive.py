@@ -14,9 +14,9 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
                          (pending(e) + 1) x cost / stall_tokens) <= tpot)
 
     no timings yet                   -> pd    (the static mode, which teaches them)
-    P has a prompt pending           -> pd    (not low load: P/D's split pays), unless
-                                              (pending(P) + 1) x cost > ttft and D fits:
-                                              decode_alone (P's overflow)
+    P has a prompt pending           -> decode_alone if D fits and has fewer prompts
+                                              pending than P, else pd (the shorter queue,
+                                              within what D's streams' TPOT affords)
     neither P nor D fits             -> pd
     else the less loaded that fits   -> prefill_alone or decode_alone
                                              (load = streams + pending; a tie goes to D)
@@ -108,10 +108,10 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
 
     d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_busy)
     if x.prefill.pending > 0:
-        # Not low load: P/D, while P's queue keeps the TTFT; past that, D takes the prompt
-        # if its own streams keep their TPOT (P's overflow, not every request P delays).
-        behind_p = (x.prefill.pending + 1) * cost * 1000
-        return Choice.DECODE_ALONE if behind_p > cfg.ttft_ms and d_ok else Choice.PD
+        # Not low load: the shorter queue of prompts serves, D only while its streams keep
+        # their TPOT (d_ok), so D computes prompts up to the share its streams can afford.
+        behind_d = x.decode.pending if x.decode is not None else 0
+        return Choice.DECODE_ALONE if d_ok and behind_d < x.prefill.pending else Choice.PD
     p_ok = cfg.single_engine != "decode" and fits(x.prefill, x.prefill_busy)
     if p_ok and (not d_ok or (x.decode is not None and x.prefill.total < x.decode.total)):
         return Choice.PREFILL_ALONE

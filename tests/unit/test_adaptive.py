@@ -50,19 +50,16 @@ def test_without_timings_the_static_mode_serves_and_teaches_them() -> None:
     assert choose(CFG, _inputs(step=None)) is Choice.PD
 
 
-def test_a_prompt_pending_on_p_means_load_p_d_serves() -> None:
-    busy_p = EngineLoad(streams=0, pending=1)  # 2 x 0.5 s behind P: within 1,500 ms
-    assert choose(CFG, _inputs(prefill=busy_p, tokens=500)) is Choice.PD
-
-
-def test_p_s_overflow_past_the_ttft_goes_to_d_when_d_s_streams_keep_their_tpot() -> None:
-    """P's queue would put this prompt past the TTFT target (2 x 1 s > 1,500 ms): D computes
-    it alone if it fits there, else it still queues at P (P/D)."""
+def test_with_a_prompt_pending_on_p_the_shorter_queue_serves_within_d_s_tpot() -> None:
+    """P computes a prompt: D computes this one alone if it has fewer pending and its streams
+    keep their TPOT, else the request queues at P (P/D)."""
     busy_p = EngineLoad(streams=0, pending=1)
     assert choose(CFG, _inputs(prefill=busy_p)) is Choice.DECODE_ALONE
     d_streams = EngineLoad(streams=3, pending=0)  # 30 ms + 15.6 ms of stall > 40 ms
     assert choose(CFG, _inputs(busy_p, d_streams, step=30 * MS)) is Choice.PD
     assert choose(CFG, _inputs(busy_p, d_streams, step=20 * MS)) is Choice.DECODE_ALONE
+    d_prompt = EngineLoad(streams=0, pending=1)  # as many queued on D as on P
+    assert choose(CFG, _inputs(busy_p, d_prompt, tokens=500)) is Choice.PD
     assert choose(_cfg(single_engine="prefill"), _inputs(prefill=busy_p)) is Choice.PD
 
 
@@ -229,5 +226,7 @@ def test_other_replicas_requests_reported_by_the_engines_count_as_load() -> None
     pool = _pool(load=lambda inst: inst.load + 2)
     x = inputs(pool, 300)
     assert (x.prefill, x.decode) == (EngineLoad(0, 2), EngineLoad(2, 0))
-    # 3 x 0.4 s behind P's two others' prompts: within 1,500 ms, so P/D
-    assert choose(CFG, Inputs(200, 0.002, 0.02, x.prefill, x.decode)) is Choice.PD
+    # P has two others' prompts: D would serve, but its two others' streams (35 ms a step)
+    # cannot take a 0.4 s stall (+6.25 ms) within 40 ms, so P/D; without them D would.
+    assert choose(CFG, Inputs(200, 0.002, 0.035, x.prefill, x.decode)) is Choice.PD
+    assert choose(CFG, Inputs(200, 0.002, 0.035, x.prefill, IDLE)) is Choice.DECODE_ALONE
