@@ -133,8 +133,9 @@ class Sender:
     # -- the forward ----------------------------------------------------------------------------
 
     def awaiting_reg(self) -> bool:
-        """True if a send of this forward still lacks D's REG (worth reading notifications)."""
-        return any(s.reg is None for s in self._stepping())
+        """True if a live send still lacks D's REG (worth reading notifications mid-forward):
+        one computed in this forward, or one whose prompt is done and waits for D."""
+        return any(s.reg is None and not s.failed for s in self._sends.values())
 
     def save_layer(self, layer: int, mark: Mark | None) -> None:
         """``layer``'s kernels are launched; its KV exists once ``mark`` is ready (None: once
@@ -221,7 +222,9 @@ class Sender:
         self._finished_reqs |= req_ids & self._sends.keys()
 
     def check_writes(self) -> None:
-        """Check in-flight WRITEs: a completed one releases its W notice to D when checked."""
+        """Check in-flight WRITEs: a completed one releases its W notice to D when checked
+        (NIXL sends the notice of a WRITE that did not complete within its post from the
+        poster's check, never by itself). Called from every hook, layer hooks included."""
         for send in self._sends.values():
             if send.handles:
                 self._check_handles(send, self._ctx.clock())

@@ -196,13 +196,19 @@ class WorkerSide:
 
     def save_layer(self, layer_name: str) -> None:
         """After each attention layer's kernels are launched: queue that layer's new blocks
-        behind a mark recorded now (layer mode), post whatever queued is ready. Never blocks."""
+        behind a mark recorded now (layer mode), post whatever queued is ready. Never blocks.
+
+        Also what must not wait for the step's end, as a step of a busy P computes other
+        requests' chunks for a long time: D's REG for a send still without one is read, and
+        WRITEs in flight are checked, since NIXL sends a WRITE's notice to D only when its
+        poster checks it (unless it completed within its post)."""
         self._forward_seen = True
         idx = self._layer_idx.get(layer_name)
         if idx is None:
             return
         if self._sender.awaiting_reg():
             self._drain_notifs()  # D's REG may have arrived during the forward
+        self._sender.check_writes()
         # A mark per layer only in layer mode (step mode waits for end_step's), and only in a
         # step that computes a send's blocks: an event costs a launch-queue entry.
         per_layer = self._sender.per_layer and self._sender.stepping
@@ -279,6 +285,7 @@ class WorkerSide:
         for link in self.peers.poll():
             self._on_link_settled(link)
         self._drain_notifs()
+        self._sender.check_writes()  # a completed WRITE's notice leaves when checked
         self._sender.pump()
         self._ctx.flush_notices()
         self._sender.expire_memory()

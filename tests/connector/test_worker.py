@@ -249,6 +249,40 @@ def test_vanished_decode_times_out_stuck_writes() -> None:
     assert idle(p)[0] == {"p1"}
 
 
+def test_a_write_completed_after_its_post_reaches_d_during_ps_next_forward() -> None:
+    """NIXL sends a WRITE's notice when its poster checks the WRITE (unless it completed
+    within its post, as UCX's CMA copies do on one host; RDMA and GPU memory complete later).
+    P checks its WRITEs in every layer hook, so D learns the prompt's KV landed while P
+    computes its next step (another request's prefill chunk), not a whole step later."""
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    fabric.write_mode = "proc"  # the bytes move after the post
+    assert forward(p, send("p1", 0, [1, 2], final=True)) == (set(), set(), set())
+    fabric.complete_all()  # ... after P's get_finished checked them
+    p.worker.bind(StepMeta())  # P's next step; its forward has reached the first layer
+    p.worker.save_layer(p.layers()[0])
+    assert idle(d)[1] == {"d1"}  # before P's next get_finished
+    assert same_blocks(p, d, [1, 2], [10, 11])
+
+
+def test_a_reg_arriving_during_a_forward_is_read_by_its_layer_hooks() -> None:
+    """D's REG for a prompt P has already computed, arriving while P computes another step,
+    is read by that step's layer hooks: the prompt's WRITEs and DONE go out during the
+    forward, not after it."""
+    fabric, _, p, d = pair()
+    forward(d, StepMeta(recvs=[RecvSpec("d0", "t0", P_ADDR, 0, [12], 0)]))  # the link is up
+    settle(p, d)
+    forward(p, send("p1", 0, [1, 2], final=True))  # computed; D has not registered t1 yet
+    assert not fabric.writes_to(d.name)
+    p.worker.bind(StepMeta())  # P's next step (another request's chunk) ...
+    forward(d, recv("d1", 0, [10, 11]))  # ... while D registers t1
+    p.worker.save_layer(p.layers()[0])
+    assert fabric.writes_to(d.name)  # within P's forward
+    assert idle(d)[1] == {"d1"}
+    assert same_blocks(p, d, [1, 2], [10, 11])
+
+
 def test_hello_is_sent_once_the_peer_becomes_reachable() -> None:
     """Regression: P checked D's HELLO while D's metadata was not yet loaded on P; P's own
     HELLO was then never sent, and D timed out its handshake."""

@@ -7,7 +7,10 @@
   else preparing raises. ``fabric.preps`` counts every preparation.
 * ``post_write`` picks descriptors by index and really copies bytes (``ctypes.memmove``) when
   the write completes, so tests can compare tensors; the attached notification is delivered
-  after the data, as NIXL does. Each WRITE is recorded (``Xfer``: its resolved descriptors).
+  after the data, when NIXL's UCX backend sends it: at once for a WRITE complete within its
+  post, else at the poster's first ``xfer_state`` after the completion (NIXL sends a pending
+  notification from ``check_xfer_state``, never by itself). Each WRITE is recorded (``Xfer``:
+  its resolved descriptors).
 * Scripted states: ``fabric.write_mode`` is ``"done"`` (complete at post), ``"proc"`` (stay in
   progress until ``fabric.complete_all()``), ``"err"`` (report ERR) or ``"post_fail"`` (raise).
 * ``fabric.kill(name)`` makes an agent vanish: notifications to it raise, its writes hang.
@@ -32,6 +35,7 @@ class Xfer:
     remote: list[Desc]
     notif: bytes
     state: str = "PROC"
+    notif_pending: bool = False  # completed after its post: sent at the poster's next check
 
 
 @dataclass
@@ -65,15 +69,21 @@ class Fabric:
         self.dead.add(name)
 
     def complete_all(self) -> None:
+        """Complete every WRITE in flight (the NIC or copy engine finished); their
+        notifications wait for the posters' next ``xfer_state``."""
         for x in self.xfers:
             if x.state == "PROC":
                 self._complete(x)
+                x.notif_pending = bool(x.notif)
 
     def _complete(self, x: Xfer) -> None:
         for (s, n, _), (d, m, _) in zip(x.local, x.remote, strict=True):
             assert n == m
             ctypes.memmove(d, s, n)
         x.state = "DONE"
+
+    def _notify(self, x: Xfer) -> None:
+        x.notif_pending = False
         if x.notif and x.target not in self.dead:
             self.agents[x.target].inbox[x.src.name].append(x.notif)
 
@@ -176,6 +186,7 @@ class FakeAgent:
             x.state = "ERR"
         elif mode == "done" and agent not in self.fabric.dead:
             self.fabric._complete(x)
+            self.fabric._notify(x)
         return x
 
     def release_prepped(self, handle: object) -> None:
@@ -184,6 +195,8 @@ class FakeAgent:
 
     def xfer_state(self, handle: object) -> str:
         assert isinstance(handle, Xfer)
+        if handle.notif_pending:
+            self.fabric._notify(handle)
         return handle.state
 
     def release(self, handle: object) -> None:
