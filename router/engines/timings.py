@@ -9,45 +9,66 @@ Two exponentially weighted moving averages, each None until its first observatio
   its first bytes). Both include the wait in the engine's queue, so under load the estimate
   grows, which is what a choice between waiting there and elsewhere needs;
 - ``step_s``: seconds per output token of a stream, from its first bytes to its end over the
-  reads in between (about one per token; reads that merged tokens make it err high);
+  reads in between (about one per token; reads that merged tokens make it err high). It
+  includes the stalls the stream met, so it grows as its engine computes more prompts;
 
-and two shares, 0 until observed: ``prefill_busy`` and ``decode_busy``, the share of recent
-requests that found P (D) computing a prompt for this router. Poisson arrivals see time
-averages, so each is an estimate of the share of time that engine spends on prompts, during
-which the streams it decodes wait.
+and two ledgers, ``given_prefill`` and ``given_decode``: the prompt seconds the choice gave
+each role, by time given, which it reads over a stream's life (its admission bound).
 
 The dispatcher (``router/pd/dispatch.py``) is the one writer; the choice reads.
 """
 
 from __future__ import annotations
 
-__all__ = ["BUSY_WEIGHT", "WEIGHT", "Timings"]
+from collections import deque
+
+__all__ = ["WEIGHT", "PromptLedger", "Timings"]
 
 # The weight of a new observation: the estimate follows roughly the last ten requests.
 WEIGHT = 0.2
-# A share is of 0/1 samples: a lower weight (about the last twenty requests) steadies it.
-BUSY_WEIGHT = 0.1
 
 
 def _ewma(old: float | None, new: float) -> float:
     return new if old is None else old + WEIGHT * (new - old)
 
 
-class Timings:
-    """One model's recent prefill and decode-step times (see module doc)."""
+class PromptLedger:
+    """Prompt seconds given to one role, by the time they were given: the sum over any
+    recent window. Entries older than the longest window asked for are dropped, so the
+    ledger holds at most one window of choices."""
 
-    __slots__ = ("decode_busy", "prefill_busy", "prefill_s_per_token", "step_s")
+    __slots__ = ("_entries", "_total")
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[float, float]] = deque()
+        self._total = 0.0
+
+    def add(self, now: float, seconds: float) -> None:
+        """``seconds`` of prompt given at ``now`` (monotonic, non-decreasing)."""
+        self._entries.append((now, seconds))
+        self._total += seconds
+
+    def within(self, now: float, window: float) -> float:
+        """The seconds given in ``(now - window, now]``; older entries are dropped."""
+        entries = self._entries
+        while entries and entries[0][0] <= now - window:
+            self._total -= entries.popleft()[1]
+        if not entries:
+            self._total = 0.0  # no drift from the float sums once empty
+        return max(0.0, self._total)
+
+
+class Timings:
+    """One model's recent prefill and decode-step times, and the prompt work the choice gave
+    each role (see module doc)."""
+
+    __slots__ = ("given_decode", "given_prefill", "prefill_s_per_token", "step_s")
 
     def __init__(self) -> None:
         self.prefill_s_per_token: float | None = None
         self.step_s: float | None = None
-        self.prefill_busy = 0.0
-        self.decode_busy = 0.0
-
-    def observe_arrival(self, prefill_busy: bool, decode_busy: bool) -> None:
-        """A request arrived and found P (D) computing a prompt, or not."""
-        self.prefill_busy += BUSY_WEIGHT * (prefill_busy - self.prefill_busy)
-        self.decode_busy += BUSY_WEIGHT * (decode_busy - self.decode_busy)
+        self.given_prefill = PromptLedger()
+        self.given_decode = PromptLedger()
 
     def observe_prefill(self, seconds: float, prompt_tokens: int) -> None:
         """A prompt of ``prompt_tokens`` (estimated) took ``seconds`` to compute."""

@@ -7,27 +7,31 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
 (``router/engines/timings.py``)::
 
     cost    = n x prefill_s_per_token              this prompt, computed on one engine
+    life    = stall_tokens x tpot                  a stream's life at the SLO
+    budget  = ROOM x (tpot - step) x stall_tokens  prompt seconds an engine may compute in
+                                                   one life while its streams keep their TPOT
     fits(e) = (pending(e) + 1) x cost <= ttft      its TTFT there, behind e's own prompts,
-              and (streams(e) = 0 and busy(e) = 0  and the streams there, its own too, keep
-                   or step / (1 - busy(e))         their TPOT: slowed by e's share of time
-                      + (streams(e) > 0 and        on prompts, and stalled by this one
-                         (pending(e) + 1) x cost / stall_tokens) <= tpot)
+              and (streams(e) = 0 and given(e) = 0 and the prompts e was given in the last
+                   or given(e) + cost <= budget)   life, this one too, within the budget
 
     no timings yet                   -> pd    (the static mode, which teaches them)
-    P has a prompt pending           -> decode_alone if D fits and has fewer prompts
-                                              pending than P, else pd (the shorter queue,
-                                              within what D's streams' TPOT affords)
+    P has a prompt pending:
+      (pending(P) + 1) x cost <= KEEP_UP x ttft -> pd (P keeps up: D's streams stay clean)
+      D fits, fewer prompts pending than P      -> decode_alone (the shorter queue)
+      else                                      -> pd
     neither P nor D fits             -> pd
     else the less loaded that fits   -> prefill_alone or decode_alone
                                              (load = streams + pending; a tie goes to D)
 
+``given(e)``: the prompt seconds (their ``cost`` when chosen) the rule gave ``e``'s role in
+the last ``life`` seconds, per routable engine of the role: P is given every P/D request's
+prompt and every P-alone one, D its D-alone ones. It is an admission bound, counted when the
+rule chooses, not when the engine is seen busy: a rule that waits to see D's streams slow
+down has already given D too many prompts (the third version of the rule did, at 3 QPS).
 ``streams(e)``: requests decoding on engine ``e`` (D: the slots held there but its pending
 prompts; P: its P-alone streams, first bytes in and end not seen);
 ``pending(e)``: prompts ``e`` still computes for this router (P: its legs, and its P-alone
-requests before their first bytes; D: its D-alone requests before theirs); ``busy(e)``: the
-share of recent requests that found ``e`` with a prompt pending (``Timings``), i.e. of its
-time on prompts: on P that is every P/D request's prefill, which a stream served by P alone
-would wait behind for as long as it decodes. P and D are the
+requests before their first bytes; D: its D-alone requests before theirs). P and D are the
 least loaded routable engine of each role (D: with a free slot; of equals, the one with the
 fewest prompts pending). With several router replicas (``admission.replicas > 1``), the
 engines' own gauges (``vllm:num_requests_running`` + ``waiting``, read every
@@ -35,7 +39,7 @@ engines' own gauges (``vllm:num_requests_running`` + ``waiting``, read every
 to P's pending prompts, and to D's streams. ``single_engine`` limits which may serve alone.
 
 :func:`choose` is the rule, a pure function of :class:`Inputs`; :func:`inputs` reads them
-from the model's pool.
+from the model's pool, :func:`decide` also records what it gave.
 """
 
 from __future__ import annotations
@@ -47,11 +51,15 @@ from router.config import AdaptiveConfig
 from router.engines.instance import Instance, candidates
 from router.registry import ModelPool
 
-__all__ = ["Choice", "EngineLoad", "Inputs", "choose", "decide", "inputs"]
+__all__ = ["KEEP_UP", "ROOM", "Choice", "EngineLoad", "Inputs", "choose", "decide", "inputs"]
 
-# An engine busy with prompts all the time still decodes between them: the stretch of its
-# streams' steps is capped at 20x (beyond any TPOT target a step could meet).
-_MIN_FREE = 0.05
+# The share of an engine's TPOT slack (tpot - step, over a stream's life) the rule lets its
+# prompts take: a stream's TPOT is its mean over its life, and a stream that lives through a
+# window at the full budget misses the target about as often as it meets it.
+ROOM = 0.75
+# P/D while this request's TTFT behind P's queue is within this share of the target: the
+# cost estimate includes P's recent queueing, and a queue that is half the target grows.
+KEEP_UP = 0.5
 
 
 class Choice(enum.StrEnum):
@@ -76,16 +84,22 @@ class EngineLoad:
 
 @dataclass(frozen=True, slots=True)
 class Inputs:
-    """What the rule reads: the prompt, the recent timings (None: none observed yet) and the
-    least loaded routable engine of each role (None: no routable one)."""
+    """What the rule reads: the prompt, the recent timings (None: none observed yet), the
+    least loaded routable engine of each role (None: no routable one), and the prompt seconds
+    given to each role in the last stream's life, per engine."""
 
     prompt_tokens: int
     prefill_s_per_token: float | None
     step_s: float | None
     prefill: EngineLoad | None
     decode: EngineLoad | None
-    prefill_busy: float = 0.0  # share of time P spends on prompts (recent requests saw)
-    decode_busy: float = 0.0  # and D
+    prefill_given: float = 0.0
+    decode_given: float = 0.0
+
+
+def life_s(cfg: AdaptiveConfig) -> float:
+    """A stream's life at the SLO: the window over which the rule counts prompts given."""
+    return cfg.stall_tokens * cfg.tpot_ms / 1000
 
 
 def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
@@ -93,26 +107,23 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     if x.prefill_s_per_token is None or x.step_s is None or x.prefill is None:
         return Choice.PD
     cost = x.prompt_tokens * x.prefill_s_per_token
-    step = x.step_s
+    ttft = cfg.ttft_ms / 1000
+    budget = ROOM * (cfg.tpot_ms / 1000 - x.step_s) * cfg.stall_tokens
 
-    def fits(e: EngineLoad | None, busy: float) -> bool:
-        if e is None:
+    def fits(e: EngineLoad | None, given: float) -> bool:
+        if e is None or (e.pending + 1) * cost > ttft:
             return False
-        stall = (e.pending + 1) * cost
-        if stall * 1000 > cfg.ttft_ms:
-            return False
-        if e.streams == 0 and busy == 0:
-            return True  # nothing decodes there, and no prompt of its own will stall this one
-        tpot = step / max(1.0 - busy, _MIN_FREE) + (stall / cfg.stall_tokens if e.streams else 0)
-        return tpot * 1000 <= cfg.tpot_ms
+        # Nothing decodes there and nothing was given lately: no stream's TPOT to keep.
+        return (e.streams == 0 and given == 0) or given + cost <= budget
 
-    d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_busy)
+    d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_given)
     if x.prefill.pending > 0:
-        # Not low load: the shorter queue of prompts serves, D only while its streams keep
-        # their TPOT (d_ok), so D computes prompts up to the share its streams can afford.
+        if (x.prefill.pending + 1) * cost <= KEEP_UP * ttft:
+            return Choice.PD
+        # P falls behind: the shorter queue of prompts serves, D only within its budget.
         behind_d = x.decode.pending if x.decode is not None else 0
         return Choice.DECODE_ALONE if d_ok and behind_d < x.prefill.pending else Choice.PD
-    p_ok = cfg.single_engine != "decode" and fits(x.prefill, x.prefill_busy)
+    p_ok = cfg.single_engine != "decode" and fits(x.prefill, x.prefill_given)
     if p_ok and (not d_ok or (x.decode is not None and x.prefill.total < x.decode.total)):
         return Choice.PREFILL_ALONE
     if d_ok:
@@ -120,13 +131,18 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     return Choice.PD
 
 
-def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int) -> Choice:
-    """The rule's choice for a request of ``prompt_tokens`` (estimated) arriving at ``pool``;
-    what the arrival found is recorded in the pool's timings (the busy shares)."""
-    x = inputs(pool, prompt_tokens)
-    p_busy = x.prefill is not None and x.prefill.pending > 0
-    pool.timings.observe_arrival(p_busy, x.decode is not None and x.decode.pending > 0)
-    return choose(cfg, x)
+def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float) -> Choice:
+    """The rule's choice for a request of ``prompt_tokens`` (estimated) arriving at ``pool``
+    at ``now`` (monotonic seconds); the prompt's cost is recorded as given to the role that
+    computes it (the pool's timings)."""
+    x = inputs(cfg, pool, prompt_tokens, now)
+    choice = choose(cfg, x)
+    if x.prefill_s_per_token is not None:
+        cost = prompt_tokens * x.prefill_s_per_token
+        timings = pool.timings
+        ledger = timings.given_decode if choice is Choice.DECODE_ALONE else timings.given_prefill
+        ledger.add(now, cost)
+    return choice
 
 
 def _least(loads: list[EngineLoad]) -> EngineLoad | None:
@@ -145,19 +161,23 @@ def _decode_load(d: Instance, others: int) -> EngineLoad:
     return EngineLoad(streams=max(0, d.in_use - d.prefilling) + others, pending=d.prefilling)
 
 
-def inputs(pool: ModelPool, prompt_tokens: int) -> Inputs:
-    """The rule's inputs for a request of ``prompt_tokens`` (estimated) to ``pool``."""
+def inputs(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float) -> Inputs:
+    """The rule's inputs for a request of ``prompt_tokens`` (estimated) to ``pool`` at
+    ``now``."""
     timings = pool.timings
+    life = life_s(cfg)
 
     def others(inst: Instance) -> int:
         return max(0, pool.load(inst) - inst.load)
 
+    prefills = candidates(pool.prefill)
+    decodes = candidates(pool.decode)
     return Inputs(
         prompt_tokens,
         timings.prefill_s_per_token,
         timings.step_s,
-        _least([_prefill_load(p, others(p)) for p in candidates(pool.prefill)]),
-        _least([_decode_load(d, others(d)) for d in candidates(pool.decode) if d.free_slots > 0]),
-        timings.prefill_busy,
-        timings.decode_busy,
+        _least([_prefill_load(p, others(p)) for p in prefills]),
+        _least([_decode_load(d, others(d)) for d in decodes if d.free_slots > 0]),
+        timings.given_prefill.within(now, life) / max(1, len(prefills)),
+        timings.given_decode.within(now, life) / max(1, len(decodes)),
     )

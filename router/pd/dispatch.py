@@ -126,7 +126,7 @@ class Dispatcher:
         cfg = pool.config.adaptive
         if not cfg.enabled or decision.value != pool.mode.value:
             return decision
-        choice = adaptive.decide(cfg, pool, creq.estimated_prompt_tokens())
+        choice = adaptive.decide(cfg, pool, creq.estimated_prompt_tokens(), self._clock())
         self._metrics.route_choices.labels(pool.name, choice).inc()
         return _ADAPTED.get(choice, decision)
 

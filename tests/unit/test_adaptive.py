@@ -1,9 +1,10 @@
 """The adaptive rule (router/pd/adaptive.py): each branch on inputs given by the test, the
-inputs read from a model's pool, and the timings it learns from (router/engines/timings.py).
+inputs read from a model's pool, and the timings and ledgers it learns from
+(router/engines/timings.py).
 
-Defaults of the rule here: TTFT 1,500 ms, TPOT 40 ms, a stall spread over 64 tokens; a
-1,000-token prompt at 1 ms a token costs 1 s on one engine, which adds 15.6 ms to the TPOT of
-a stream it stalls.
+Defaults of the rule here: TTFT 1,500 ms, TPOT 40 ms, a stream's life of 64 tokens (2.56 s at
+the SLO); a 1,000-token prompt at 1 ms a token costs 1 s on one engine. At a 20 ms step an
+engine's budget is 0.75 x 20 ms x 64 = 0.96 s of prompts a life; at 10 ms, 1.44 s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pytest
 
 from router.config import AdaptiveConfig, parse_config
 from router.engines.instance import Instance
-from router.engines.timings import BUSY_WEIGHT, WEIGHT, Timings
+from router.engines.timings import WEIGHT, PromptLedger, Timings
 from router.metrics import ROUTE_CHOICES
-from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, decide, inputs
+from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, decide, inputs, life_s
 from router.registry import Registry
 
 CFG = AdaptiveConfig(enabled=True)
@@ -33,8 +34,10 @@ def _inputs(
     tokens: int = 1000,
     per_token: float | None = 1 * MS,
     step: float | None = 20 * MS,
+    given_p: float = 0.0,
+    given_d: float = 0.0,
 ) -> Inputs:
-    return Inputs(tokens, per_token, step, prefill, decode)
+    return Inputs(tokens, per_token, step, prefill, decode, given_p, given_d)
 
 
 def _cfg(**kw: Any) -> AdaptiveConfig:
@@ -50,14 +53,24 @@ def test_without_timings_the_static_mode_serves_and_teaches_them() -> None:
     assert choose(CFG, _inputs(step=None)) is Choice.PD
 
 
-def test_with_a_prompt_pending_on_p_the_shorter_queue_serves_within_d_s_tpot() -> None:
-    """P computes a prompt: D computes this one alone if it has fewer pending and its streams
-    keep their TPOT, else the request queues at P (P/D)."""
+def test_while_p_keeps_up_with_its_prompts_p_d_serves_even_with_d_idle() -> None:
+    """P computes a prompt, and this one would be done behind it within half the TTFT
+    target (2 x 0.3 s <= 0.75 s): D's streams are kept clean of prompts."""
+    busy_p = EngineLoad(streams=0, pending=1)
+    assert choose(CFG, _inputs(prefill=busy_p, tokens=300)) is Choice.PD
+    assert choose(CFG, _inputs(prefill=busy_p, tokens=400)) is Choice.DECODE_ALONE  # 0.8 s
+
+
+def test_when_p_falls_behind_d_serves_alone_within_its_budget() -> None:
+    """P would finish this 1 s prompt after 2 s: D computes it if it has fewer queued and
+    the prompts it was given in the last life, this one too, stay within its budget."""
     busy_p = EngineLoad(streams=0, pending=1)
     assert choose(CFG, _inputs(prefill=busy_p)) is Choice.DECODE_ALONE
-    d_streams = EngineLoad(streams=3, pending=0)  # 30 ms + 15.6 ms of stall > 40 ms
-    assert choose(CFG, _inputs(busy_p, d_streams, step=30 * MS)) is Choice.PD
-    assert choose(CFG, _inputs(busy_p, d_streams, step=20 * MS)) is Choice.DECODE_ALONE
+    d_streams = EngineLoad(streams=3, pending=0)
+    assert choose(CFG, _inputs(busy_p, d_streams, step=20 * MS)) is Choice.PD  # 1 > 0.96
+    assert choose(CFG, _inputs(busy_p, d_streams, step=10 * MS)) is Choice.DECODE_ALONE
+    given = _inputs(busy_p, d_streams, step=10 * MS, given_d=0.5)  # 1.5 > 1.44
+    assert choose(CFG, given) is Choice.PD
     d_prompt = EngineLoad(streams=0, pending=1)  # as many queued on D as on P
     assert choose(CFG, _inputs(busy_p, d_prompt, tokens=500)) is Choice.PD
     assert choose(_cfg(single_engine="prefill"), _inputs(prefill=busy_p)) is Choice.PD
@@ -69,22 +82,28 @@ def test_no_routable_p_leaves_the_request_to_the_static_mode() -> None:
 
 def test_the_less_loaded_engine_serves_alone() -> None:
     d_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(decode=d_decodes)) is Choice.PREFILL_ALONE
+    assert choose(CFG, _inputs(decode=d_decodes, tokens=500)) is Choice.PREFILL_ALONE
     p_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(prefill=p_decodes)) is Choice.DECODE_ALONE
+    assert choose(CFG, _inputs(prefill=p_decodes, tokens=500)) is Choice.DECODE_ALONE
 
 
-def test_a_prefill_that_would_break_the_tpot_of_d_s_streams_goes_p_d() -> None:
-    """Exactly at the budget D still serves alone; a millisecond of step more, P/D."""
+def test_the_budget_is_the_tpot_slack_of_a_stream_s_life() -> None:
+    """A stream of stall_tokens tokens at step s may wait ROOM x (tpot - s) x stall_tokens for
+    prompts: 0.75 x 20 ms x 50 = 0.75 s at a 20 ms step, under this 0.8 s prompt; 0.9 s at
+    a 16 ms step, over it."""
     streams = EngineLoad(streams=3, pending=0)
-    only_d = _cfg(single_engine="decode", stall_tokens=50)  # 1 s / 50 = 20 ms a token
-    assert choose(only_d, _inputs(decode=streams, step=20 * MS)) is Choice.DECODE_ALONE
-    assert choose(only_d, _inputs(decode=streams, step=21 * MS)) is Choice.PD
+    only_d = _cfg(single_engine="decode", stall_tokens=50)
+    x = _inputs(decode=streams, tokens=800, step=16 * MS)
+    assert choose(only_d, x) is Choice.DECODE_ALONE
+    x = _inputs(decode=streams, tokens=800, step=20 * MS)
+    assert choose(only_d, x) is Choice.PD
 
 
-def test_an_idle_engine_has_no_tpot_to_keep() -> None:
-    """A step time far over TPOT does not matter to an engine that decodes nothing."""
+def test_an_idle_engine_given_nothing_lately_has_no_tpot_to_keep() -> None:
+    """A step time far over TPOT does not matter to an engine that decodes nothing and was
+    given no prompt in the last life; one given a prompt there has streams coming."""
     assert choose(CFG, _inputs(step=500 * MS)) is Choice.DECODE_ALONE
+    assert choose(CFG, _inputs(step=500 * MS, given_d=0.1, given_p=0.1)) is Choice.PD
 
 
 def test_a_prompt_over_the_ttft_on_one_engine_goes_p_d() -> None:
@@ -103,7 +122,8 @@ def test_prompts_pending_on_d_count_in_this_one_s_ttft() -> None:
 def test_single_engine_limits_which_engine_may_serve_alone() -> None:
     assert choose(_cfg(single_engine="prefill"), _inputs()) is Choice.PREFILL_ALONE
     d_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(_cfg(single_engine="decode"), _inputs(decode=d_decodes)) is Choice.DECODE_ALONE
+    x = _inputs(decode=d_decodes, tokens=500)
+    assert choose(_cfg(single_engine="decode"), x) is Choice.DECODE_ALONE
 
 
 def test_no_free_decode_slot_leaves_p_alone_or_p_d() -> None:
@@ -113,25 +133,22 @@ def test_no_free_decode_slot_leaves_p_alone_or_p_d() -> None:
 
 def test_low_load_goes_to_one_engine_and_high_load_to_p_d() -> None:
     """The rule's direction: the same prompt and timings, one engine at idle, P/D once both
-    engines decode streams a local prefill would stall past the TPOT target."""
-    slow_step = 30 * MS  # + 15.6 ms of stall: over 40 ms
-    assert choose(CFG, _inputs(step=slow_step)) is not Choice.PD
+    engines decode streams and were given prompts up to their budgets."""
+    assert choose(CFG, _inputs(tokens=500)) is not Choice.PD
     loaded = EngineLoad(streams=4, pending=0)
-    assert choose(CFG, _inputs(loaded, loaded, step=slow_step)) is Choice.PD
+    x = _inputs(loaded, loaded, tokens=500, given_p=0.5, given_d=0.5)  # 0.5 + 0.5 > 0.96
+    assert choose(CFG, x) is Choice.PD
 
 
-def test_an_engine_busy_with_prompts_would_stall_a_stream_served_there_alone() -> None:
-    """P idle at this instant but on P/D prompts 80% of the time: a stream it served alone
-    would wait behind them (20 ms / 0.2 = 100 ms a token), so D, less idle but with a TPOT to
-    spare (20 + 15.6 ms), serves it; a share of 10% (22 ms) leaves it to P."""
+def test_prompts_given_to_p_would_stall_a_stream_served_there_alone() -> None:
+    """P idle at this instant, but given 0.6 s of P/D prompts in the last life: a stream it
+    served alone would wait behind them and this one (1.1 s > 0.96 s), so D, decoding one
+    stream but given nothing, serves it; with 0.3 s given, P (the less loaded) does."""
     d_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(decode=d_decodes)) is Choice.PREFILL_ALONE
-    x = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.8)
-    assert choose(CFG, x) is Choice.DECODE_ALONE
-    x = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.1)
-    assert choose(CFG, x) is Choice.PREFILL_ALONE
-    both_busy = Inputs(1000, 1 * MS, 20 * MS, IDLE, d_decodes, prefill_busy=0.8, decode_busy=0.8)
-    assert choose(CFG, both_busy) is Choice.PD
+    assert choose(CFG, _inputs(decode=d_decodes, tokens=500, given_p=0.6)) is Choice.DECODE_ALONE
+    assert choose(CFG, _inputs(decode=d_decodes, tokens=500, given_p=0.3)) is Choice.PREFILL_ALONE
+    both = _inputs(decode=d_decodes, tokens=500, given_p=0.6, given_d=0.6)
+    assert choose(CFG, both) is Choice.PD
 
 
 def test_the_counter_s_labels_are_the_rule_s_choices() -> None:
@@ -151,14 +168,16 @@ def test_timings_start_unknown_then_follow_recent_observations() -> None:
     assert t.prefill_s_per_token == pytest.approx(0.002 + WEIGHT * 0.002)
 
 
-def test_busy_shares_are_the_share_of_recent_arrivals_that_found_a_prompt_pending() -> None:
-    t = Timings()
-    assert (t.prefill_busy, t.decode_busy) == (0.0, 0.0)
-    t.observe_arrival(prefill_busy=True, decode_busy=False)
-    assert (t.prefill_busy, t.decode_busy) == (pytest.approx(BUSY_WEIGHT), 0.0)
-    for _ in range(100):
-        t.observe_arrival(prefill_busy=True, decode_busy=True)
-    assert t.prefill_busy == pytest.approx(1.0, abs=1e-3) and t.decode_busy > 0.99
+def test_a_ledger_sums_what_was_given_within_a_window() -> None:
+    ledger = PromptLedger()
+    assert ledger.within(0.0, 1.0) == 0.0
+    ledger.add(0.0, 1.0)
+    ledger.add(1.0, 0.5)
+    assert ledger.within(1.0, 2.0) == pytest.approx(1.5)
+    assert ledger.within(1.5, 1.0) == pytest.approx(0.5)  # the first is out of the window
+    assert ledger.within(2.0, 1.0) == 0.0  # a window is half-open: (now - window, now]
+    ledger.add(3.0, 0.25)
+    assert ledger.within(3.0, 10.0) == pytest.approx(0.25)  # dropped entries stay dropped
 
 
 def test_timings_ignore_observations_without_tokens() -> None:
@@ -196,37 +215,50 @@ def test_inputs_read_the_least_loaded_engines_and_the_pool_s_timings() -> None:
     (d,) = pool.decode
     pool.timings.observe_prefill(1.0, 500)
     pool.timings.observe_stream(0.5, 10)
+    pool.timings.given_prefill.add(0.0, 1.0)  # over two P: 0.5 each
+    pool.timings.given_decode.add(0.0, 0.25)
     d.take_slot()
     d.take_slot()
     with contextlib.ExitStack() as held:
         held.enter_context(d.computing_prompt(True))  # one of D's two is a prompt of its own
         held.enter_context(p0.running_leg())
         p1.stream_started()  # p1 serves one stream alone
-        x = inputs(pool, 300)
-        assert x == Inputs(300, 0.002, 0.05, EngineLoad(1, 0), None)  # D has no free slot
+        x = inputs(CFG, pool, 300, 1.0)
+        assert x == Inputs(300, 0.002, 0.05, EngineLoad(1, 0), None, 0.5, 0.25)  # D: no slot
         d.give_slot()
-        assert inputs(pool, 300).decode == EngineLoad(streams=0, pending=1)
+        assert inputs(CFG, pool, 300, 1.0).decode == EngineLoad(streams=0, pending=1)
         p1.stream_ended()
-    assert inputs(pool, 300).prefill == IDLE
+    x = inputs(CFG, pool, 300, life_s(CFG))  # the given prompts are a life old
+    assert (x.prefill, x.prefill_given, x.decode_given) == (IDLE, 0.0, 0.0)
     assert p1.load == 0 and p0.load == 0
 
 
-def test_each_decision_records_what_its_arrival_found() -> None:
+def test_each_decision_gives_its_prompt_to_the_role_that_computes_it() -> None:
+    """Without timings nothing is given (the cost is unknown); then P/D and P alone give the
+    prompt's cost to P, D alone to D, for one life."""
     pool = _pool()
+    assert decide(CFG, pool, 300, 0.0) is Choice.PD
+    assert pool.timings.given_prefill.within(0.0, 10.0) == 0.0
+    pool.timings.observe_prefill(1.0, 1000)
+    pool.timings.observe_stream(0.2, 10)
+    assert decide(CFG, pool, 500, 1.0) is Choice.DECODE_ALONE  # both idle: a tie goes to D
+    assert inputs(CFG, pool, 500, 1.0).decode_given == pytest.approx(0.5)
     p0, p1 = pool.prefill
-    with p0.running_leg(), p1.running_leg():  # every P computes a prompt: P is busy
-        assert decide(CFG, pool, 300) is Choice.PD  # no timings yet
-    assert (pool.timings.prefill_busy, pool.timings.decode_busy) == (BUSY_WEIGHT, 0.0)
-    assert inputs(pool, 300).prefill_busy == BUSY_WEIGHT
+    with p0.running_leg(), p1.running_leg():  # every P computes a prompt of 0.1 s: keeps up
+        assert decide(CFG, pool, 100, 2.0) is Choice.PD
+    assert inputs(CFG, pool, 500, 2.0).prefill_given == pytest.approx(0.1 / 2)
+    later = inputs(CFG, pool, 500, 2.0 + life_s(CFG))
+    assert (later.prefill_given, later.decode_given) == (0.0, 0.0)
 
 
 def test_other_replicas_requests_reported_by_the_engines_count_as_load() -> None:
     """With several replicas, an engine's reported load beyond this router's own is the
     others': prompts pending on P (so P/D), streams on D."""
     pool = _pool(load=lambda inst: inst.load + 2)
-    x = inputs(pool, 300)
+    x = inputs(CFG, pool, 300, 0.0)
     assert (x.prefill, x.decode) == (EngineLoad(0, 2), EngineLoad(2, 0))
-    # P has two others' prompts: D would serve, but its two others' streams (35 ms a step)
-    # cannot take a 0.4 s stall (+6.25 ms) within 40 ms, so P/D; without them D would.
+    # P has two others' prompts (3 x 0.4 s: behind): D would serve, but with its two others'
+    # streams at 35 ms a step its budget is 0.24 s, under the prompt's 0.4 s, so P/D;
+    # without them D would.
     assert choose(CFG, Inputs(200, 0.002, 0.035, x.prefill, x.decode)) is Choice.PD
     assert choose(CFG, Inputs(200, 0.002, 0.035, x.prefill, IDLE)) is Choice.DECODE_ALONE
