@@ -350,7 +350,8 @@ def _breakdown(
     elif stack.mode.value == "push":
         out["kv_xfer"] = mean(p, "vllm:nixl_xfer_time_seconds")
     else:
-        out["kv_xfer"] = mean(p, "vllm:pdr_request_write_seconds")
+        # From P's last step, not the first WRITE: that one spans every chunk after it.
+        out["kv_xfer"] = mean(p, "vllm:pdr_request_write_tail_seconds")
     return out
 
 

@@ -8,7 +8,10 @@ Exported series (label ``engine`` etc. as vLLM sets them):
   ``vllm:pdr_tokens_pulled_total``, ``vllm:pdr_kept_missed_total`` (P): kept turns
   (``connector.kept_turns_worker``)
 * ``vllm:pdr_writes_per_request`` (histogram, P), ``vllm:pdr_request_write_seconds`` (histogram,
-  first WRITE posted to last completed, P), ``vllm:pdr_handshake_seconds`` (histogram, both)
+  first WRITE posted to last completed, P: it spans every prefill chunk after the first),
+  ``vllm:pdr_request_write_tail_seconds`` (histogram, P: the prompt's last step ended to the
+  last WRITE completed, the transfer D waits for), ``vllm:pdr_handshake_seconds`` (histogram,
+  both)
 * ``vllm:pdr_failures_total{kind=...}`` (both; kinds in ``stats.FAILURE_KINDS``)
 """
 
@@ -92,6 +95,13 @@ class PipelinedPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                     "write_seconds",
                     "vllm:pdr_request_write_seconds",
                     "First WRITE posted to last WRITE completed, per request",
+                    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
+                ),
+                (
+                    "write_tail_seconds",
+                    "vllm:pdr_request_write_tail_seconds",
+                    "Prompt's last step ended to last WRITE completed, per request: the "
+                    "transfer left after P's compute",
                     [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5],
                 ),
                 (

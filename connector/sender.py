@@ -358,7 +358,9 @@ class Sender:
                 send.last_done = now
         send.handles = pending
         if send.done_sent and not pending and send.first_post is not None and not send.failed:
-            self._ctx.stats.sent(send.writes, (send.last_done or now) - send.first_post)
+            done = send.last_done or now
+            final = send.final_at if send.final_at is not None else done  # set before DONE
+            self._ctx.stats.sent(send.writes, done - send.first_post, max(0.0, done - final))
             send.first_post = None  # count once
 
     def _check_reg_timeout(self, send: _Send, now: float) -> None:

@@ -35,7 +35,7 @@ _SUMS = (
     "tokens_pulled",  # P: prompt tokens whose KV came from a kept turn, not computed
     "kept_missed",  # P: kept turns D refused or did not answer (P computed those tokens)
 )
-_LISTS = ("writes_per_request", "write_seconds", "handshake_seconds")
+_LISTS = ("writes_per_request", "write_seconds", "write_tail_seconds", "handshake_seconds")
 
 
 def empty_data() -> dict[str, Any]:
@@ -77,11 +77,14 @@ class WorkerStats:
         self._data["bytes_written"] += nbytes
         self._data["num_writes"] += 1
 
-    def sent(self, writes: int, seconds: float) -> None:
-        """One request fully pushed: ``writes`` WRITEs, first post to last completion."""
+    def sent(self, writes: int, seconds: float, tail: float) -> None:
+        """One request fully pushed: ``writes`` WRITEs, ``seconds`` from the first post to the
+        last completion, ``tail`` from the end of the prompt's last step to that completion
+        (the transfer left after P's compute, which D waits for)."""
         self._data["requests_sent"] += 1
         self._data["writes_per_request"].append(writes)
         self._data["write_seconds"].append(seconds)
+        self._data["write_tail_seconds"].append(tail)
 
     def received(self, nbytes: int) -> None:
         self._data["requests_received"] += 1

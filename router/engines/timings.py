@@ -5,9 +5,10 @@ Two exponentially weighted moving averages, each None until its first observatio
 
 - ``prefill_s_per_token``: seconds an engine took to compute a prompt, per prompt token
   (estimated the same way the choice estimates the next prompt, so the estimator's bias
-  cancels): from every P leg (sent to P's answer) and every single-engine request (sent to
-  its first bytes). Both include the wait in the engine's queue, so under load the estimate
-  grows, which is what a choice between waiting there and elsewhere needs;
+  cancels): from P legs (sent to P's answer) and streamed single-engine requests (sent to
+  their first bytes) that found their engine computing no other prompt for this router. A
+  prompt sent behind others waits for them, and the choice counts that wait itself (the
+  prompts pending times this estimate);
 - ``step_s``: seconds per output token of a stream, from its first bytes to its end over the
   reads in between (about one per token; reads that merged tokens make it err high). It
   includes the stalls the stream met, so it grows as its engine computes more prompts;

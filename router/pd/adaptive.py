@@ -58,7 +58,7 @@ __all__ = ["KEEP_UP", "ROOM", "Choice", "EngineLoad", "Inputs", "choose", "decid
 # window at the full budget misses the target about as often as it meets it.
 ROOM = 0.75
 # P/D while this request's TTFT behind P's queue is within this share of the target: the
-# cost estimate includes P's recent queueing, and a queue that is half the target grows.
+# rest is for prompts arriving meanwhile, the transfer and D's first step.
 KEEP_UP = 0.5
 
 

@@ -408,6 +408,7 @@ class Dispatcher:
     ) -> PrefillResult:
         started = self._clock()
         p = pair.prefill
+        first = _computes_nothing(p)
         try:
             with self._tracing.span("prefill", {"pdrouter.engine": p.url}):
                 result = await self._legs.prefill(
@@ -426,8 +427,9 @@ class Dispatcher:
             raise
         else:
             pool.record(p, None)
-            tokens = pair.creq.estimated_prompt_tokens()
-            pool.timings.observe_prefill(self._clock() - started, tokens)
+            if first:
+                tokens = pair.creq.estimated_prompt_tokens()
+                pool.timings.observe_prefill(self._clock() - started, tokens)
             return result
         finally:
             self._metrics.prefill_duration.labels(pool.name, pool.mode).observe(
@@ -447,8 +449,10 @@ class Dispatcher:
         serving the request alone). A leg is judged when it ends (the dispatch's exit),
         except a half-open D's trial, which succeeds with its first bytes: the other
         requests need not wait for the whole stream to know that D is back. A streamed
-        leg ``alone`` teaches the model's prefill time (its first bytes)."""
+        leg ``alone`` teaches the model's prefill time (its first bytes), if it found ``d``
+        computing no other prompt."""
         started = self._clock()
+        first = alone and _computes_nothing(d)
         try:
             with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
                 leg = await self._legs.open_decode(
@@ -465,7 +469,7 @@ class Dispatcher:
             raise
         if d.breaker.state is BreakerState.HALF_OPEN:
             pool.record(d, None)
-        if alone and creq.stream:
+        if first and creq.stream:
             pool.timings.observe_prefill(self._clock() - started, creq.estimated_prompt_tokens())
         return leg
 
@@ -506,6 +510,15 @@ _ADAPTED = {
     adaptive.Choice.DECODE_ALONE: Decision.DECODE_ALONE,
     adaptive.Choice.PREFILL_ALONE: Decision.PREFILL_ALONE,
 }
+
+
+def _computes_nothing(inst: Instance) -> bool:
+    """Whether ``inst`` computes no prompt for this router: a prompt sent now is computed
+    at once, so its time is the computation's, without a wait behind others. The adaptive
+    rule multiplies that by the prompts queued (router/pd/adaptive.py); a time that held
+    the queue's wait would count the queue twice, and under load would grow past any
+    budget (a 768-token prompt then "cost" 3 s on a P that computes it in 1.2)."""
+    return inst.legs_running == 0 and inst.prefilling == 0
 
 
 def _observe_stream(pool: ModelPool, leg: DecodeLeg) -> None:

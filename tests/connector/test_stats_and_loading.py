@@ -19,11 +19,12 @@ def test_worker_stats_snapshot_and_reset() -> None:
     assert s.take() is None
     s.wrote(100)
     s.wrote(50)
-    s.sent(2, 0.01)
+    s.sent(2, 0.01, 0.002)
     s.failure("reg_timeout")
     data = s.take()
     assert data is not None
     assert (data["bytes_written"], data["num_writes"], data["writes_per_request"]) == (150, 2, [2])
+    assert (data["write_seconds"], data["write_tail_seconds"]) == ([0.01], [0.002])
     assert data["failures"] == {"reg_timeout": 1}
     assert s.take() is None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, decode
 from connector.worker import Timeouts
 from tests.connector.helpers import (
@@ -264,6 +266,26 @@ def test_a_write_completed_after_its_post_reaches_d_during_ps_next_forward() -> 
     p.worker.save_layer(p.layers()[0])
     assert idle(d)[1] == {"d1"}  # before P's next get_finished
     assert same_blocks(p, d, [1, 2], [10, 11])
+
+
+def test_the_write_tail_is_the_transfer_left_after_the_prompt_s_last_step() -> None:
+    """P counts from the end of the prompt's last step to its last WRITE's completion, not
+    from the first WRITE (which spans every chunk): what D waits for beyond P's compute."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11, 12]))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=False))  # chunk 1, written as it is computed
+    clock.advance(2.0)  # chunk 2 comes two seconds later
+    fabric.write_mode = "proc"
+    forward(p, send("p1", 1, [2, 3], final=True, tokens=10))
+    clock.advance(0.25)
+    fabric.complete_all()
+    p.finished.add("p1")
+    assert idle(p)[0] == {"p1"}
+    stats = p.worker.stats.take()
+    assert stats is not None
+    assert stats["write_tail_seconds"] == [pytest.approx(0.25)]
+    assert stats["write_seconds"] == [pytest.approx(2.25)]
 
 
 def test_a_reg_arriving_during_a_forward_is_read_by_its_layer_hooks() -> None:

@@ -18,6 +18,7 @@ import pytest
 from router.access_log import ACCESS_LOGGER
 from router.app import AppContext
 from router.engines.instance import Instance
+from router.engines.timings import Timings
 from tests.conftest import Cluster, client_leaves, eventually, metric
 from tests.integration.test_modes import sse_payloads
 
@@ -205,3 +206,35 @@ async def test_off_by_default_every_request_goes_through_p_d(
 async def _learn_no_check(client: httpx.AsyncClient, url: str) -> None:
     r = await client.post(url + "/v1/completions", json=STREAM)
     assert r.status_code == 200
+
+
+async def test_only_a_prompt_sent_to_an_engine_computing_nothing_teaches_the_prefill_time(
+    cluster: Cluster, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule multiplies the prefill time by the prompts queued: a P leg sent while P
+    computes another prompt waits behind it, and its time (the wait included) is not taught."""
+    taught: list[int] = []
+    teach = Timings.observe_prefill
+
+    def spy(self: Timings, seconds: float, prompt_tokens: int) -> None:
+        taught.append(prompt_tokens)
+        teach(self, seconds, prompt_tokens)
+
+    monkeypatch.setattr(Timings, "observe_prefill", spy)
+    url, ctx = await cluster.router("pull")
+    p, d = _engines(ctx)
+    gate = cluster.prefill[0].behaviour.gate = asyncio.Event()
+    first = asyncio.create_task(client.post(url + "/v1/completions", json=STREAM))
+    second = None
+    try:
+        await eventually(lambda: p.legs_running == 1)
+        second = asyncio.create_task(client.post(url + "/v1/completions", json=STREAM))
+        await eventually(lambda: p.legs_running == 2)
+        gate.set()
+        answers = await asyncio.gather(first, second)
+    finally:
+        gate.set()
+        await asyncio.gather(*(t for t in (first, second) if t), return_exceptions=True)
+    assert [a.status_code for a in answers] == [200, 200]
+    assert len(taught) == 1  # the first leg only
+    assert _idle(p) and _idle(d)
