@@ -9,9 +9,11 @@ Two exponentially weighted moving averages, each None until its first observatio
   their first bytes) that found their engine computing no other prompt for this router. A
   prompt sent behind others waits for them, and the choice counts that wait itself (the
   prompts pending times this estimate);
-- ``step_s``: seconds per output token of a stream, from its first bytes to its end over the
-  reads in between (about one per token; reads that merged tokens make it err high). It
-  includes the stalls the stream met, so it grows as its engine computes more prompts;
+- ``step_s``: seconds per output token of a stream D decodes, from its first bytes to its
+  end over the reads in between (about one per token; reads that merged tokens make it err
+  high). It includes the stalls the stream met, so it grows as D computes more prompts;
+- ``prefill_step_s``: the same, of streams P serves alone (which wait behind every P/D
+  prompt): kept apart, so that they do not make D's streams look slow;
 
 and two ledgers, ``given_prefill`` and ``given_decode``: the prompt seconds the choice gave
 each role, by time given, which it reads over a stream's life (its admission bound).
@@ -63,11 +65,12 @@ class Timings:
     """One model's recent prefill and decode-step times, and the prompt work the choice gave
     each role (see module doc)."""
 
-    __slots__ = ("given_decode", "given_prefill", "prefill_s_per_token", "step_s")
+    __slots__ = ("given_decode", "given_prefill", "prefill_s_per_token", "prefill_step_s", "step_s")
 
     def __init__(self) -> None:
         self.prefill_s_per_token: float | None = None
         self.step_s: float | None = None
+        self.prefill_step_s: float | None = None
         self.given_prefill = PromptLedger()
         self.given_decode = PromptLedger()
 
@@ -76,7 +79,11 @@ class Timings:
         if prompt_tokens > 0 and seconds >= 0:
             self.prefill_s_per_token = _ewma(self.prefill_s_per_token, seconds / prompt_tokens)
 
-    def observe_stream(self, seconds: float, tokens: int) -> None:
-        """A stream took ``seconds`` from its first bytes to its end over ``tokens`` reads."""
+    def observe_stream(self, seconds: float, tokens: int, on_prefill: bool = False) -> None:
+        """A stream took ``seconds`` from its first bytes to its end over ``tokens`` reads;
+        ``on_prefill``: P served it alone."""
         if tokens > 0 and seconds >= 0:
-            self.step_s = _ewma(self.step_s, seconds / tokens)
+            if on_prefill:
+                self.prefill_step_s = _ewma(self.prefill_step_s, seconds / tokens)
+            else:
+                self.step_s = _ewma(self.step_s, seconds / tokens)

@@ -8,8 +8,8 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
 
     cost    = n x prefill_s_per_token              this prompt, computed on one engine
     life    = stall_tokens x tpot                  a stream's life at the SLO
-    budget  = ROOM x (tpot - step) x stall_tokens  prompt seconds an engine may compute in
-                                                   one life while its streams keep their TPOT
+    budget  = ROOM x (tpot - step(e)) x stall_tokens  prompt seconds e may compute in one
+                                                   life while its streams keep their TPOT
     fits(e) = (pending(e) + 1) x cost <= ttft      its TTFT there, behind e's own prompts,
               and (streams(e) = 0 and given(e) = 0 and the prompts e was given in the last
                    or given(e) + cost <= budget)   life, this one too, within the budget
@@ -19,9 +19,15 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
       (pending(P) + 1) x cost <= KEEP_UP x ttft -> pd (P keeps up: D's streams stay clean)
       D fits, fewer prompts pending than P      -> decode_alone (the shorter queue)
       else                                      -> pd
-    neither P nor D fits             -> pd
-    else the less loaded that fits   -> prefill_alone or decode_alone
-                                             (load = streams + pending; a tie goes to D)
+    D fits                           -> decode_alone
+    P fits                           -> prefill_alone
+    else                             -> pd
+
+D is asked first: every prompt D computes is one the rule gave it, so its budget holds for
+the streams it decodes; P is also given every P/D prompt that follows, which a stream it
+serves alone waits behind (in the sweep, P-alone streams chosen at the start of a burst,
+when P's ledger was still empty, reached 300 ms a token). ``step(e)``: D's streams' step, or
+P's P-alone streams' (D's until P has served one).
 
 ``given(e)``: the prompt seconds (their ``cost`` when chosen) the rule gave ``e``'s role in
 the last ``life`` seconds, per routable engine of the role: P is given every P/D request's
@@ -90,11 +96,12 @@ class Inputs:
 
     prompt_tokens: int
     prefill_s_per_token: float | None
-    step_s: float | None
+    step_s: float | None  # D's streams
     prefill: EngineLoad | None
     decode: EngineLoad | None
     prefill_given: float = 0.0
     decode_given: float = 0.0
+    prefill_step_s: float | None = None  # P's P-alone streams (None: D's step stands in)
 
 
 def life_s(cfg: AdaptiveConfig) -> float:
@@ -108,26 +115,26 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
         return Choice.PD
     cost = x.prompt_tokens * x.prefill_s_per_token
     ttft = cfg.ttft_ms / 1000
-    budget = ROOM * (cfg.tpot_ms / 1000 - x.step_s) * cfg.stall_tokens
 
-    def fits(e: EngineLoad | None, given: float) -> bool:
+    def fits(e: EngineLoad | None, given: float, step: float) -> bool:
         if e is None or (e.pending + 1) * cost > ttft:
             return False
         # Nothing decodes there and nothing was given lately: no stream's TPOT to keep.
+        budget = ROOM * (cfg.tpot_ms / 1000 - step) * cfg.stall_tokens
         return (e.streams == 0 and given == 0) or given + cost <= budget
 
-    d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_given)
+    d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_given, x.step_s)
     if x.prefill.pending > 0:
         if (x.prefill.pending + 1) * cost <= KEEP_UP * ttft:
             return Choice.PD
         # P falls behind: the shorter queue of prompts serves, D only within its budget.
         behind_d = x.decode.pending if x.decode is not None else 0
         return Choice.DECODE_ALONE if d_ok and behind_d < x.prefill.pending else Choice.PD
-    p_ok = cfg.single_engine != "decode" and fits(x.prefill, x.prefill_given)
-    if p_ok and (not d_ok or (x.decode is not None and x.prefill.total < x.decode.total)):
-        return Choice.PREFILL_ALONE
     if d_ok:
         return Choice.DECODE_ALONE
+    p_step = x.prefill_step_s if x.prefill_step_s is not None else x.step_s
+    if cfg.single_engine != "decode" and fits(x.prefill, x.prefill_given, p_step):
+        return Choice.PREFILL_ALONE
     return Choice.PD
 
 
@@ -180,4 +187,5 @@ def inputs(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float)
         _least([_decode_load(d, others(d)) for d in decodes if d.free_slots > 0]),
         timings.given_prefill.within(now, life) / max(1, len(prefills)),
         timings.given_decode.within(now, life) / max(1, len(decodes)),
+        timings.prefill_step_s,
     )

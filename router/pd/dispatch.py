@@ -522,9 +522,10 @@ def _computes_nothing(inst: Instance) -> bool:
 
 
 def _observe_stream(pool: ModelPool, leg: DecodeLeg) -> None:
-    """A stream read cleanly to its end teaches the model's step time."""
+    """A stream read cleanly to its end teaches its role's step time."""
     if leg.verdict is None and leg.ended_at is not None and leg.chunks > 1:
-        pool.timings.observe_stream(leg.ended_at - leg.first_at, leg.chunks - 1)
+        on_prefill = leg.instance.role is Role.PREFILL
+        pool.timings.observe_stream(leg.ended_at - leg.first_at, leg.chunks - 1, on_prefill)
 
 
 class _Dispatching:

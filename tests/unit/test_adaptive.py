@@ -80,11 +80,13 @@ def test_no_routable_p_leaves_the_request_to_the_static_mode() -> None:
     assert choose(CFG, _inputs(prefill=None)) is Choice.PD
 
 
-def test_the_less_loaded_engine_serves_alone() -> None:
+def test_d_serves_alone_first_and_p_only_where_d_does_not_fit() -> None:
+    """D decodes a stream, P nothing: D still serves alone (every prompt D computes is one
+    the rule gave it); P does once D is over its budget."""
     d_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(decode=d_decodes, tokens=500)) is Choice.PREFILL_ALONE
-    p_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(prefill=p_decodes, tokens=500)) is Choice.DECODE_ALONE
+    assert choose(CFG, _inputs(decode=d_decodes, tokens=500)) is Choice.DECODE_ALONE
+    x = _inputs(decode=d_decodes, tokens=500, given_d=0.6)  # 1.1 > 0.96
+    assert choose(CFG, x) is Choice.PREFILL_ALONE
 
 
 def test_the_budget_is_the_tpot_slack_of_a_stream_s_life() -> None:
@@ -141,14 +143,26 @@ def test_low_load_goes_to_one_engine_and_high_load_to_p_d() -> None:
 
 
 def test_prompts_given_to_p_would_stall_a_stream_served_there_alone() -> None:
-    """P idle at this instant, but given 0.6 s of P/D prompts in the last life: a stream it
-    served alone would wait behind them and this one (1.1 s > 0.96 s), so D, decoding one
-    stream but given nothing, serves it; with 0.3 s given, P (the less loaded) does."""
+    """D over its budget; P idle at this instant, but given 0.6 s of P/D prompts in the last
+    life: a stream it served alone would wait behind them and this one (1.1 s > 0.96 s), so
+    P/D; with 0.3 s given, P serves it."""
     d_decodes = EngineLoad(streams=1, pending=0)
-    assert choose(CFG, _inputs(decode=d_decodes, tokens=500, given_p=0.6)) is Choice.DECODE_ALONE
-    assert choose(CFG, _inputs(decode=d_decodes, tokens=500, given_p=0.3)) is Choice.PREFILL_ALONE
-    both = _inputs(decode=d_decodes, tokens=500, given_p=0.6, given_d=0.6)
-    assert choose(CFG, both) is Choice.PD
+    x = _inputs(decode=d_decodes, tokens=500, given_d=0.6, given_p=0.3)
+    assert choose(CFG, x) is Choice.PREFILL_ALONE
+    x = _inputs(decode=d_decodes, tokens=500, given_d=0.6, given_p=0.6)
+    assert choose(CFG, x) is Choice.PD
+
+
+def test_p_s_budget_is_of_the_streams_p_served_alone() -> None:
+    """Slow P-alone streams (35 ms: a 0.24 s budget) do not shrink D's budget, nor do D's
+    streams stand for P's once P has served one."""
+    streams = EngineLoad(streams=1, pending=0)
+    x = Inputs(500, 1 * MS, 20 * MS, streams, streams, 0.1, 0.6, prefill_step_s=35 * MS)
+    assert choose(CFG, x) is Choice.PD  # D: 0.6 + 0.5 > 0.96; P: 0.1 + 0.5 > 0.24
+    x = Inputs(500, 1 * MS, 20 * MS, streams, streams, 0.1, 0.4, prefill_step_s=35 * MS)
+    assert choose(CFG, x) is Choice.DECODE_ALONE  # D: 0.9 <= 0.96
+    x = Inputs(500, 1 * MS, 20 * MS, streams, streams, 0.1, 0.6)
+    assert choose(CFG, x) is Choice.PREFILL_ALONE  # P with D's step: 0.6 <= 0.96
 
 
 def test_the_counter_s_labels_are_the_rule_s_choices() -> None:
@@ -178,6 +192,14 @@ def test_a_ledger_sums_what_was_given_within_a_window() -> None:
     assert ledger.within(2.0, 1.0) == 0.0  # a window is half-open: (now - window, now]
     ledger.add(3.0, 0.25)
     assert ledger.within(3.0, 10.0) == pytest.approx(0.25)  # dropped entries stay dropped
+
+
+def test_streams_p_served_alone_teach_p_s_step_not_d_s() -> None:
+    t = Timings()
+    t.observe_stream(3.0, 10, on_prefill=True)
+    assert (t.step_s, t.prefill_step_s) == (None, pytest.approx(0.3))
+    t.observe_stream(0.2, 10)
+    assert (t.step_s, t.prefill_step_s) == (pytest.approx(0.02), pytest.approx(0.3))
 
 
 def test_timings_ignore_observations_without_tokens() -> None:
