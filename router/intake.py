@@ -8,6 +8,7 @@ here or by the relay). The helpers are shared with the other routes (router/rout
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 from fastapi import Request
@@ -16,7 +17,6 @@ from fastapi.responses import Response
 from router.access_log import AccessRecord
 from router.client_request import ClientRequest, Endpoint, parse_client_request, with_session
 from router.context import AppContext
-from router.deadline import Deadline
 from router.errors import (
     BodyTooLarge,
     BoundExceeded,
@@ -94,7 +94,7 @@ async def read_body(ctx: AppContext, request: Request) -> bytes:
     size = 0
     deadline = ctx.config.connections.body_timeout
     try:
-        with Deadline(deadline):
+        async with asyncio.timeout(deadline):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:

@@ -67,7 +67,7 @@ class PassThrough:
         :class:`UpstreamError` for a 5xx or an engine that cannot be reached in time."""
         inst = self.engine(pool)
         limit = self._timeout if timeout is None else timeout
-        with self._upstream.within(inst, limit):
+        async with self._upstream.within(inst, limit):
             if body is None:
                 status, content = await self._upstream.get(inst, path, limit)
                 media_type = "application/json"

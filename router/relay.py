@@ -21,7 +21,6 @@ from starlette.responses import Response
 from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
 from router.config import TracingConfig
-from router.deadline import Deadline
 from router.errors import (
     FairShareExceeded,
     Outcome,
@@ -161,7 +160,7 @@ class RelayResponse(Response):
             watcher.add_done_callback(lambda w: None if w.cancelled() else on_lost())
         outcome = Outcome.SUCCESS
         try:
-            with Deadline(self._total):
+            async with asyncio.timeout(self._total):
                 outcome = await self._run(send)
         except asyncio.CancelledError:
             if not self._disconnected:

@@ -22,7 +22,7 @@ import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
@@ -31,7 +31,6 @@ import httpx
 import orjson
 
 from router.config import TimeoutConfig
-from router.deadline import Deadline
 from router.errors import Fault, UpstreamError, UpstreamTimeout
 from router.http1 import ConnectError, Http1Pool, Http1Timeout, Origin, ReadTimeout, split_url
 
@@ -54,11 +53,9 @@ class Engine(Protocol):
     @property
     def healthy(self) -> bool | None: ...
 
-    def add_deadline(self, deadline: Deadline) -> None:
+    def deadline(self, cm: asyncio.Timeout) -> AbstractContextManager[None]:
         """Register a running deadline that expires at once if the engine turns unhealthy."""
         ...
-
-    def remove_deadline(self, deadline: Deadline) -> None: ...
 
 
 class UpstreamStream(Protocol):
@@ -144,30 +141,33 @@ def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
 
 
 class _Within:
-    """:meth:`UpstreamClient.within`: a class, not a ``contextmanager`` (whose generator
+    """:meth:`UpstreamClient.within`: a class, not an ``asynccontextmanager`` (whose generator
     costs about ten calls more), as every leg of every request enters one. A
     ``TimeoutError`` leaving the block, the deadline's or not, becomes the engine's error."""
 
-    __slots__ = ("_code", "_deadline", "_engine", "_watched")
+    __slots__ = ("_code", "_engine", "_timeout", "_watch", "_watched")
 
     def __init__(self, engine: Engine, seconds: float, code: str | None, watched: bool) -> None:
         self._engine, self._code, self._watched = engine, code, watched
-        self._deadline = Deadline(seconds)
+        self._timeout = asyncio.timeout(seconds)
+        self._watch: AbstractContextManager[None] | None = None
 
-    def __enter__(self) -> None:
-        self._deadline.__enter__()
+    async def __aenter__(self) -> None:
+        cm = await self._timeout.__aenter__()
         if self._watched:
-            self._engine.add_deadline(self._deadline)
+            watch = self._engine.deadline(cm)
+            watch.__enter__()
+            self._watch = watch
 
-    def __exit__(
+    async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
             try:
-                if self._watched:
-                    self._engine.remove_deadline(self._deadline)
+                if self._watch is not None:
+                    self._watch.__exit__(kind, exc, tb)
             finally:
-                self._deadline.__exit__(kind, exc, tb)
+                await self._timeout.__aexit__(kind, exc, tb)
         except TimeoutError:
             raise _expired(self._engine, self._code) from None
         if exc is not None and isinstance(exc, TimeoutError):
@@ -262,7 +262,7 @@ class UpstreamClient:
 
     def within(
         self, engine: Engine, seconds: float, code: str | None = None, *, watched: bool = False
-    ) -> AbstractContextManager[None]:
+    ) -> AbstractAsyncContextManager[None]:
         """At most ``seconds`` for what runs inside, else :class:`UpstreamTimeout` (``code``,
         default ``<role>_timeout``). ``watched``: cut short, as ``<role>_unhealthy``, if the
         health monitor finds the engine unhealthy meanwhile (a frozen engine then costs the

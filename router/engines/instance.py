@@ -11,7 +11,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.address import NixlAddress
-from router.deadline import Deadline
 from router.engines.breaker import Breaker, BreakerState
 from router.errors import NoHealthyEngine
 
@@ -58,6 +57,19 @@ class _ComputingPrompt:
 
     def __exit__(self, *exc: object) -> None:
         self._inst._prefilling -= 1
+
+
+class _Deadline:
+    __slots__ = ("_cm", "_deadlines")
+
+    def __init__(self, deadlines: set[asyncio.Timeout], cm: asyncio.Timeout) -> None:
+        self._deadlines, self._cm = deadlines, cm
+
+    def __enter__(self) -> None:
+        self._deadlines.add(self._cm)
+
+    def __exit__(self, *exc: object) -> None:
+        self._deadlines.discard(self._cm)
 
 
 _NOTHING: contextlib.nullcontext[None] = contextlib.nullcontext()
@@ -121,7 +133,7 @@ class Instance:
         self._cap: int | None = None
         self._in_rotation = True
         # Deadlines of legs waiting on this engine: cut short when it turns unhealthy.
-        self._deadlines: set[Deadline] = set()
+        self._deadlines: set[asyncio.Timeout] = set()
         breaker.on_change = self._changed
         breaker.name = f"role={role} engine={url}"
 
@@ -376,13 +388,10 @@ class Instance:
 
     # -- legs ---------------------------------------------------------------------
 
-    def add_deadline(self, deadline: Deadline) -> None:
-        """Register a running deadline of a leg on this engine until :meth:`remove_deadline`: if
-        the health monitor declares the engine unhealthy meanwhile, it expires at once."""
-        self._deadlines.add(deadline)
-
-    def remove_deadline(self, deadline: Deadline) -> None:
-        self._deadlines.discard(deadline)
+    def deadline(self, cm: asyncio.Timeout) -> AbstractContextManager[None]:
+        """Register an entered ``asyncio.timeout`` of a leg on this engine: if the
+        health monitor declares the engine unhealthy meanwhile, it expires at once."""
+        return _Deadline(self._deadlines, cm)
 
     def _cut_deadlines(self) -> None:
         if not self._deadlines:

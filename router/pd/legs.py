@@ -234,7 +234,7 @@ class LegRunner:
         traceparent: str | None,
     ) -> bytes:
         limit = self._timeouts.prefill
-        with self._upstream.within(inst, limit, "prefill_timeout", watched=True):
+        async with self._upstream.within(inst, limit, "prefill_timeout", watched=True):
             answer = await self._upstream.call(
                 inst, path, body, request_id, read_timeout=limit, traceparent=traceparent
             )
@@ -262,23 +262,21 @@ class LegRunner:
         """
         limit = self._timeouts.decode_first_byte if stream else self._timeouts.total
         code = "decode_first_byte_timeout" if stream else "decode_timeout"
-        with (
-            inst.computing_prompt(computes_prompt),
-            self._upstream.within(inst, limit, code, watched=True),
-        ):
-            opened = await self._upstream.open(
-                inst,
-                path,
-                body,
-                request_id,
-                read_timeout=None if stream else limit,
-                traceparent=traceparent,
-            )
-            try:
-                return await self._first_bytes(inst, opened, stream)
-            except BaseException:
-                opened.close()
-                raise
+        with inst.computing_prompt(computes_prompt):
+            async with self._upstream.within(inst, limit, code, watched=True):
+                opened = await self._upstream.open(
+                    inst,
+                    path,
+                    body,
+                    request_id,
+                    read_timeout=None if stream else limit,
+                    traceparent=traceparent,
+                )
+                try:
+                    return await self._first_bytes(inst, opened, stream)
+                except BaseException:
+                    opened.close()
+                    raise
 
     async def _first_bytes(self, inst: Instance, opened: UpstreamStream, stream: bool) -> DecodeLeg:
         """D's leg once its first bytes are read: a streaming body's first read, else the

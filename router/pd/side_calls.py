@@ -27,7 +27,7 @@ class SideCalls:
         (a side call: its failure costs the optimisation, never the request)."""
         limit = self._connect + 5.0
         try:
-            with self._upstream.within(inst, limit):
+            async with self._upstream.within(inst, limit):
                 answer = await self._upstream.call(
                     inst, "/tokenize", query, "tokenize", read_timeout=limit
                 )
