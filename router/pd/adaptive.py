@@ -18,6 +18,9 @@ with ``n`` the request's estimated prompt tokens and the model's recent timings
     P has a prompt pending:
       (pending(P) + 1) x cost <= KEEP_UP x ttft -> pd (P keeps up: D's streams stay clean)
       D fits, fewer prompts pending than P      -> decode_alone (the shorter queue)
+      (pending(P) + 1) x cost > ttft, D has fewer pending and its TTFT fits
+                                                -> decode_alone (P/D would lose it anyway:
+                                                   D's budget yields)
       else                                      -> pd
     D fits                           -> decode_alone
     P fits                           -> prefill_alone
@@ -127,9 +130,15 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     if x.prefill.pending > 0:
         if (x.prefill.pending + 1) * cost <= KEEP_UP * ttft:
             return Choice.PD
-        # P falls behind: the shorter queue of prompts serves, D only within its budget.
+        # P falls behind: the shorter queue of prompts serves, D only within its budget;
+        # past the TTFT target behind P, P/D loses the request anyway, so D's budget yields.
         behind_d = x.decode.pending if x.decode is not None else 0
-        return Choice.DECODE_ALONE if d_ok and behind_d < x.prefill.pending else Choice.PD
+        shorter = x.decode is not None and behind_d < x.prefill.pending
+        lost = (x.prefill.pending + 1) * cost > ttft
+        d_may = cfg.single_engine != "prefill" and (behind_d + 1) * cost <= ttft
+        if shorter and (d_ok or (lost and d_may)):
+            return Choice.DECODE_ALONE
+        return Choice.PD
     if d_ok:
         return Choice.DECODE_ALONE
     p_step = x.prefill_step_s if x.prefill_step_s is not None else x.step_s

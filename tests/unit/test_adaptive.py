@@ -62,18 +62,32 @@ def test_while_p_keeps_up_with_its_prompts_p_d_serves_even_with_d_idle() -> None
 
 
 def test_when_p_falls_behind_d_serves_alone_within_its_budget() -> None:
-    """P would finish this 1 s prompt after 2 s: D computes it if it has fewer queued and
-    the prompts it was given in the last life, this one too, stay within its budget."""
+    """P would finish this 1 s prompt after 2 s, within a 3 s target but past half of it: D
+    computes it if it has fewer queued and the prompts it was given in the last life, this
+    one too, stay within its budget."""
+    cfg = _cfg(ttft_ms=3000)
     busy_p = EngineLoad(streams=0, pending=1)
-    assert choose(CFG, _inputs(prefill=busy_p)) is Choice.DECODE_ALONE
+    assert choose(cfg, _inputs(prefill=busy_p)) is Choice.DECODE_ALONE
     d_streams = EngineLoad(streams=3, pending=0)
-    assert choose(CFG, _inputs(busy_p, d_streams, step=20 * MS)) is Choice.PD  # 1 > 0.96
-    assert choose(CFG, _inputs(busy_p, d_streams, step=10 * MS)) is Choice.DECODE_ALONE
+    assert choose(cfg, _inputs(busy_p, d_streams, step=20 * MS)) is Choice.PD  # 1 > 0.96
+    assert choose(cfg, _inputs(busy_p, d_streams, step=10 * MS)) is Choice.DECODE_ALONE
     given = _inputs(busy_p, d_streams, step=10 * MS, given_d=0.5)  # 1.5 > 1.44
-    assert choose(CFG, given) is Choice.PD
+    assert choose(cfg, given) is Choice.PD
     d_prompt = EngineLoad(streams=0, pending=1)  # as many queued on D as on P
-    assert choose(CFG, _inputs(busy_p, d_prompt, tokens=500)) is Choice.PD
-    assert choose(_cfg(single_engine="prefill"), _inputs(prefill=busy_p)) is Choice.PD
+    assert choose(cfg, _inputs(busy_p, d_prompt)) is Choice.PD
+    assert choose(_cfg(ttft_ms=3000, single_engine="prefill"), _inputs(busy_p)) is Choice.PD
+
+
+def test_a_request_p_d_would_lose_goes_to_d_past_its_budget() -> None:
+    """P has two 0.6 s prompts queued: this one would be done after 1.8 s, past the 1.5 s
+    target, so D computes it though its streams' budget is spent; with one queued (1.2 s)
+    D's budget still holds it back."""
+    d_streams = EngineLoad(streams=3, pending=0)
+    spent = _inputs(EngineLoad(streams=0, pending=2), d_streams, tokens=600, given_d=1.0)
+    assert choose(CFG, spent) is Choice.DECODE_ALONE
+    within = _inputs(EngineLoad(streams=0, pending=1), d_streams, tokens=600, given_d=1.0)
+    assert choose(CFG, within) is Choice.PD
+    assert choose(_cfg(single_engine="prefill"), spent) is Choice.PD
 
 
 def test_no_routable_p_leaves_the_request_to_the_static_mode() -> None:
