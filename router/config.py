@@ -288,15 +288,15 @@ class AdaptiveConfig(_Strict):
     TTFT, and the TPOT of the streams that engine is decoding while it computes this prompt.
     ``stall_tokens``: the output tokens over which a stream's TPOT spreads one stall (the
     typical answer length: a 1-second stall adds 1000/stall_tokens ms to its TPOT).
-    ``single_engine``: which engine may serve a request alone: ``either`` (D first: every
-    prompt D computes is one the rule gave it, where P is also given every P/D prompt), or
-    only D (P keeps to prefills), or only P."""
+    ``single_engine``: which engine may serve a request alone: only D (the default: P keeps
+    to prefills, since a stream P serves alone waits behind every P/D prompt P is given after
+    it), ``either`` (D first: every prompt D computes is one the rule gave it), or only P."""
 
     enabled: bool = False
     ttft_ms: float = Field(default=1500.0, gt=0, le=3_600_000, allow_inf_nan=False)
     tpot_ms: float = Field(default=40.0, gt=0, allow_inf_nan=False)  # at most ttft_ms
     stall_tokens: int = Field(default=64, ge=1, le=1_000_000)
-    single_engine: Literal["either", "decode", "prefill"] = "either"
+    single_engine: Literal["decode", "either", "prefill"] = "decode"
 
     @model_validator(mode="after")
     def _ttft_not_below_tpot(self) -> AdaptiveConfig:

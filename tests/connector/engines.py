@@ -257,27 +257,58 @@ def engine_core_pids(engine: Engine) -> list[int]:
     return pids
 
 
+class FrozenCore:
+    """An engine's core held stopped (``frozen_core``), which the test may let run briefly."""
+
+    def __init__(self, name: str, pids: list[int], deadline_s: float) -> None:
+        self._name, self._pids, self._deadline_s = name, pids, deadline_s
+
+    def stop(self) -> None:
+        """SIGSTOP every core process; returns once the kernel shows each one stopped."""
+        from tests.e2e.helpers import proc_state
+
+        for pid in self._pids:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + self._deadline_s
+        while not all(proc_state(pid) in ("T", None) for pid in self._pids):
+            assert time.monotonic() < deadline, f"{self._name} core {self._pids} not stopped"
+            time.sleep(0.01)
+
+    def thaw(self) -> None:
+        for pid in self._pids:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    def step_until(self, what: str, probe: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        """Lets the core run in slices of a few milliseconds, stopping it after each one, until
+        ``probe`` (read only while the core is stopped) holds. The core is stopped on return,
+        at most one slice past the first state ``probe`` sees: a test that needs the core
+        in the middle of a many-step task gets it however slow or fast the machine."""
+        deadline = time.monotonic() + timeout_s
+        while not probe():
+            assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
+            self.thaw()
+            time.sleep(SLICE_S)
+            self.stop()
+
+
+# A slice of the core's time in ``FrozenCore.step_until``: well under one step of a long prefill.
+SLICE_S = 0.002
+
+
 @contextmanager
-def frozen_core(engine: Engine, deadline_s: float = 10.0) -> Iterator[None]:
+def frozen_core(engine: Engine, deadline_s: float = 10.0) -> Iterator[FrozenCore]:
     """SIGSTOP the engine's core (scheduler, connector, model) while its API server keeps
     accepting: requests and aborts queue up and reach the core together on SIGCONT. Returns
     once the kernel shows every core process stopped."""
-    from tests.e2e.helpers import proc_state
-
     pids = engine_core_pids(engine)
     assert pids, f"no EngineCore process under {engine.spec.name}"
+    core = FrozenCore(engine.spec.name, pids, deadline_s)
     try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + deadline_s
-        while not all(proc_state(pid) in ("T", None) for pid in pids):
-            assert time.monotonic() < deadline, f"{engine.spec.name} core {pids} not stopped"
-            time.sleep(0.01)
-        yield
+        core.stop()
+        yield core
     finally:
-        for pid in pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        core.thaw()
 
 
 def wait_for(what: str, probe: Callable[[], bool], timeout_s: float = 10.0) -> None:

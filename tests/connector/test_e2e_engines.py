@@ -165,10 +165,12 @@ def test_client_disconnect_mid_prefill_leaves_no_blocks(pair: tuple[Engine, Engi
     """Both legs dropped while P is prefilling (chunk by chunk, pushing each chunk to D): P
     and D keep no blocks, and the pair works afterwards.
 
-    P's core is frozen once P runs the request, the legs are dropped, and the core is thawed
-    once P's API server has sent its abort: the drop lands mid-prefill however slow the
-    machine. Should P have finished the prefill before the freeze (it counts the request as
-    finished), the attempt shows nothing about a mid-prefill drop and is made again."""
+    P's core is frozen before P's leg arrives and then let run in slices of a few milliseconds,
+    each far shorter than the ~13 chunked steps of this prompt, until (read while it is
+    stopped) it runs the request; the legs are dropped and the core thawed once P's API server
+    has sent its abort: the drop lands mid-prefill however slow or fast the machine. Only a
+    test process starved for the whole prefill during one slice lets P finish first; the
+    attempt then shows nothing about a mid-prefill drop and is made again."""
     p, d = pair
     for attempt in range(DISCONNECT_ATTEMPTS):
         if _disconnect_mid_prefill(p, d, f"{attempt}. {LONG_DISCONNECT}"):
@@ -191,19 +193,19 @@ def _disconnect_mid_prefill(p: Engine, d: Engine, prompt: str) -> bool:
     timeouts0 = d.metrics().total("vllm:pdr_failures_total", kind="recv_timeout")
     with open_post(f"{d.url}/v1/completions", d_body, headers) as d_leg:
         assert wait_busy(d, 10.0), "the decode leg never reached D"
-        with open_post(f"{p.url}/v1/completions", p_body, headers) as p_leg:
-            wait_for("P runs (or ran) the prefill", lambda: _busy(p) or finished(p) > p_done)
-            with frozen_core(p):
-                p_leg.close()
-                d_leg.close()
-                # A P that finished the prefill before the freeze has nothing to abort: the
-                # attempt is then made again (below).
-                wait_for(
-                    "P sent its core the abort, or had finished the prefill",
-                    lambda: logged(p, "Aborted request", xid) > 0 or finished(p) > p_done,
-                )
-                # D is not waited for: vLLM notices a streamed client's close only when it
-                # writes, and D writes nothing while it waits for KV; P's FAIL ends it.
+        with frozen_core(p) as core, open_post(f"{p.url}/v1/completions", p_body, headers) as p_leg:
+            wait_for("P sent its core the request", lambda: logged(p, "Added request", xid) > 0)
+            core.step_until("P runs the prefill", lambda: _running(p) or finished(p) > p_done)
+            p_leg.close()
+            d_leg.close()
+            # A P that finished the prefill in the last slice has nothing to abort: the
+            # attempt is then made again (below).
+            wait_for(
+                "P sent its core the abort, or had finished the prefill",
+                lambda: logged(p, "Aborted request", xid) > 0 or finished(p) > p_done,
+            )
+            # D is not waited for: vLLM notices a streamed client's close only when it
+            # writes, and D writes nothing while it waits for KV; P's FAIL ends it.
     thawed = time.monotonic()
     assert wait_idle(p, BEFORE_TIMEOUT_S)
     assert wait_idle(d, BEFORE_TIMEOUT_S - (time.monotonic() - thawed))
@@ -215,6 +217,7 @@ def _disconnect_mid_prefill(p: Engine, d: Engine, prompt: str) -> bool:
     return True
 
 
-def _busy(engine: Engine) -> bool:
-    m = engine.metrics()
-    return m.total("vllm:num_requests_running") + m.total("vllm:num_requests_waiting") > 0
+def _running(engine: Engine) -> bool:
+    """The engine's scheduler runs a request (a chunked prefill is running from its first
+    chunk to its last)."""
+    return engine.metrics().total("vllm:num_requests_running") > 0

@@ -22,7 +22,8 @@ from router.metrics import ROUTE_CHOICES
 from router.pd.adaptive import Choice, EngineLoad, Inputs, choose, decide, inputs, life_s
 from router.registry import Registry
 
-CFG = AdaptiveConfig(enabled=True)
+# Most tests below read the rule with both engines allowed to serve alone.
+CFG = AdaptiveConfig(enabled=True, single_engine="either")
 IDLE = EngineLoad(streams=0, pending=0)
 MS = 0.001
 
@@ -41,7 +42,16 @@ def _inputs(
 
 
 def _cfg(**kw: Any) -> AdaptiveConfig:
-    return AdaptiveConfig(enabled=True, **kw)
+    return AdaptiveConfig(enabled=True, **({"single_engine": "either"} | kw))
+
+
+def test_by_default_p_only_prefills() -> None:
+    """D's decodes are busy and P idle: with ``either`` P would serve this one alone; by
+    default P keeps to prefills (a stream P serves alone stalls behind every later prompt)."""
+    d_decodes = EngineLoad(streams=1, pending=0)
+    x = _inputs(decode=d_decodes, tokens=500, given_d=0.6)  # D over its budget
+    assert choose(CFG, x) is Choice.PREFILL_ALONE
+    assert choose(AdaptiveConfig(enabled=True), x) is Choice.PD
 
 
 def test_both_engines_idle_one_engine_serves_and_a_tie_goes_to_d() -> None:
