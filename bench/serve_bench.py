@@ -133,7 +133,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "'pipelined+step' posts the connector's WRITEs once per step; "
         "'pipelined~2' serves a request on D alone when P already runs 2 prefills; "
         "'pipelined*' runs the adaptive rule (docs/policy.md) with the first --slo, "
-        "'pipelined*decode' with single_engine: decode; "
+        "'pipelined*either' with single_engine: either (default decode); "
         f"'@name' adds engine flags, name of {list(ENGINE_FLAGS)}",
     )
     p.add_argument("--inputs", default="256,768", help="prompt lengths in tokens")

@@ -279,21 +279,26 @@ class FrozenCore:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
-    def step_until(self, what: str, probe: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    def step_until(self, what: str, probe: Callable[[], bool], timeout_s: float = 30.0) -> int:
         """Lets the core run in slices of a few milliseconds, stopping it after each one, until
         ``probe`` (read only while the core is stopped) holds. The core is stopped on return,
         at most one slice past the first state ``probe`` sees: a test that needs the core
-        in the middle of a many-step task gets it however slow or fast the machine."""
+        in the middle of a many-step task gets it however slow or fast the machine. Returns
+        the number of slices it took."""
         deadline = time.monotonic() + timeout_s
+        slices = 0
         while not probe():
             assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
             self.thaw()
             time.sleep(SLICE_S)
             self.stop()
+            slices += 1
+        return slices
 
 
-# A slice of the core's time in ``FrozenCore.step_until``: well under one step of a long prefill.
-SLICE_S = 0.002
+# A slice of the core's time in ``FrozenCore.step_until``: under one of the tiny model's
+# 256-token prefill steps here (one 2 ms slice took a core from reading a request to running it).
+SLICE_S = 0.0005
 
 
 @contextmanager

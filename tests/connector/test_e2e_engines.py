@@ -165,7 +165,7 @@ def test_client_disconnect_mid_prefill_leaves_no_blocks(pair: tuple[Engine, Engi
     """Both legs dropped while P is prefilling (chunk by chunk, pushing each chunk to D): P
     and D keep no blocks, and the pair works afterwards.
 
-    P's core is frozen before P's leg arrives and then let run in slices of a few milliseconds,
+    P's core is frozen before P's leg arrives and then let run in slices of half a millisecond,
     each far shorter than the ~13 chunked steps of this prompt, until (read while it is
     stopped) it runs the request; the legs are dropped and the core thawed once P's API server
     has sent its abort: the drop lands mid-prefill however slow or fast the machine. Only a
@@ -195,7 +195,10 @@ def _disconnect_mid_prefill(p: Engine, d: Engine, prompt: str) -> bool:
         assert wait_busy(d, 10.0), "the decode leg never reached D"
         with frozen_core(p) as core, open_post(f"{p.url}/v1/completions", p_body, headers) as p_leg:
             wait_for("P sent its core the request", lambda: logged(p, "Added request", xid) > 0)
-            core.step_until("P runs the prefill", lambda: _running(p) or finished(p) > p_done)
+            slices = core.step_until(
+                "P runs the prefill", lambda: _running(p) or finished(p) > p_done
+            )
+            print(f"P's core ran {slices} slices before the drop")
             p_leg.close()
             d_leg.close()
             # A P that finished the prefill in the last slice has nothing to abort: the
