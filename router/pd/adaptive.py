@@ -131,12 +131,12 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
         if (x.prefill.pending + 1) * cost <= KEEP_UP * ttft:
             return Choice.PD
         # P falls behind: the shorter queue of prompts serves, D only within its budget;
-        # past the TTFT target behind P, P/D loses the request anyway, so D's budget yields.
+        # past the TTFT target behind P, P/D loses the request anyway, so D's budget yields
+        # (a load P cannot keep up with: two queues drain it, as two aggregated engines do).
         behind_d = x.decode.pending if x.decode is not None else 0
         shorter = x.decode is not None and behind_d < x.prefill.pending
         lost = (x.prefill.pending + 1) * cost > ttft
-        d_may = cfg.single_engine != "prefill" and (behind_d + 1) * cost <= ttft
-        if shorter and (d_ok or (lost and d_may)):
+        if shorter and (d_ok or (lost and cfg.single_engine != "prefill")):
             return Choice.DECODE_ALONE
         return Choice.PD
     if d_ok:

@@ -100,6 +100,17 @@ def test_a_request_p_d_would_lose_goes_to_d_past_its_budget() -> None:
     assert choose(_cfg(single_engine="prefill"), spent) is Choice.PD
 
 
+def test_past_the_target_on_both_engines_the_shorter_queue_serves() -> None:
+    """P has three 0.6 s prompts queued, D two: the TTFT target is lost on either (2.4 s
+    and 1.8 s), and D's shorter queue serves; with D's queue as long as P's, P/D does."""
+    d_busy = EngineLoad(streams=3, pending=2)
+    p_busy = EngineLoad(streams=0, pending=3)
+    x = _inputs(p_busy, d_busy, tokens=600, given_d=1.0)
+    assert choose(CFG, x) is Choice.DECODE_ALONE
+    level = _inputs(p_busy, EngineLoad(streams=3, pending=3), tokens=600, given_d=1.0)
+    assert choose(CFG, level) is Choice.PD
+
+
 def test_no_routable_p_leaves_the_request_to_the_static_mode() -> None:
     assert choose(CFG, _inputs(prefill=None)) is Choice.PD
 
