@@ -128,22 +128,34 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
 
     d_ok = cfg.single_engine != "prefill" and fits(x.decode, x.decode_given, x.step_s)
     if x.prefill.pending > 0:
-        if (x.prefill.pending + 1) * cost <= KEEP_UP * ttft:
-            return Choice.PD
-        # P falls behind: the shorter queue of prompts serves, D only within its budget;
-        # past the TTFT target behind P, P/D loses the request anyway, so D's budget yields
-        # (a load P cannot keep up with: two queues drain it, as two aggregated engines do).
-        behind_d = x.decode.pending if x.decode is not None else 0
-        shorter = x.decode is not None and behind_d < x.prefill.pending
-        lost = (x.prefill.pending + 1) * cost > ttft
-        if shorter and (d_ok or (lost and cfg.single_engine != "prefill")):
-            return Choice.DECODE_ALONE
-        return Choice.PD
+        return _behind_p(cfg, x, x.prefill, cost, d_ok)
     if d_ok:
         return Choice.DECODE_ALONE
     p_step = x.prefill_step_s if x.prefill_step_s is not None else x.step_s
     if cfg.single_engine != "decode" and fits(x.prefill, x.prefill_given, p_step):
         return Choice.PREFILL_ALONE
+    return Choice.PD
+
+
+def _behind_p(
+    cfg: AdaptiveConfig, x: Inputs, prefill: EngineLoad, cost: float, d_ok: bool
+) -> Choice:
+    """The choice for a request that finds P (``prefill``, ``x.prefill``) computing prompts."""
+    ttft = cfg.ttft_ms / 1000
+    if (prefill.pending + 1) * cost <= KEEP_UP * ttft:
+        return Choice.PD
+    # P falls behind: the shorter queue of prompts serves, D only within its budget; past
+    # the TTFT target behind P, P/D loses the request anyway, so D's budget yields (a load
+    # P cannot keep up with: two queues drain it, as two aggregated engines do).
+    behind_d = x.decode.pending if x.decode is not None else 0
+    shorter = x.decode is not None and behind_d < prefill.pending
+    lost = (prefill.pending + 1) * cost > ttft
+    if shorter and (d_ok or (lost and cfg.single_engine != "prefill")):
+        return Choice.DECODE_ALONE
+    # P's queue is no longer than D's: with ``either``, P serves it whole where D decodes
+    # more streams than P, so that both engines decode, as two aggregated engines do.
+    if lost and cfg.single_engine == "either" and x.decode is not None:
+        return Choice.PREFILL_ALONE if prefill.streams < x.decode.streams else Choice.PD
     return Choice.PD
 
 

@@ -108,7 +108,17 @@ def test_past_the_target_on_both_engines_the_shorter_queue_serves() -> None:
     x = _inputs(p_busy, d_busy, tokens=600, given_d=1.0)
     assert choose(CFG, x) is Choice.DECODE_ALONE
     level = _inputs(p_busy, EngineLoad(streams=3, pending=3), tokens=600, given_d=1.0)
-    assert choose(CFG, level) is Choice.PD
+    assert choose(_cfg(single_engine="decode"), level) is Choice.PD
+
+
+def test_past_the_target_p_serves_alone_where_d_decodes_more() -> None:
+    """Both queues hold three 0.6 s prompts, D decodes three streams and P one: with
+    ``either`` P serves this one whole (both engines decode, as two aggregated engines do);
+    once P decodes as many as D, P/D serves."""
+    level = _inputs(EngineLoad(streams=1, pending=3), EngineLoad(streams=3, pending=3), tokens=600)
+    assert choose(CFG, level) is Choice.PREFILL_ALONE
+    even = _inputs(EngineLoad(streams=3, pending=3), EngineLoad(streams=3, pending=3), tokens=600)
+    assert choose(CFG, even) is Choice.PD
 
 
 def test_no_routable_p_leaves_the_request_to_the_static_mode() -> None:
