@@ -31,6 +31,7 @@ needs the ``bench`` extra (matplotlib).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     modes = args.modes.split(",")
     slos = [Slo.parse(text) for text in args.slo or DEFAULT_SLOS]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Found out before the sweep, not after its half hour of measuring.
+        raise SystemExit("--plot needs the `bench` extra: pip install 'pd-router[bench]'")
     if args.replot:
         results, meta = tables.load(Path(args.replot))
         _report(results, meta["modes"], _points_of(results), slos, meta, args.plot)
