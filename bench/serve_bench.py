@@ -194,7 +194,7 @@ def _stack(mode: str, args: argparse.Namespace, slo: Slo) -> Iterator[Stack]:
     forward pass on the engine's core), the control for the stack's whole-engine pinning."""
     base, _, pin = mode.partition(":")
     base, adaptive, single = base.partition("*")  # pipelined*: the adaptive rule on,
-    # pipelined*decode: with its single_engine (who may serve alone; default decode)
+    # pipelined*either: with its single_engine (who may serve alone; default decode)
     base, _, busy = base.partition("~")  # pipelined~2: disagg_max_prefill_queue
     base, _, flags = base.partition("@")  # agg1@compiled: more engine flags
     base, _, batch = base.partition("+")  # pipelined+step: the connector's write_batch

@@ -280,7 +280,7 @@ class FrozenCore:
                 os.kill(pid, signal.SIGCONT)
 
     def step_until(self, what: str, probe: Callable[[], bool], timeout_s: float = 30.0) -> int:
-        """Lets the core run in slices of a few milliseconds, stopping it after each one, until
+        """Lets the core run in slices of ``SLICE_S``, stopping it after each one, until
         ``probe`` (read only while the core is stopped) holds. The core is stopped on return,
         at most one slice past the first state ``probe`` sees: a test that needs the core
         in the middle of a many-step task gets it however slow or fast the machine. Returns
