@@ -149,6 +149,10 @@ class FakeKube:
         watch = query.get("watch") in ("true", "True", "1")
         req = Request(watch, query.get("resourceVersion"), query.get("labelSelector", ""))
         self.requests.append(req)
+        # A watch belongs to the epoch it was asked in: end_watches() ends every watch asked
+        # before it, even one whose stream has not started yet (a stream that read the epoch
+        # itself outlived an end_watches() that came between the request and the stream).
+        epoch = self._epoch
         if self.fail_status is not None:
             await _respond(send, self.fail_status, _status(self.fail_status, "injected"))
             return
@@ -166,9 +170,11 @@ class FakeKube:
             await _respond(send, 200, body)
             return
         await self.hold_watches.wait()
-        await self._watch(req, float(query.get("timeoutSeconds", "300")), receive, send)
+        await self._watch(req, epoch, float(query.get("timeoutSeconds", "300")), receive, send)
 
-    async def _watch(self, req: Request, timeout: float, receive: Receive, send: Send) -> None:
+    async def _watch(
+        self, req: Request, epoch: int, timeout: float, receive: Receive, send: Send
+    ) -> None:
         await send(
             {
                 "type": "http.response.start",
@@ -182,7 +188,7 @@ class FakeKube:
             await _line(send, {"type": "ERROR", "object": gone})
             await send({"type": "http.response.body", "body": b""})
             return
-        stream = asyncio.create_task(self._stream(req, since, send))
+        stream = asyncio.create_task(self._stream(req, epoch, since, send))
         disconnected = asyncio.create_task(_wait_disconnect(receive))
         done, _ = await asyncio.wait(
             {stream, disconnected}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -193,23 +199,23 @@ class FakeKube:
         if disconnected not in done:  # server-side end: timeout or end_watches()
             await send({"type": "http.response.body", "body": b""})
 
-    async def _stream(self, req: Request, since: int, send: Send) -> None:
-        """Send the history after ``since``, then live events, until end_watches()."""
-        epoch = self._epoch
+    async def _stream(self, req: Request, epoch: int, since: int, send: Send) -> None:
+        """Send the history after ``since``, then live events, until end_watches() moves the
+        epoch on from ``epoch``."""
         while True:
             async with self._changed:
-                pending = [
-                    (v, k, p)
-                    for v, k, p in self.history
-                    if v > since and matches(req.selector, _labels(p))
-                ]
-                if not pending:
+                while self._epoch == epoch and not (pending := self._after(req, since)):
                     await self._changed.wait()
                 if self._epoch != epoch:
                     return
             for v, kind, pod in pending:
                 await _line(send, {"type": kind, "object": pod})
                 since = v
+
+    def _after(self, req: Request, since: int) -> list[tuple[int, str, Pod]]:
+        return [
+            (v, k, p) for v, k, p in self.history if v > since and matches(req.selector, _labels(p))
+        ]
 
 
 def _labels(pod: Pod) -> dict[str, str]:
