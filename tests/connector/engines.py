@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import signal
 import socket
 import time
 import uuid
@@ -31,6 +30,7 @@ from router.stack import model as tiny_model
 from router.stack.metrics import MetricsPage, scrape
 from router.stack.ports import pick_ports
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
+from tests.frozen import FrozenCore, frozen
 
 HTTP_PORTS = range(9100, 9300)
 KV_PORTS = range(6600, 6800)
@@ -257,63 +257,13 @@ def engine_core_pids(engine: Engine) -> list[int]:
     return pids
 
 
-class FrozenCore:
-    """An engine's core held stopped (``frozen_core``), which the test may let run briefly."""
-
-    def __init__(self, name: str, pids: list[int], deadline_s: float) -> None:
-        self._name, self._pids, self._deadline_s = name, pids, deadline_s
-
-    def stop(self) -> None:
-        """SIGSTOP every core process; returns once the kernel shows each one stopped."""
-        from tests.e2e.helpers import proc_state
-
-        for pid in self._pids:
-            os.kill(pid, signal.SIGSTOP)
-        deadline = time.monotonic() + self._deadline_s
-        while not all(proc_state(pid) in ("T", None) for pid in self._pids):
-            assert time.monotonic() < deadline, f"{self._name} core {self._pids} not stopped"
-            time.sleep(0.01)
-
-    def thaw(self) -> None:
-        for pid in self._pids:
-            with suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-    def step_until(self, what: str, probe: Callable[[], bool], timeout_s: float = 30.0) -> int:
-        """Lets the core run in slices of ``SLICE_S``, stopping it after each one, until
-        ``probe`` (read only while the core is stopped) holds. The core is stopped on return,
-        at most one slice past the first state ``probe`` sees: a test that needs the core
-        in the middle of a many-step task gets it however slow or fast the machine. Returns
-        the number of slices it took."""
-        deadline = time.monotonic() + timeout_s
-        slices = 0
-        while not probe():
-            assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {what}"
-            self.thaw()
-            time.sleep(SLICE_S)
-            self.stop()
-            slices += 1
-        return slices
-
-
-# A slice of the core's time in ``FrozenCore.step_until``: under one of the tiny model's
-# 256-token prefill steps here (one 2 ms slice took a core from reading a request to running it).
-SLICE_S = 0.0005
-
-
 @contextmanager
 def frozen_core(engine: Engine, deadline_s: float = 10.0) -> Iterator[FrozenCore]:
     """SIGSTOP the engine's core (scheduler, connector, model) while its API server keeps
     accepting: requests and aborts queue up and reach the core together on SIGCONT. Returns
     once the kernel shows every core process stopped."""
-    pids = engine_core_pids(engine)
-    assert pids, f"no EngineCore process under {engine.spec.name}"
-    core = FrozenCore(engine.spec.name, pids, deadline_s)
-    try:
-        core.stop()
+    with frozen(engine.spec.name, engine_core_pids(engine), deadline_s) as core:
         yield core
-    finally:
-        core.thaw()
 
 
 def wait_for(what: str, probe: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,8 @@ import openai
 
 from router.stack import Stack
 from router.stack.metrics import MetricsPage
+from tests.frozen import FrozenCore, frozen
+from tests.frozen import alive as alive  # the suites read it as h.alive
 
 # The random-weight model (served as "tiny"): the tests that need speed run on it; the stack's
 # default is the real SmolLM2 model.
@@ -136,62 +136,16 @@ def prompts_of_lengths(tokenizer_json: Path, lengths: Sequence[int]) -> list[str
     return prompts
 
 
-def proc_state(pid: int) -> str | None:
-    """The process's state letter from ``/proc`` (``T`` stopped, ``Z`` zombie); None if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2 :].split()[0]
-
-
-def alive(pid: int) -> bool:
-    return proc_state(pid) not in (None, "Z")
-
-
-@contextlib.contextmanager
-def deprioritised(stack: Stack, name: str) -> Iterator[None]:
-    """Run engine ``name`` at the lowest CPU priority (nice 19) inside the block.
-
-    Whatever else wants a core (the client, the router) then runs first, so a busy engine
-    cannot get far ahead of a client that reads its stream: the CPU scheduler decides, not
-    luck. Restored on exit (the tests run as root; elsewhere the engine stays niced)."""
-    pids = stack.engine_pids(name)
-    before = {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in pids}
-    for pid in pids:
-        os.setpriority(os.PRIO_PROCESS, pid, 19)
-    try:
-        yield
-    finally:
-        for pid, nice in before.items():
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, pid, nice)
-
-
-@contextlib.contextmanager
-def frozen_core(stack: Stack, name: str, deadline_s: float = 10.0) -> Iterator[list[int]]:
-    """Freeze engine ``name``'s EngineCore (SIGSTOP; returns once the kernel shows it stopped)
-    and thaw it on exit (SIGCONT), unless it was killed meanwhile.
+def frozen_core(
+    stack: Stack, name: str, deadline_s: float = 10.0
+) -> AbstractContextManager[FrozenCore]:
+    """Freeze engine ``name``'s EngineCore for the block (``tests.frozen.frozen``) and thaw it
+    on exit, unless it was killed meanwhile.
 
     Only the core: the API server keeps accepting requests and answering ``/health``,
     ``/metrics`` and ``/load``; a request it accepts waits for the core, so nothing of it is
     computed and the engine cannot answer it until the core is thawed."""
-    pids = stack.engine_core_pids(name)
-    assert pids, f"no EngineCore process under {name}"
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        ok, what, _ = wait_until(
-            lambda: (all(proc_state(p) == "T" for p in pids), f"{name} core {pids} not stopped"),
-            deadline_s,
-            every_s=0.01,
-        )
-        assert ok, what
-        yield pids
-    finally:
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
+    return frozen(name, stack.engine_core_pids(name), deadline_s)
 
 
 # What vLLM's API server logs with --enable-log-requests: a request once it went to the core,

@@ -567,7 +567,8 @@ class TestPush:
         st = push_stack
         kv_before = _load(st, D).kv
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            with h.frozen_core(st, P, PHASE_DEADLINE_S) as core_pids:
+            with h.frozen_core(st, P, PHASE_DEADLINE_S) as core:
+                core_pids = core.pids
                 p_load = _p_server_load(st)
                 held = functools.partial(_p_holds_d_waits, st, p_load)
                 sent_at = time.monotonic()
