@@ -15,7 +15,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,13 +257,11 @@ def engine_core_pids(engine: Engine) -> list[int]:
     return pids
 
 
-@contextmanager
-def frozen_core(engine: Engine, deadline_s: float = 10.0) -> Iterator[FrozenCore]:
-    """SIGSTOP the engine's core (scheduler, connector, model) while its API server keeps
-    accepting: requests and aborts queue up and reach the core together on SIGCONT. Returns
-    once the kernel shows every core process stopped."""
-    with frozen(engine.spec.name, engine_core_pids(engine), deadline_s) as core:
-        yield core
+def frozen_core(engine: Engine, deadline_s: float = 10.0) -> AbstractContextManager[FrozenCore]:
+    """SIGSTOP the engine's core (scheduler, connector, model) for the block while its API
+    server keeps accepting: requests and aborts queue up and reach the core together on
+    SIGCONT (``tests.frozen.frozen``)."""
+    return frozen(engine.spec.name, engine_core_pids(engine), deadline_s)
 
 
 def wait_for(what: str, probe: Callable[[], bool], timeout_s: float = 10.0) -> None:
