@@ -35,21 +35,14 @@ export UV_INDEX_STRATEGY=unsafe-best-match
 # a clean clone took 1,486 s so, against 978 s with compiled packages).
 export UV_COMPILE_BYTECODE=1
 pip_install() { "$UV" pip install -q --python "$PY" "$@"; }
-# Prometheus and promtool (Debian package) for tests/observability; without them those tests
+# The Debian packages the tests need, installed once here, before any test runs, and serially
+# (scripts/system-packages.sh holds one lock for every install on the machine): Prometheus and
+# promtool for tests/observability; podman, runc and debootstrap for the image tests
+# (tests/deploy/test_router_image.py, tests/e2e/test_router_image.py). Without them those tests
 # skip, and in CI (CI=true) fail.
-if command -v promtool >/dev/null; then
-  :
-elif ! command -v apt-get >/dev/null || [ "$(id -u)" != 0 ]; then
-  echo "setup: prometheus is not installed and apt-get as root is not available here;" \
-    "install Debian's prometheus package for tests/observability" >&2
-else
-  export DEBIAN_FRONTEND=noninteractive
-  apt_install() { apt-get install -y -q --no-install-recommends prometheus >/dev/null; }
-  if apt_install || { apt-get update -q >/dev/null && apt_install; }; then
-    echo "setup: installed prometheus $(promtool --version 2>&1 | head -n1 | cut -d' ' -f3)"
-  else
-    echo "setup: could not install prometheus; tests/observability will skip (fail in CI)" >&2
-  fi
+if ! scripts/system-packages.sh promtool:prometheus podman runc debootstrap; then
+  echo "setup: some Debian packages are missing; tests/observability and the image tests" \
+    "will skip (fail in CI)" >&2
 fi
 if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
   pip_install -e ".[test]"

@@ -16,11 +16,12 @@
 #   scripts/test-images.sh --build-only    # base, router and engine images; runs nothing
 #
 # Python: $PYTHON if set (with the project and its engine extra), else the project's .venv made
-# by scripts/setup.sh. Installs what it lacks with apt-get (root): podman, runc, debootstrap,
-# docker-compose (the compose stack only). Exits 3 when it cannot. Starts real vLLM engines
-# (the router's P/D pair, the compose stack): at most two at a time. PD_ROUTER_IMAGE names the
-# router image (default: the compose files' name). Caches under $PD_ROUTER_CACHE (default
-# ~/.cache/pd-router)/images; build logs are kept there. See docs/deployment.md.
+# by scripts/setup.sh. Installs what it lacks through scripts/system-packages.sh (apt-get as root,
+# one install at a time on the machine): podman, runc, debootstrap, docker-compose (the compose
+# stack only). Exits 3 when it cannot. Builds wait for one another (a lock under the cache).
+# Starts real vLLM engines (the router's P/D pair, the compose stack): at most two at a time.
+# PD_ROUTER_IMAGE names the router image (default: the compose files' name). Caches under
+# $PD_ROUTER_CACHE (default ~/.cache/pd-router)/images; build logs are kept there. See docs/deployment.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -50,23 +51,21 @@ die() { say "error: $*"; exit 1; }
 # -- tools -------------------------------------------------------------------------------------
 
 ensure_tools() {  # ensure_tools COMMAND...: each command's Debian package, installed if missing
-  local packages=() tool
-  for tool in "$@"; do
-    command -v "$tool" >/dev/null || packages+=("$tool")  # each package is named as its command
-  done
-  [ ${#packages[@]} -eq 0 ] && return 0
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    say "missing ${packages[*]}, and apt-get as root is not available here"
-    exit 3
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  local args=(install -y -q --no-install-recommends "${packages[@]}")
-  if ! apt-get "${args[@]}" >"$LOGS/apt.log" 2>&1; then
-    apt-get update -q >>"$LOGS/apt.log" 2>&1 && apt-get "${args[@]}" >>"$LOGS/apt.log" 2>&1 \
-      || { tail -n 20 "$LOGS/apt.log" >&2; say "could not install ${packages[*]}"; exit 3; }
-  fi
-  say "installed ${packages[*]} (apt-get; log: $LOGS/apt.log)"
+  # One install at a time on the machine (a lock shared with scripts/setup.sh and every test
+  # worker); exit 3 when a tool cannot be had here.
+  "$ROOT/scripts/system-packages.sh" "$@" || { say "could not install $*"; exit 3; }
 }
+
+# Two builders at once (two pytest workers, a worker and this script run by hand) would both
+# debootstrap the base and build the image; the second waits here and then finds it up to date.
+# Held around the builds only (the image checks that follow run unlocked), on fd 8, closed after.
+lock_builds() {
+  local t0=$SECONDS
+  exec 8>>"$CACHE/build.lock"
+  flock 8
+  [ $((SECONDS - t0)) -lt 1 ] || say "waited $((SECONDS - t0)) s for another build ($CACHE/build.lock)"
+}
+unlock_builds() { flock -u 8; exec 8>&-; }
 
 # podman's defaults fail on machines where root cannot raise its own limits (a VM's container
 # runtime): every container gets the host's hard limits instead (nproc: also capped at pid_max,
@@ -257,8 +256,10 @@ compose_stack() {
 ensure_tools podman runc debootstrap
 podman_config
 if [ "$what" = build-router ]; then
+  lock_builds
   ensure_base
   build_router
+  unlock_builds
   echo "$ROUTER_IMAGE"
   exit 0
 fi
@@ -271,11 +272,14 @@ else
   PY=$ROOT/$VENV/bin/python
   [[ $VENV == /* ]] && PY=$VENV/bin/python
 fi
+lock_builds
 ensure_base
+build_router
+[ "$what" = router ] || build_engine
+unlock_builds
 case "$what" in
-  build) build_router; build_engine ;;
-  router) build_router; router_tests ;;
-  compose) build_router; build_engine; compose_stack ;;
-  all) build_router; router_tests; build_engine; compose_stack ;;
+  router) router_tests ;;
+  compose) compose_stack ;;
+  all) router_tests; compose_stack ;;
 esac
 say "done"

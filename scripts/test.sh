@@ -22,6 +22,8 @@ record() {  # record NAME START RC: a line of the time table; a failure fails th
   [ "$3" = 0 ] || FAILED=1
 }
 
+in_ci() { case ${CI:-} in 1 | [Tt]rue | TRUE | [Yy]es) return 0 ;; esac; return 1; }  # as tests/needs.py
+
 step() {  # step NAME COMMAND...: runs it, records its seconds and outcome, goes on either way
   local name=$1 start=$SECONDS rc=0
   shift
@@ -34,6 +36,15 @@ step setup scripts/setup.sh
 if [ $# -gt 0 ]; then
   exec "$VENV/bin/pytest" "$@"
 fi
+# The router image (a debootstrapped base, then the image; minutes on a fresh machine), built once
+# here, beside the lint and run 1, instead of by whichever test worker first needs it: its time
+# is its own line in the table. A test that needs it meanwhile waits on the build's lock and then
+# finds it up to date. Exit 3 (no podman, and no root to install it) skips the image tests
+# outside CI, as they would skip themselves.
+IMAGE_OUT=$(mktemp)
+{ t0=$SECONDS; rc=0; scripts/test-images.sh --build-router >"$IMAGE_OUT" || rc=$?
+  echo $((SECONDS - t0)) >"$IMAGE_OUT.seconds"; exit $rc; } &
+image_pid=$!
 step "ruff check" "$VENV/bin/ruff" check router connector tests scripts bench
 step "ruff format" "$VENV/bin/ruff" format --check router connector tests scripts bench
 # mypy (one busy process) runs beside the first pytest run (workers mostly waiting on sockets):
@@ -50,6 +61,19 @@ echo "=== mypy --strict ==="
 cat "$MYPY_LOG"
 rm -f "$MYPY_LOG"
 record "mypy --strict (beside the run above)" "$mypy_start" "$mypy_rc"
+image_rc=0
+wait "$image_pid" || image_rc=$?
+image_start=$((SECONDS - $(cat "$IMAGE_OUT.seconds")))  # its own seconds, not the runs'
+if [ "$image_rc" = 0 ]; then
+  PD_ROUTER_TEST_IMAGE=$(tail -n 1 "$IMAGE_OUT")
+  export PD_ROUTER_TEST_IMAGE  # run 2's image test takes it as built
+  record "router image build (beside the runs above)" "$image_start" 0
+elif [ "$image_rc" = 3 ] && ! in_ci; then
+  record "router image build: no podman here, skipped" "$image_start" 0
+else
+  record "router image build (beside the runs above)" "$image_start" "$image_rc"
+fi
+rm -f "$IMAGE_OUT" "$IMAGE_OUT.seconds"
 step "pytest, real engines (and serial)" "$VENV/bin/pytest" -m "e2e or serial"
 echo
 echo "=== seconds per step ==="

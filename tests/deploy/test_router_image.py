@@ -32,6 +32,11 @@ DOCKERFILE = ROOT / "docker" / "router" / "Dockerfile"
 ROUTING_FILE = ROOT / "docker" / "compose" / "router.yaml"  # listens on 0.0.0.0:8000
 HEALTHY_WITHIN_S = 30.0
 
+# One worker takes the whole module, so its image fixture runs once per run, not once per xdist
+# worker (scripts/test.sh also builds the image before the tests; the build lock in
+# scripts/test-images.sh makes a second builder wait and find it up to date).
+pytestmark = pytest.mark.xdist_group("router-image")
+
 
 def router_image() -> str:
     """The image under test: ``PD_ROUTER_TEST_IMAGE``, else built now (cached layers)."""
