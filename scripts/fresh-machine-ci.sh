@@ -53,6 +53,7 @@ if [ ${#installed[@]} -gt 0 ]; then
     --autoremove "${installed[@]}" >/dev/null
 fi
 rm -rf /var/lib/containers  # what podman system reset may leave
+hash -r  # bash remembers where it found podman above
 for tool in podman runc debootstrap promtool prometheus docker-compose; do
   if command -v "$tool" >/dev/null; then
     echo "$0: $tool is still on PATH ($(command -v "$tool")): not a fresh machine" >&2
