@@ -136,7 +136,8 @@ class PeerTable:
         elif msg.kind is Kind.VERSION:
             self._refuse(
                 link,
-                f"peer speaks wire version {msg.body.get('v')!r}, we speak {self._compat.version}",
+                f"peer speaks wire version {msg.body.get('v')!r}, we speak {self._compat.version}"
+                f" (vLLM {self._hello.get('vllm_version', 'unknown')} at {self._agent.name})",
             )
         elif msg.kind is Kind.REFUSE:
             self._mark_refused(link, f"peer refused us: {msg.body.get('reason', '')}")
@@ -164,7 +165,13 @@ class PeerTable:
             return
         bad = self._compat.mismatches(peer, self._agent.name, link.name)
         if bad:
-            self._refuse(link, "incompatible peer: " + "; ".join(bad))
+            # Both engines' vLLM versions beside the fields (the connector pairs releases, but
+            # an operator reading one refusal should see what each side runs).
+            versions = (
+                f"vLLM {self._hello.get('vllm_version', 'unknown')} at {self._agent.name}, "
+                f"{body.get('vllm_version', 'unknown')} at {link.name}"
+            )
+            self._refuse(link, f"incompatible peer ({versions}): " + "; ".join(bad))
             return
         if layout is not None:
             link.layout = layout

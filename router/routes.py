@@ -137,6 +137,9 @@ def _readiness(ctx: AppContext, detail: bool) -> Response:
                     "breaker": i.breaker.state.name.lower(),
                     "slots_in_use": i.in_use if i.slots else None,
                     "slots": i.slots or None,
+                    "vllm_version": i.facts.version,
+                    "block_size": i.facts.block_size,
+                    "unpaired": i.unpaired,
                 }
                 for i in (*pool.prefill, *pool.decode)
             ],

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.config import HealthConfig
+from router.engines.facts import FactsReader
 from router.engines.instance import Instance, Role
 from router.errors import UpstreamError
 from router.upstream import UpstreamClient
@@ -57,19 +58,30 @@ def parse_engine_load(text: str) -> EngineLoad | None:
     return EngineLoad(**found)
 
 
+def _nothing() -> None:
+    pass
+
+
 class HealthMonitor:
     """Probes every engine; what it learns reaches the ledger through the instances
-    themselves (see :class:`~router.engines.instance.Instance`), not through hooks here."""
+    themselves (see :class:`~router.engines.instance.Instance`), not through hooks here.
+    With ``facts``, an engine that answers has what it runs read (router/engines/facts.py)
+    before it counts as healthy, and ``on_facts`` is called when that changed (the
+    registry's pairing check)."""
 
     def __init__(
         self,
         instances: Callable[[], Iterable[Instance]],
         upstream: UpstreamClient,
         config: HealthConfig,
+        facts: FactsReader | None = None,
+        on_facts: Callable[[], None] = _nothing,
     ) -> None:
         self._instances = instances
         self._upstream = upstream
         self._config = config
+        self._facts = facts
+        self._on_facts = on_facts
 
     async def run(self) -> None:
         """Check forever, every ``interval`` seconds; cancel to stop."""
@@ -83,6 +95,9 @@ class HealthMonitor:
     async def _check(self, inst: Instance) -> None:
         ok = await self._probe(inst)
         failures = inst.probed(ok)
+        facts = self._facts
+        if ok and facts is not None and facts.due(inst, inst.healthy) and await facts.read(inst):
+            self._on_facts()
         if ok:
             if inst.healthy is False:
                 log.warning("event=healthy role=%s engine=%s", inst.role, inst.url)

@@ -12,6 +12,7 @@ from typing import Any
 
 from connector.address import NixlAddress
 from router.engines.breaker import Breaker, BreakerState
+from router.engines.pairing import EngineFacts
 from router.errors import NoHealthyEngine
 
 __all__ = ["Instance", "Role", "candidates", "refusal"]
@@ -122,6 +123,8 @@ class Instance:
         # P's responses in push mode. ``kv_host`` overrides the host P reports.
         self.kv_host: str | None = None
         self._block_size: int | None = None
+        self._version: str | None = None
+        self._unpaired: str | None = None
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
         # Decode, ``--workers N``: reads the router-wide count of this instance from the
@@ -228,6 +231,28 @@ class Instance:
 
     # -- derived ----------------------------------------------------------------
 
+    # -- what the engine runs, and whether it has a partner -------------------------------
+
+    @property
+    def facts(self) -> EngineFacts:
+        """Its vLLM version and block size, as far as read (router/engines/pairing.py)."""
+        return EngineFacts(self._version, self._block_size)
+
+    def learn_version(self, version: str | None) -> None:
+        """The engine's ``/version`` (the health monitor's, when it joins or comes back)."""
+        self._version = version
+
+    @property
+    def unpaired(self) -> str | None:
+        """Why no engine of the other role can pair with this one (its pool's check, on
+        every change of its engines or their facts); None: it has a partner."""
+        return self._unpaired
+
+    def set_unpaired(self, reason: str | None) -> None:
+        if reason != self._unpaired:
+            self._unpaired = reason
+            self._changed()
+
     @property
     def routable(self) -> bool:
         """May get a request now (a half-open breaker: only its one trial)."""
@@ -235,7 +260,7 @@ class Instance:
 
     @property
     def in_service(self) -> bool:
-        return self._healthy is not False and not self._degraded
+        return self._healthy is not False and not self._degraded and self._unpaired is None
 
     @property
     def in_rotation(self) -> bool:
@@ -249,12 +274,15 @@ class Instance:
         return (
             self._degraded
             and self._healthy is not False
+            and self._unpaired is None
             and self.breaker.state is not BreakerState.OPEN
         )
 
     def why_out(self) -> str:
         if self._healthy is False:
             return "failed health checks"
+        if self._unpaired is not None:
+            return f"no engine to pair with: {self._unpaired}"
         if self._degraded:
             return "holds leaked KV blocks"
         return "ejected by outlier detection"
@@ -349,7 +377,7 @@ class Instance:
 
     @property
     def block_size(self) -> int | None:
-        """Decode: KV tokens per block, once learned from the engine's ``/metrics``."""
+        """KV tokens per block, once learned from the engine's ``/metrics``."""
         return self._block_size
 
     def learn_block_size(self, block_size: int | None) -> None:
@@ -420,6 +448,11 @@ def candidates(instances: Sequence[Instance]) -> list[Instance]:
 def refusal(
     role: Role, model: str, instances: Sequence[Instance], now: float, probe_interval: float
 ) -> NoHealthyEngine:
-    """The 503 for a role with no candidate, its Retry-After the earliest return."""
+    """The 503 for a role with no candidate, its Retry-After the earliest return; where every
+    engine of the role is up but has no partner, why (``no_compatible_pair``)."""
     waits = [i.back_in(now, probe_interval) for i in instances]
-    return NoHealthyEngine(role.value, model, min(waits, default=probe_interval))
+    unpaired = [i.unpaired for i in instances if i.healthy is not False]
+    why = None
+    if unpaired and all(unpaired):
+        why = "; ".join(sorted({u for u in unpaired if u is not None}))
+    return NoHealthyEngine(role.value, model, min(waits, default=probe_interval), why)

@@ -160,7 +160,12 @@ class Dispatcher:
             if self._tracing.enabled:
                 self._tracing.set(**{f"pdrouter__cached_{role.value}": predicted})
 
-    def _no_prefill(self, pool: ModelPool) -> NoHealthyEngine:
+    def _no_prefill(self, pool: ModelPool, d: Instance | None = None) -> NoHealthyEngine:
+        """No P in rotation; or, given D, none of those in rotation pairs with it (its
+        partners are out: the engines of other versions serve other Ds)."""
+        if d is not None and candidates(pool.prefill):
+            why = f"none in rotation pairs with decode engine {d.url} ({d.facts.describe()})"
+            return NoHealthyEngine(Role.PREFILL.value, pool.name, self._probe_interval, why)
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
 
     def _backoff(self, attempt: int) -> float:
@@ -249,10 +254,12 @@ class Dispatcher:
         reservation: Reservation,
         ids: kp.DispatchIds,
     ) -> Dispatch:
-        """A disaggregated attempt, its decode slot held: select P, run the plan."""
-        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
+        """A disaggregated attempt, its decode slot held: select a P that can pair with its
+        D, run the plan."""
+        d = reservation.instance
+        lease = pool.select_prefill(route.key, avoid, route.session, route.cache, decode=d)
         if lease is None:  # left rotation while this request waited for its slot
-            raise self._no_prefill(pool)
+            raise self._no_prefill(pool, d)
         p = lease.instance
         self._count_placement(pool, Role.PREFILL, lease.placement)
         self._count_choice(pool, Role.PREFILL, route.cache)

@@ -30,10 +30,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from router.client_request import ClientRequest, Endpoint
 from router.config import Mode
+from router.engines.facts import parse_block_size
 from router.engines.instance import Instance
 from router.engines.kept_turns import KeptTurn, KeptTurnResult
 from router.kvindex.route import CacheRoute
@@ -47,8 +46,6 @@ from router.registry import ModelPool
 __all__ = ["KeptTurns", "TurnPlan", "keep_id"]
 
 log = logging.getLogger("pd_router.kept_turns")
-
-_BLOCK_SIZE_INFO = "vllm:cache_config_info"
 
 
 def keep_id(model: str, tenant: str, session: str) -> str:
@@ -169,17 +166,10 @@ class KeptTurns:
         return await self._side.tokenize(p, query)
 
     async def _block_size(self, d: Instance) -> int | None:
-        """D's KV block size, from ``vllm:cache_config_info`` on its ``/metrics``."""
+        """D's KV block size, from ``vllm:cache_config_info`` on its ``/metrics`` (the health
+        monitor reads it too; this covers a D asked before its first check)."""
         text = await self._side.metrics_text(d)
-        if text is None:
-            return None
-        for family in text_string_to_metric_families(text):
-            if family.name == _BLOCK_SIZE_INFO:
-                for sample in family.samples:
-                    value = sample.labels.get("block_size", "")
-                    if value.isdigit() and int(value) > 0:
-                        return int(value)
-        return None
+        return None if text is None else parse_block_size(text)
 
     def decode_body(self, turn: TurnPlan | None, body: dict[str, Any]) -> dict[str, Any]:
         """D's body, asking for the token ids a kept turn needs."""

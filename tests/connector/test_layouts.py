@@ -224,13 +224,21 @@ def compat(**over: Any) -> Compat:
     return Compat(**fields)
 
 
-def handshake(p_compat: Compat, d_compat: Compat) -> tuple[Any, Any]:
-    """Two peer tables on the fake fabric exchange HELLOs; their links to each other."""
+def handshake(
+    p_compat: Compat, d_compat: Compat, versions: tuple[str, str] = ("0.34.0", "0.34.0")
+) -> tuple[Any, Any]:
+    """Two peer tables on the fake fabric exchange HELLOs (P's and D's vLLM ``versions``);
+    their links to each other."""
     fabric, clock = Fabric(), Clock()
     p_agent, d_agent = fabric.agent("pdr-p-tp0", 7000), fabric.agent("pdr-d-tp0", 7100)
     tables = {}
-    for agent, mine, eid, port in ((p_agent, p_compat, "p", 7000), (d_agent, d_compat, "d", 7100)):
-        hello = {"compat": _asdict(mine), "engine_id": eid, "host": "h", "port": port}
+    sides = (
+        (p_agent, p_compat, "p", 7000, versions[0]),
+        (d_agent, d_compat, "d", 7100, versions[1]),
+    )
+    for agent, mine, eid, port, vllm in sides:
+        hello = {"compat": _asdict(mine), "engine_id": eid, "host": "h", "port": port,
+                 "vllm_version": vllm}  # fmt: skip
         tables[agent.name] = PeerTable(agent, WorkerRank(), hello, mine, 5.0, clock)
     tables[p_agent.name].ensure(NixlAddress("d", "h", 7100))
     tables[d_agent.name].ensure(NixlAddress("p", "h", 7000))
@@ -279,6 +287,23 @@ def test_a_mismatch_is_refused_and_both_logs_name_both_values(
         lines = [r.getMessage() for r in caplog.records if f"refusing peer {peer}:" in r.message]
         assert lines, f"{me} logged no refusal"
         assert all(both in line or both_from_d in line for line in lines)
+
+
+def test_a_refusal_names_both_vllm_versions_in_both_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """The pipelined handshake pairs vLLM releases (it compares its own wire and the cache's
+    shape), but when it refuses, each engine's line says what both sides run."""
+    caplog.set_level(logging.ERROR, logger="vllm.connector.peers")
+    to_d, to_p = handshake(compat(block_size=16), compat(block_size=64), ("0.33.0", "0.34.0"))
+    assert to_d.state is LinkState.REFUSED and to_p.state is LinkState.REFUSED
+    for peer in ("pdr-d-tp0", "pdr-p-tp0"):
+        lines = [r.getMessage() for r in caplog.records if f"refusing peer {peer}:" in r.message]
+        assert lines and all("0.33.0" in line and "0.34.0" in line for line in lines), lines
+        assert all("block_size" in line for line in lines)
+
+
+def test_engines_of_different_vllm_releases_pair() -> None:
+    to_d, to_p = handshake(compat(), compat(), ("0.32.0", "0.34.0"))
+    assert to_d.state is LinkState.READY and to_p.state is LinkState.READY
 
 
 def test_matching_peers_are_ready_with_each_others_layout() -> None:

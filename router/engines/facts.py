@@ -1,0 +1,103 @@
+"""What an engine runs, read from the engine itself: its vLLM version (``GET /version``) and
+its KV block size (``vllm:cache_config_info`` on ``/metrics``), for pairing
+(router/engines/pairing.py), kept turns and the operator (``/ready``, metrics, the log)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.engines.instance import Instance
+from router.errors import UpstreamError
+from router.upstream import UpstreamClient
+
+__all__ = ["FactsReader", "parse_block_size", "parse_version"]
+
+log = logging.getLogger("pd_router.health")
+
+_BLOCK_SIZE_INFO = "vllm:cache_config_info"
+# Read again this many health checks after the last read: an engine restarted between two
+# checks (a rolling upgrade that answers every probe) is seen within a minute at the default
+# 5 s interval, and a reader costs two small GETs a minute per engine.
+REREAD_EVERY = 12
+
+
+def parse_version(body: bytes) -> str | None:
+    """``{"version": "0.34.0"}`` (vLLM's ``/version``): the string; None if not that."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, str) and version.strip() else None
+
+
+def parse_block_size(text: str) -> int | None:
+    """The ``block_size`` label of ``vllm:cache_config_info`` on a ``/metrics`` page."""
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name == _BLOCK_SIZE_INFO:
+                for sample in family.samples:
+                    value = sample.labels.get("block_size", "")
+                    if value.isdigit() and int(value) > 0:
+                        return int(value)
+    except ValueError:
+        return None
+    return None
+
+
+class FactsReader:
+    """Reads an engine's facts when the health monitor sees it answer: the first time, after
+    it was out for health (a restart may have changed them), and every ``REREAD_EVERY``
+    checks. Writes them to the instance (its only writer)."""
+
+    def __init__(self, upstream: UpstreamClient, timeout: float) -> None:
+        self._upstream = upstream
+        self._timeout = timeout
+        # Checks since the last read, per engine; dropped engines fall out with their instance.
+        self._since: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
+
+    def due(self, inst: Instance, was_healthy: bool | None) -> bool:
+        """Whether this healthy check should read ``inst``'s facts (counts the check)."""
+        since = self._since.get(inst)
+        if since is None or was_healthy is not True or since + 1 >= REREAD_EVERY:
+            return True
+        self._since[inst] = since + 1
+        return False
+
+    async def read(self, inst: Instance) -> bool:
+        """Read and store ``inst``'s facts; True when they changed. A page that cannot be
+        read keeps what was known, and is tried again at the next check."""
+        version = await self._get(inst, "/version")
+        metrics = await self._get(inst, "/metrics")
+        if version is None or metrics is None:
+            return False
+        self._since[inst] = 0
+        before = inst.facts
+        inst.learn_version(parse_version(version))
+        size = parse_block_size(metrics.decode("utf-8", "replace"))
+        if size is not None:
+            inst.learn_block_size(size)
+        after = inst.facts
+        if after != before:
+            log.info(
+                "event=engine_facts role=%s engine=%s vllm_version=%s block_size=%s",
+                inst.role,
+                inst.url,
+                after.version,
+                after.block_size,
+            )
+        return after != before
+
+    async def _get(self, inst: Instance, path: str) -> bytes | None:
+        """The page's body; b"" for an engine that does not serve it; None on a failure."""
+        try:
+            status, body = await self._upstream.get(inst, path, self._timeout)
+        except UpstreamError:
+            return None
+        if status == 404:
+            return b""
+        return body if status == 200 else None
