@@ -2,8 +2,9 @@
 
 A broken change should fail in the first minutes, not after half an hour of engine start-ups:
 modules run by suite, cheapest first (unit, fuzz, deploy, integration, observability, the
-connector's in-process tests), and every module that starts real vLLM engines (a test marked
-``e2e``) last. The order inside a cheap module is kept: those modules move as a whole.
+connector's in-process tests, the contract tests against vLLM's releases), and every module
+that starts real vLLM engines (a test marked ``e2e``) last. The order inside a cheap module
+is kept: those modules move as a whole.
 
 Engine tests run grouped by the stack they name (the indirect parameter ``engine_stack``, in
 the order of ``tests/engine_stacks.KINDS``), so each stack starts once and is stopped before
@@ -26,7 +27,15 @@ from tests.engine_stacks import KINDS
 
 __all__ = ["SuiteClock", "suite_of"]
 
-_RANK = {"unit": 0, "fuzz": 1, "deploy": 2, "integration": 3, "observability": 4, "connector": 5}
+_RANK = {
+    "unit": 0,
+    "fuzz": 1,
+    "deploy": 2,
+    "integration": 3,
+    "observability": 4,
+    "connector": 5,
+    "contract": 6,
+}
 _ENGINE_RANK = 10  # a module with an e2e test
 
 
@@ -91,7 +100,7 @@ class SuiteClock:
             module = _module(item)
             if module in engines:
                 return (_ENGINE_RANK, *_engine_order(item), position[id(item)])
-            return _RANK.get(suite_of(module, False), 6), first[module], 0, 0
+            return _RANK.get(suite_of(module, False), 7), first[module], 0, 0
 
         items.sort(key=key)
         self._suite = {i.nodeid: suite_of(i.nodeid, _module(i) in engines) for i in items}
