@@ -18,12 +18,14 @@
     │   └── FairShareExceeded    429     rate_limit_error / queue_share_exceeded  rate_limited
     ├── NoCapacity               503     service_unavailable / no_capacity (1)    no_capacity
     │   ├── NoHealthyEngine      503     service_unavailable / no_healthy_<role>  no_capacity
+    │   │                                (or no_compatible_pair)
     │   └── ShuttingDown         503     service_unavailable / shutting_down      shutdown
     ├── TotalTimeout             504     timeout / total_timeout                  timeout
     └── UpstreamError            502     upstream_error / <kind>                  upstream_error
         ├── UpstreamTimeout      504     timeout / <role>_timeout                 timeout
         └── UpstreamStatus       4xx     the engine's status and body as is       client_error
-                                 502     for the engine's 5xx                     upstream_error
+                                 503     a paused engine's, as is (load)          no_capacity
+                                 502     for the engine's other 5xx               upstream_error
 
     (1) with Retry-After, as are FairShareExceeded, NoHealthyEngine and ShuttingDown.
 
@@ -65,6 +67,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamStatus",
     "UpstreamTimeout",
+    "engine_paused",
     "error_body",
     "render",
     "sse_error_event",
@@ -88,7 +91,7 @@ class Outcome(enum.StrEnum):
 class Fault(enum.Enum):
     """What a failed engine call says about the engine (see router/engines/breaker.py)."""
 
-    NONE = "none"  # nothing: a 4xx, 408/429, the client left
+    NONE = "none"  # nothing: a 4xx, 408/429, a paused engine's 503, the client left
     REFUSED = "refused"  # no connection could be made: nothing listens there
     ENGINE = "engine"  # the engine failed: timeout, reset, dropped stream, 502/503/504
     ANSWER = "answer"  # the engine answered 5xx to this request (maybe to this one only)
@@ -282,10 +285,20 @@ class NoCapacity(RouterError):
 class NoHealthyEngine(NoCapacity):
     """No instance of a role is in rotation: refused at once, never queued."""
 
-    def __init__(self, role: str, model: str, retry_after: float) -> None:
-        super().__init__(f"no healthy {role} engine for model {model!r}", retry_after)
+    def __init__(
+        self, role: str, model: str, retry_after: float, unpaired: str | None = None
+    ) -> None:
+        """``unpaired``: every engine of ``role`` is out because none of the other role can
+        pair with it (router/engines/pairing.py); the reason, for the client and the log."""
+        message = f"no healthy {role} engine for model {model!r}"
+        if unpaired is not None:
+            message = (
+                f"no {role} engine for model {model!r} can pair with an engine of the other "
+                f"role: {unpaired}"
+            )
+        super().__init__(message, retry_after)
         self.role = role
-        self.code = f"no_healthy_{role}"
+        self.code = f"no_healthy_{role}" if unpaired is None else "no_compatible_pair"
 
 
 class ShuttingDown(NoCapacity):
@@ -341,25 +354,42 @@ class UpstreamTimeout(UpstreamError):
 
 
 class UpstreamStatus(UpstreamError):
-    """The engine answered with an error status; its body is passed through."""
+    """The engine answered with an error status; its body is passed through.
 
-    def __init__(self, status: int, content: bytes, *, role: str, instance: str) -> None:
+    A paused engine's 503 (:func:`engine_paused`: vLLM 0.33+ while paused, asleep or
+    checkpointed) is load, as a 429 is: retried on another engine, nothing counted against
+    the engine, and where no other engine can take it the client gets the engine's 503 as
+    is (``no_capacity``). Every other 5xx is a fault, answered as a 502."""
+
+    def __init__(
+        self, status: int, content: bytes, *, role: str, instance: str, paused: bool | None = None
+    ) -> None:
+        """``paused``: whether the engine is paused (None: judged from ``content``)."""
         super().__init__(
             f"{role} engine returned HTTP {status}", role=role, instance=instance, code=str(status)
         )
-        # A client error (4xx) is the client's to see as is; an engine failure is a 502.
         self.upstream_status = status
-        self.status = status if status < 500 else 502
-        self.outcome = Outcome.CLIENT_ERROR if status < 500 else Outcome.UPSTREAM_ERROR
         self.content = content
-        self.fault = _fault_of_status(status)
+        self.paused = status == 503 and (engine_paused(content) if paused is None else paused)
+        # A client error (4xx) is the client's to see as is, and so is a paused engine's
+        # 503; an engine failure is a 502.
+        passed = status < 500 or self.paused
+        self.status = status if passed else 502
+        self.outcome = (
+            Outcome.NO_CAPACITY
+            if self.paused
+            else Outcome.CLIENT_ERROR
+            if status < 500
+            else Outcome.UPSTREAM_ERROR
+        )
+        self.fault = Fault.NONE if self.paused else _fault_of_status(status)
 
     @property
     def retryable(self) -> bool:
         return self.upstream_status >= 500 or self.upstream_status in (408, 429)
 
     def body(self) -> bytes:
-        if self.upstream_status < 500 and _is_openai_error(self.content):
+        if (self.upstream_status < 500 or self.paused) and _is_openai_error(self.content):
             return self.content
         text = self.content.decode("utf-8", "replace")[:500]
         return error_body(f"{self.message}: {text}", "upstream_error", self.upstream_status)
@@ -383,6 +413,28 @@ def _fault_of_status(status: int) -> Fault:
     if status in (502, 503, 504):
         return Fault.ENGINE  # gateway failures, as Envoy counts them
     return Fault.ANSWER
+
+
+# The error type of vLLM's retryable request errors (``RetryableRequestError``): 0.33+ answers
+# every new request so while generation is paused (``/pause``, ``/sleep``, and 0.34's
+# ``/checkpoint/prepare`` until ``/checkpoint/restore``). Other 503s of vLLM's (a full queue, a
+# faulted engine) are typed ``Service Unavailable``.
+PAUSED_ERROR_TYPE = "ServiceUnavailableError"
+
+
+def engine_paused(content: bytes, *, streamed: bool = False) -> bool:
+    """Whether an engine's error body is vLLM's retryable ``ServiceUnavailableError``: the
+    engine is paused, not failing (its 503 is load, not a fault). ``streamed``: ``content``
+    is the JSON of a stream's error event, where vLLM types the same error
+    ``InternalServerError`` with code 503 (no other error of a stream has that code)."""
+    try:
+        doc: Any = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return False
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(error, dict):
+        return False
+    return error.get("type") == PAUSED_ERROR_TYPE or (streamed and error.get("code") == 503)
 
 
 def _is_openai_error(content: bytes) -> bool:

@@ -16,8 +16,9 @@ import orjson
 
 from router.config import TimeoutConfig
 from router.engines.instance import Instance, Role
-from router.errors import Fault, UpstreamError, UpstreamStatus
+from router.errors import Fault, UpstreamError, UpstreamStatus, engine_paused
 from router.metrics import Metrics
+from router.pd.scrub import StreamScrub
 from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens
 from router.upstream import UpstreamClient, UpstreamStream
@@ -48,12 +49,18 @@ class DecodeLeg:
     end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
+
+    A streamed leg's bytes, ``first`` included, are D's with every ``kv_transfer_params``
+    value null (router/pd/scrub.py): no engine coordinates reach the client. A whole body is
+    scrubbed where it is handed to the client (:meth:`Dispatch.first_bytes`), after a kept
+    turn has read D's params from it.
     """
 
     __slots__ = (
         "_clock",
         "_closed",
         "_counted",
+        "_scrub",
         "chunks",
         "ended_at",
         "first",
@@ -75,7 +82,8 @@ class DecodeLeg:
     ) -> None:
         self.instance = instance
         self.stream = stream
-        self.first = first
+        self._scrub = StreamScrub() if rest is not None else None
+        self.first = first if self._scrub is None else self._scrub.feed(first)
         self.rest = rest
         self.verdict: Fault | None = Fault.NONE if rest is not None else None
         self.chunks = 1  # chunks read from D, the first included
@@ -108,6 +116,8 @@ class DecodeLeg:
         usage's ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's
         stream breaks before ``[DONE]``; ``verdict`` then holds its fault."""
         assert self.rest is not None, "a complete body has nothing left to forward"
+        assert self._scrub is not None
+        scrub = self._scrub.feed
         error_event = ENGINE_ERROR_EVENT in self.first
         # D's terminal event is held until D's end is read: the client stops at it.
         held = head
@@ -123,11 +133,15 @@ class DecodeLeg:
                 if t - now > worst:  # not max(): a call per chunk
                     worst = t - now
                 now = t
+                chunk = scrub(chunk)
                 if patch is not None and MARKER in chunk:
                     chunk = await patch(chunk)
                 if stream.ended:
-                    last = held + chunk  # D's last bytes came with its end: one write
+                    # D's last bytes came with its end: one write
+                    last = held + chunk + self._scrub.flush()
                     break
+                if not chunk:  # held back by the scrub until a later read
+                    continue
                 # A token's event ends with "}": one test per token, no call.
                 if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
                     held += chunk
@@ -135,12 +149,13 @@ class DecodeLeg:
                 prev = chunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             else:
-                last = held
+                last = held + self._scrub.flush()
         except UpstreamError as exc:
             if not held:
                 self.verdict = exc.fault
                 raise
-            last = held  # the answer was whole ([DONE] read); only D's HTTP end broke
+            # The answer was whole ([DONE] read); only D's HTTP end broke.
+            last = held + self._scrub.flush()
         finally:
             self.chunks, self.worst_gap, self.ended_at = count, worst, now
             self._mark_ended()
@@ -288,11 +303,22 @@ class LegRunner:
             return DecodeLeg(inst, opened, content, None, self._clock)
         rest = opened.chunks().__aiter__()
         first = await anext(rest, b"")
+        if first.startswith(ENGINE_ERROR_EVENT):
+            paused = _paused_event(first)
+            if paused is not None:  # nothing sent yet: load, tried on another engine
+                raise UpstreamStatus(503, paused, role=inst.role, instance=inst.url, paused=True)
         return DecodeLeg(inst, opened, first, rest, self._clock)
 
 
 async def _read_bounded(stream: UpstreamStream) -> bytes:
     return (await stream.read_all())[: _MAX_ERROR_BODY if stream.status >= 400 else None]
+
+
+def _paused_event(first: bytes) -> bytes | None:
+    """The error of a stream that a paused engine (vLLM 0.33+) answered with its error event
+    at once (its 200 sent before the request reached the paused engine core), or None."""
+    event = first[len(b"data: ") :].split(b"\n\n", 1)[0]
+    return event if engine_paused(event, streamed=True) else None
 
 
 def _json(content: bytes) -> dict[str, Any]:

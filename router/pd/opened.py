@@ -12,6 +12,7 @@ from router.engines.ledger import Reservation
 from router.errors import Fault, UpstreamError
 from router.pd.legs import DecodeLeg, PrefillResult
 from router.pd.plans import Decision
+from router.pd.scrub import without_params
 from router.pd.usage import MARKER, Patch, with_cached_tokens
 
 __all__ = ["Dispatch"]
@@ -49,9 +50,13 @@ class Dispatch:
         return patch
 
     async def first_bytes(self) -> bytes:
-        """D's first bytes for the client (``leg.first``, its usage rewritten where needed)."""
+        """D's first bytes for the client (``leg.first``, its usage rewritten where needed);
+        a whole body without its engine's coordinates (router/pd/scrub.py: a streamed leg's
+        bytes are scrubbed as they are read)."""
         patch = self.usage_patch
         first = self.leg.first
+        if self.leg.rest is None:
+            first = without_params(first)
         return await patch(first) if patch is not None and MARKER in first else first
 
     async def prefill_cached_tokens(self) -> int | None:

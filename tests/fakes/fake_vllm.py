@@ -79,6 +79,7 @@ class Behaviour:
     # params of the blocks it keeps (and token ids when asked with return_token_ids).
     bidirectional: bool = False
     block_size: int = 16  # in /metrics (vllm:cache_config_info)
+    version: str = "0.32.0"  # in /version (what the router pairs engines by)
     fail_kv_read: bool = False  # P: a request that reads a kept turn from D gets a 500
     max_model_len: int | None = 4096  # in /v1/models, as vLLM reports it (None: left out)
     # Every generate request waits for a turn here: a test releases them one at a time.
@@ -89,6 +90,18 @@ class Behaviour:
     compute_token_delay: float = 0.0  # with a prefix cache: seconds per prompt token computed
     compute_one_at_a_time: bool = False  # prompts computed in turn, as one engine's steps
     receive_token_delay: float = 0.0  # ... per prompt token a disaggregated D receives
+    # Whose answers this engine sends: "0.32" (vLLM 0.32's, the default) or "0.33" (0.33's
+    # and 0.34's: every answer carries kv_transfer_params, a body the engine's params or null;
+    # every streamed token chunk null but the one that finishes the choice, which carries
+    # finish_reason and the engine's params: a bidirectional pull D's own coordinates).
+    wire: str = "0.32"
+    # vLLM 0.33+ paused (/pause, /sleep, a prepared checkpoint): every generate request is
+    # refused as retryable, a non-streamed one with a 503 ServiceUnavailableError, a streamed
+    # one with a 200 whose only event is that error (typed InternalServerError, code 503).
+    paused: bool = False
+    # 0.33 wire: the params this engine answers with where it keeps no turn (another
+    # connector's, whatever it was asked; None: null)
+    own_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -244,7 +257,7 @@ class FakeEngine:
             ready = self.bus.done.get(path.removeprefix("/kv/"))
             await _respond(send, 200 if ready is not None and ready.is_set() else 404, b"")
         elif path == "/version":
-            await _respond(send, 200, b'{"version":"0.32.0"}')
+            await _respond(send, 200, json.dumps({"version": b.version}).encode())
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
 
@@ -287,6 +300,9 @@ class FakeEngine:
             )
             await _respond(send, status, body)
             return
+        if b.paused and rec.path not in ("/tokenize", "/detokenize"):
+            await self._refuse_paused(rec, send)
+            return
         if b.fail_kv_read and rec.kv.get("do_remote_decode") and rec.kv.get("remote_block_ids"):
             await _respond(send, 500, b'{"error": {"message": "KV read from D failed"}}')
             return
@@ -319,10 +335,26 @@ class FakeEngine:
             await self._stream(rec, send, b, prompt)
             return
         doc = _full(rec, b.tokens, b.prompt_tag, b.cached_tokens)
+        if b.wire != "0.32":
+            doc["kv_transfer_params"] = b.own_params
         if b.bidirectional and kv.get("do_remote_prefill"):
             _keep_turn(self.name, rec, doc)
         self._cache_store(prompt + _reply_ids(doc, rec))
         await _respond(send, 200, json.dumps(doc).encode())
+
+    async def _refuse_paused(self, rec: Received, send: Send) -> None:
+        message = "Generation is paused. Please retry after it resumes."
+        if not rec.body.get("stream"):
+            error = {"message": message, "type": "ServiceUnavailableError", "param": None}
+            body = json.dumps({"error": {**error, "code": 503}}, separators=(",", ":"))
+            await _respond(send, 503, body.encode())
+            return
+        error = {"message": message, "type": "InternalServerError", "param": None, "code": 503}
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        event = json.dumps({"error": error}, separators=(",", ":")).encode()
+        await _chunk(send, b"data: " + event + b"\n\ndata: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _prefill(self, rec: Received, send: Send, b: Behaviour) -> None:
         if b.malformed_json:
@@ -379,6 +411,11 @@ class FakeEngine:
                 await _chunk(send, b"data: {not json\n\n")
                 continue
             delta = _delta(rec, i, b.prompt_tag, b.token_padding)
+            if b.wire != "0.32":
+                delta["kv_transfer_params"] = None
+                if i == b.tokens - 1:  # the chunk that finishes the choice: the engine's params
+                    delta["choices"][0]["finish_reason"] = "length"
+                    delta["kv_transfer_params"] = self._params_at_end(rec, b, reply, delta)
             reply.append(_delta_text(delta))
             await _chunk(send, b"data: " + json.dumps(delta).encode() + b"\n\n")
             if b.token_delay:
@@ -400,6 +437,23 @@ class FakeEngine:
             self.holding_end.set()
             await b.end_gate.wait()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _params_at_end(
+        self, rec: Received, b: Behaviour, reply: list[str], last: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """A 0.33+ stream's params, on its last token chunk: a bidirectional pull D's own
+        coordinates (the blocks it keeps), else ``own_params``."""
+        if not (b.bidirectional and rec.kv.get("do_remote_prefill")):
+            return b.own_params
+        text = "".join(reply) + _delta_text(last)
+        if _is_chat(rec):
+            doc: dict[str, Any] = {"choices": [{"message": {"content": text}}]}
+        else:
+            doc = {"choices": [{"text": text}]}
+        plain = {**rec.body, "return_token_ids": False}  # the ids are not streamed here
+        _keep_turn(self.name, dataclasses.replace(rec, body=plain), doc)
+        params: dict[str, Any] = doc["kv_transfer_params"]
+        return params
 
 
 # -- helpers -------------------------------------------------------------------

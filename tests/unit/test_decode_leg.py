@@ -99,3 +99,20 @@ async def test_d_cut_before_its_done_is_its_fault() -> None:
     cut = UpstreamError("gone", role="decode", instance="http://d:8000", fault=Fault.ENGINE)
     with pytest.raises(UpstreamError):
         await _forward(TOKEN, [TOKEN], error=cut)
+
+
+async def test_the_client_gets_no_engine_coordinates_whatever_the_reads() -> None:
+    # vLLM 0.33+: null on token chunks, a pull D's own NIXL coordinates on the last one.
+    token = b'data: {"choices":[{"delta":{"content":"hi"}}],"kv_transfer_params":null}\n\n'
+    coords = b'{"remote_host":"10.9.9.9","remote_port":5700,"remote_block_ids":[[7,8]]}'
+    last = b'data: {"choices":[],"kv_transfer_params":' + coords + b"}\n\n"
+    clean = b'data: {"choices":[],"kv_transfer_params":null}\n\n'
+    cut = len(last) - 30  # inside D's coordinates
+    leg, events = await _forward(token, [token + last[:cut], last[cut:], SSE_DONE])
+    sent = leg.first + b"".join(message[0] for kind, message in events if kind == "send")
+    assert sent == token + token + clean + SSE_DONE
+    assert events[-1] == ("send", (SSE_DONE, False))
+    # D's end in the same read as its last bytes: held bytes and the rest in one write.
+    leg, events = await _forward(token + last[:cut], [last[cut:] + SSE_DONE])
+    sent = leg.first + b"".join(message[0] for kind, message in events if kind == "send")
+    assert sent == token + clean + SSE_DONE
