@@ -65,7 +65,7 @@ DEFAULT = "default"
 class Review:
     decision: str  # OVERRIDDEN or DEFAULT
     why: str
-    since: tuple[int, int] = (0, 32)  # the first release that has the hook
+    since: tuple[int, int] = (0, 0)  # the first release with the hook; (0, 0): 0.32 or older
     # An override decided but not landed yet: its absence is an expected failure (xfail,
     # with this reason), not a red run. Drop it once the override is in.
     pending: str = ""
