@@ -224,6 +224,32 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
         return True
 
     @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM 0.34+ (``KVCacheAccess``): how the workers reach the KV cache, which decides
+        how vLLM's extensible KV cache (on by default on CUDA and ROCm) allocates it. The
+        workers register the cache with NIXL (UCX), which cannot register a range spanning
+        several physical allocations, and peers on the host map it through UCX cuda_ipc:
+        ``REGISTERS | EXPORTS_FABRIC`` for a cache in device memory, ``IN_PROCESS`` for one in
+        host memory (``kv_buffer_device: cpu``), as vLLM's NIXL connector answers. vLLM 0.32
+        and 0.33 have no such flags and never ask: None there."""
+        flags = _kv_cache_access_flags()
+        if flags is None:
+            return None
+        names = kv_cache_access_names(getattr(kv_transfer_config, "kv_buffer_device", None))
+        access = flags[names[0]]
+        for name in names[1:]:
+            access |= flags[name]
+        return access
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False (vLLM 0.33+ then refuses ``--enable-sleep-mode`` at start): sleep, and 0.34's
+        ``/checkpoint/prepare``, release the KV memory that this connector's NIXL registrations
+        and its peers' prepared descriptors still point at, and the connector implements no
+        ``unregister_kv_caches`` / ``restore_kv_caches`` to tell them."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PipelinedStats:
         from connector.prom import PipelinedStats
 
@@ -250,6 +276,23 @@ class PipelinedPushConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[m
     def _w(self) -> WorkerSide:
         assert self._worker is not None, "worker-side method called on a scheduler connector"
         return self._worker
+
+
+def kv_cache_access_names(kv_buffer_device: str | None) -> tuple[str, ...]:
+    """The ``KVCacheAccess`` flags (vLLM 0.34+) of a cache on ``kv_buffer_device``: see
+    :meth:`PipelinedPushConnector.kv_cache_access`."""
+    if kv_buffer_device == "cpu":
+        return ("IN_PROCESS",)
+    return ("REGISTERS", "EXPORTS_FABRIC")
+
+
+def _kv_cache_access_flags() -> Any:
+    """vLLM's ``KVCacheAccess`` flag enum, or None where vLLM has none (0.32, 0.33)."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None
+    return KVCacheAccess
 
 
 def _build_worker(
