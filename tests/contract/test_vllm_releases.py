@@ -71,8 +71,6 @@ class Review:
     pending: str = ""
 
 
-_PENDING = "issue 47: the connector's 0.33/0.34 overrides are being added"
-
 # Every public member of KVConnectorBase_V1 (and SupportsHMA) in a supported release, with
 # what this project decided about it. A hook a new release adds fails the test until it is here.
 REVIEWED: dict[str, Review] = {
@@ -88,7 +86,6 @@ REVIEWED: dict[str, Review] = {
         "False: sleep or /checkpoint/prepare would free KV that peers' NIXL registrations "
         "still name (issue 47)",
         since=(0, 33),
-        pending=_PENDING,
     ),
     "supports_lookahead_block_hashes": Review(
         DEFAULT,
@@ -100,7 +97,6 @@ REVIEWED: dict[str, Review] = {
         "REGISTERS | EXPORTS_FABRIC for a device cache (UCX registers it; one physical chunk "
         "per segment), IN_PROCESS for a host one",
         since=(0, 34),
-        pending=_PENDING,
     ),
     # -- properties
     "role": Review(DEFAULT, "the base keeps the role it was built with"),
