@@ -4,7 +4,9 @@
 #      layout, each layer's KV written late on the compute stream; D's bytes must equal P's
 #      final bytes (and differ with the readiness gate off, the negative control);
 #   2. the engine check: P, D and one aggregated engine on one GPU; greedy outputs through P/D
-#      must equal the aggregated engine's, in both write_batch modes, graphs on and eager.
+#      must equal the aggregated engine's, in both write_batch modes, graphs on and eager;
+#   3. (CUDA) the engine check again with vLLM's defaults: no --kv-cache-memory-bytes, graphs on,
+#      so vLLM 0.34's extensible KV cache stays on (the connector must declare kv_cache_access).
 # Exits non-zero on any failure. Usage: scripts/gpu-check.sh [--cpu] [--worker-only]
 #   --cpu          the reduced form CI can run: CPU tensors and vLLM CPU engines, eager only
 #   --worker-only  skip the engine check (a GPU machine with CUDA PyTorch and NIXL, no vLLM)
@@ -48,6 +50,10 @@ status=0
 "$py" -m scripts.gpu_check.worker_check --device "$device" || status=1
 if [[ $engines == 1 ]]; then
   "$py" -m scripts.gpu_check.engine_check --device "$device" || status=1
+  if [[ $device == cuda ]]; then
+    "$py" -m scripts.gpu_check.engine_check --device cuda --vllm-defaults --variants layer,step \
+      || status=1
+  fi
 fi
 if [[ $status == 0 ]]; then echo "gpu-check: PASS"; else echo "gpu-check: FAIL"; fi
 exit $status

