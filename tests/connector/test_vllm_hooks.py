@@ -2,10 +2,9 @@
 the KV cache (``kv_cache_access``, 0.34) and sleep mode refused (``supports_sleep_mode``, 0.33).
 
 On the installed vLLM (0.32, which has neither hook and no ``KVCacheAccess``) the answers are
-checked against a stand-in of the flags; against 0.34's own source where a 0.34 wheel is at
-hand: ``PDR_VLLM_WHEEL_DIR`` names a folder holding ``vllm-0.34.*.whl`` (for example one
-filled by ``pip download --no-deps vllm==0.34.0 -d DIR``). Without one those tests skip, in
-CI too: no wheel is cached there."""
+checked against a stand-in of the flags; against 0.34's own source where it is at hand: the
+project cache's (``scripts/vllm_wheels.py``, as tests/contract reads it), else a wheel in the
+folder ``PDR_VLLM_WHEEL_DIR`` names. Without either those tests skip, in CI too."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.contract.releases import find
 from tests.needs import need_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -80,10 +80,15 @@ def test_on_a_vllm_without_the_flags_the_answer_is_none() -> None:
 
 
 def _wheel_source(path: str) -> str:
+    """``path`` in 0.34's source: the project cache's (scripts/vllm_wheels.py), else a wheel
+    in ``PDR_VLLM_WHEEL_DIR``; skipped without either."""
+    found = find("0.34.0")
+    if not isinstance(found, str):
+        return found.text(path)
     folder = os.environ.get("PDR_VLLM_WHEEL_DIR")
     wheels = sorted(Path(folder).glob("vllm-0.34.*.whl")) if folder else []
     if not wheels:
-        pytest.skip("no vLLM 0.34 wheel (set PDR_VLLM_WHEEL_DIR to a folder holding one)")
+        pytest.skip(f"no vLLM 0.34 source ({found}; or set PDR_VLLM_WHEEL_DIR)")
     with zipfile.ZipFile(wheels[-1]) as wheel:
         return wheel.read(path).decode()
 
