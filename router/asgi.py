@@ -20,14 +20,15 @@ from router.config import CorsConfig
 from router.context import AppContext
 from router.errors import InternalError, Outcome, RouterError, Unauthorized
 from router.guard import guarded_protocol
-from router.intake import KEY, client_request_id, handle, identify
+from router.intake import INVOCATIONS, KEY, client_request_id, handle, identify
 from router.relay import Receive, Scope, Send, send_error
 
 __all__ = ["RouterApp"]
 
 log = logging.getLogger("pd_router")
 
-_HOT_ROUTES = {e.value: e for e in Endpoint}
+# The generate routes; /invocations is one of them, its endpoint read from its body (None).
+_HOT_ROUTES: dict[str, Endpoint | None] = {e.value: e for e in Endpoint} | {INVOCATIONS: None}
 _ASGI = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -94,8 +95,9 @@ class RouterApp:
             if _has_origin(scope["headers"]):
                 await self._cors(scope, receive, send)
                 return
-            endpoint = _HOT_ROUTES.get(scope.get("path", ""))
-            if endpoint is not None and scope["method"] == "POST":
+            path = scope.get("path", "")
+            if path in _HOT_ROUTES and scope["method"] == "POST":
+                endpoint = _HOT_ROUTES[path]
                 # The response is awaited here, not in a helper: every relayed chunk resumes
                 # each coroutine frame between the server and the relay loop.
                 response = await self._open(endpoint, scope, receive, send)
@@ -105,7 +107,7 @@ class RouterApp:
         await self._route(scope, receive, send)
 
     async def _generate(
-        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+        self, endpoint: Endpoint | None, scope: Scope, receive: Receive, send: Send
     ) -> None:
         """A generate request that came through the CORS middleware (as :meth:`__call__`)."""
         response = await self._open(endpoint, scope, receive, send)
@@ -117,9 +119,8 @@ class RouterApp:
             await self.api(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = _HOT_ROUTES.get(path)
-        if endpoint is not None and scope["method"] == "POST":
-            await self._generate(endpoint, scope, receive, send)
+        if path in _HOT_ROUTES and scope["method"] == "POST":
+            await self._generate(_HOT_ROUTES[path], scope, receive, send)
             return
         if path in OPEN_PATHS:
             # A probe is served anyway; a valid key only adds /ready's detail.
@@ -134,7 +135,7 @@ class RouterApp:
         await self.api(scope, receive, send)
 
     async def _open(
-        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
+        self, endpoint: Endpoint | None, scope: Scope, receive: Receive, send: Send
     ) -> Response | None:
         """The response that runs a generate request, or None once its refusal is sent."""
         request = Request(scope, receive)
@@ -146,7 +147,7 @@ class RouterApp:
         except ClientDisconnect:
             pass  # gone while sending its body: nothing was reserved or sent upstream
         except Exception:
-            log.exception("unhandled error on %s", endpoint.value)
+            log.exception("unhandled error on %s", scope.get("path", ""))
             self._ctx.metrics.observe_request("", "", Outcome.INTERNAL_ERROR)
             await send_error(send, InternalError(), client_id)
         return None

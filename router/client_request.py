@@ -16,6 +16,7 @@ that vLLM's model takes and its serving code refuses (``n: 0``, an empty prompt)
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ __all__ = [
     "Endpoint",
     "check_passthrough_body",
     "parse_client_request",
+    "parse_invocation",
     "parse_json_object",
     "request_json_schema",
 ]
@@ -337,6 +339,39 @@ def parse_client_request(
         max_output_field=field,
         client_key=client_key,
     )
+
+
+# vLLM's /invocations: the request models it tries in turn, and its words when none fits.
+_INVOCATION_TYPES = "['ChatCompletionRequest', 'CompletionRequest']"
+NO_INVOCATION_HANDLER = (
+    f"Cannot find suitable handler for request. Expected one of: {_INVOCATION_TYPES}"
+)
+
+
+def parse_invocation(raw: bytes, client_key: str = "anonymous") -> ClientRequest:
+    """A SageMaker-style ``/invocations`` body, dispatched by its shape as vLLM 0.32 does:
+    a chat completion if it fits vLLM's chat request model, else a completion (whose
+    validator refuses a missing or empty prompt first, in its own words) if it fits the
+    completion model; a body that fits neither is refused in vLLM's words. A value that a
+    model takes and its serving code refuses (``n: 0``) is that endpoint's refusal."""
+    try:
+        body = parse_json_object(raw)
+    except InvalidBody as exc:
+        # vLLM reads this body itself: a JSON error in the standard library's words.
+        try:
+            json.loads(raw)
+        except ValueError as err:
+            raise InvalidBody(f"JSON decode error: {err}") from None
+        raise InvalidRequest(exc.message) from None  # JSON, not an object
+    with contextlib.suppress(InvalidBody):
+        return parse_client_request(raw, Endpoint.CHAT, client_key)
+    prompt = body.get("prompt")
+    if (prompt is None or prompt == "") and not body.get("prompt_embeds"):
+        raise InvalidRequest(_NO_PROMPT, param="prompt")
+    try:
+        return parse_client_request(raw, Endpoint.COMPLETIONS, client_key)
+    except InvalidBody:
+        raise InvalidRequest(NO_INVOCATION_HANDLER) from None
 
 
 def check_passthrough_body(raw: bytes, path: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from router.kvindex.index import KvIndex
 from router.kvindex.route import CacheScorer
 from router.limits import Limiter
 from router.metrics import Metrics
+from router.orca import LoadReports
 from router.passthrough import PassThrough
 from router.pd.dispatch import Dispatcher
 from router.pd.kept_turns import KeptTurns
@@ -56,6 +57,7 @@ class AppContext:
     clients: ClientEvents  # slow clients: the connection guard's and the body deadline's
     kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
     engine_loads: EngineLoads | None  # several router replicas: engine-reported load
+    load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
 
 
 def build_context(
@@ -125,4 +127,5 @@ def build_context(
         ClientEvents(metrics, clock),
         kv_index,
         engine_loads,
+        LoadReports(side_calls),
     )

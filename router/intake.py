@@ -9,13 +9,20 @@ here or by the relay). The helpers are shared with the other routes (router/rout
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Iterable
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from router.access_log import AccessRecord
-from router.client_request import ClientRequest, Endpoint, parse_client_request, with_session
+from router.client_request import (
+    ClientRequest,
+    Endpoint,
+    parse_client_request,
+    parse_invocation,
+    with_session,
+)
 from router.context import AppContext
 from router.errors import (
     BodyTooLarge,
@@ -28,10 +35,12 @@ from router.errors import (
     Unauthorized,
 )
 from router.multi_prompt import MultiPromptResponse
+from router.orca import requested_format
 from router.registry import ModelPool
-from router.relay import RelayResponse, Scope
+from router.relay import LoadReport, RelayResponse, Scope
 
 __all__ = [
+    "INVOCATIONS",
     "KEY",
     "charge",
     "client_request_id",
@@ -42,6 +51,7 @@ __all__ = [
     "read_body",
 ]
 
+INVOCATIONS = "/invocations"  # vLLM's SageMaker-style entry: chat or completions by the body
 KEY = "pdrouter.key"  # scope key: the name of the request's API key, once identified
 _MAX_CLIENT_ID = 128
 
@@ -126,17 +136,21 @@ def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
 
 
 async def handle(
-    ctx: AppContext, request: Request, endpoint: Endpoint, client_id: bytes | None
+    ctx: AppContext, request: Request, endpoint: Endpoint | None, client_id: bytes | None
 ) -> Response:
     """The relay for one generate request, or the :class:`RouterError` that refuses
-    it (counted here: every request is counted once, here or by the relay)."""
+    it (counted here: every request is counted once, here or by the relay). ``endpoint``
+    None: ``/invocations``, whose body says which endpoint it is (chat, else completions)."""
     started = ctx.clock()
     pool: ModelPool | None = None
     try:
         key = identify(ctx, request.scope)
         charge(ctx, key)  # before the body: a flood is refused for the price of its head
         raw = await read_body(ctx, request)
-        creq = parse_client_request(raw, endpoint, key)
+        if endpoint is None:
+            creq = parse_invocation(raw, key)
+        else:
+            creq = parse_client_request(raw, endpoint, key)
         pool = pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
         creq = await _check_bounds(ctx, pool, creq)  # before any slot or generate call
@@ -149,7 +163,21 @@ async def handle(
         raise
     # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
     several = creq.num_prompts > 1 and pool.mode.uses_prefill
-    return (MultiPromptResponse if several else RelayResponse)(
+    if several:
+        return MultiPromptResponse(
+            ctx.dispatcher,
+            ctx.metrics,
+            pool,
+            creq,
+            started,
+            ctx.clock,
+            ctx.config.timeouts.total,
+            client_id,
+            ctx.tracing,
+            ctx.access,
+            on_end=done,
+        )
+    return RelayResponse(
         ctx.dispatcher,
         ctx.metrics,
         pool,
@@ -161,13 +189,23 @@ async def handle(
         ctx.tracing,
         ctx.access,
         on_end=done,
+        load_report=_load_report(ctx, request, creq),
     )
+
+
+def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> LoadReport | None:
+    """The ORCA header's reader where vLLM sends one: a non-streamed chat completion or
+    completion that asks for it (``endpoint-load-metrics-format``)."""
+    if creq.stream or creq.endpoint is Endpoint.RESPONSES:
+        return None
+    fmt = requested_format(request.headers.raw)
+    return None if fmt is None else functools.partial(ctx.load_reports.header, fmt=fmt)
 
 
 def _refused_record(
     ctx: AppContext,
     request: Request,
-    endpoint: Endpoint,
+    endpoint: Endpoint | None,
     exc: RouterError,
     model: str,
     mode: str,
@@ -176,7 +214,7 @@ def _refused_record(
     client_id = request.headers.get("x-request-id", "-")
     return AccessRecord(
         method=request.method,
-        path=endpoint.value,
+        path=INVOCATIONS if endpoint is None else endpoint.value,
         status=exc.status,
         model=model or "-",
         mode=mode or "-",

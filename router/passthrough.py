@@ -1,10 +1,11 @@
 """Endpoints of ``vllm serve`` that need no P/D: forwarded as they are to one engine.
 
 ``/tokenize`` and ``/detokenize`` name a model: any engine serving it answers as the
-model's one server would (P and D run the same model and tokenizer). ``/version`` names
-none: the first model's engine answers. The engine's status and body reach the client
-unchanged, its 4xx included; an engine that cannot be reached is a 502, no engine in
-rotation a 503 ``no_healthy_<role>``.
+model's one server would (P and D run the same model and tokenizer). ``/version`` and
+``/tokenizer_info`` name none: the first model's engine answers (``vllm serve`` answers
+``/tokenizer_info`` only with ``--enable-tokenizer-info-endpoint``, else 404). The
+engine's status and body reach the client unchanged, its 4xx included; an engine that
+cannot be reached is a 502, no engine in rotation a 503 ``no_healthy_<role>``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from router.errors import UpstreamError
 from router.registry import ModelPool
 from router.upstream import UpstreamClient
 
-__all__ = ["POST_PATHS", "PassThrough"]
+__all__ = ["GET_PATHS", "POST_PATHS", "PassThrough"]
 
 POST_PATHS = ("/tokenize", "/detokenize")
+GET_PATHS = ("/version", "/tokenizer_info")
 
 
 class PassThrough:

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
 from router.config import TracingConfig
+from router.engines.instance import Instance
 from router.errors import (
     FairShareExceeded,
     Outcome,
@@ -39,7 +40,16 @@ from router.pd.sse import ends_answer
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["CONNECTION", "Connection", "Receive", "RelayResponse", "Scope", "Send", "send_error"]
+__all__ = [
+    "CONNECTION",
+    "Connection",
+    "LoadReport",
+    "Receive",
+    "RelayResponse",
+    "Scope",
+    "Send",
+    "send_error",
+]
 
 log = logging.getLogger("pd_router.relay")
 
@@ -47,6 +57,8 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+# The response headers that report an engine's load (router/orca.py), asked once D answered.
+LoadReport = Callable[[Instance], Awaitable[list[tuple[bytes, bytes]]]]
 
 
 async def send_error(send: Send, exc: RouterError, request_id: bytes | None = None) -> None:
@@ -94,10 +106,14 @@ class RelayResponse(Response):
         tracing: Tracing | None = None,
         access: AccessLog | None = None,
         on_end: Callable[[], None] | None = None,
+        load_report: LoadReport | None = None,
     ) -> None:
         """``client_id``: the client's X-Request-Id, echoed back and logged. ``on_end`` is
-        called once when the exchange is over, however it ended (the key's lease)."""
+        called once when the exchange is over, however it ended (the key's lease).
+        ``load_report``: the ORCA header of D's load, for a non-streamed answer that D
+        answered 200 (router/orca.py)."""
         self.background = None
+        self._load_report = load_report
         self._on_end = on_end
         self._access = access
         self._tracing = tracing or Tracing(TracingConfig())
@@ -256,13 +272,16 @@ class RelayResponse(Response):
         return exc.outcome
 
     async def _start(self, send: Send, leg: DecodeLeg, request_id: str) -> None:
-        """D's status and content type as the response head, with the request id."""
+        """D's status and content type as the response head, with the request id (and the
+        load report asked for, on a whole answer)."""
         headers = [
             (b"content-type", leg.content_type.encode("latin-1")),
             (b"x-request-id", self._echo or request_id.encode("latin-1")),
         ]
         if leg.rest is not None:
             headers.append((b"cache-control", b"no-cache"))
+        elif self._load_report is not None and leg.status == 200:
+            headers += await self._load_report(leg.instance)
         await send({"type": "http.response.start", "status": leg.status, "headers": headers})
         self._started = True
         self._status = leg.status

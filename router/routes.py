@@ -16,7 +16,7 @@ from router.client_request import Endpoint, check_passthrough_body, request_json
 from router.context import AppContext
 from router.errors import HttpError, InternalError, NoCapacity, RouterError, render
 from router.intake import KEY, charge, client_request_id, handle, hold, pool_for, read_body
-from router.passthrough import POST_PATHS
+from router.passthrough import GET_PATHS, POST_PATHS
 from router.pd import kv_params as kp
 
 __all__ = ["register_errors", "register_routes"]
@@ -52,6 +52,11 @@ def register_routes(app: FastAPI, ctx: AppContext) -> None:
         return await handle(
             ctx, request, Endpoint.RESPONSES, client_request_id(request.scope["headers"])
         )
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """SageMaker-style: a chat completion or a completion, by the body's shape."""
+        return await handle(ctx, request, None, client_request_id(request.scope["headers"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -105,8 +110,10 @@ def _register_passthrough(app: FastAPI, ctx: AppContext) -> None:
     for path in POST_PATHS:
         app.add_api_route(path, forward, methods=["POST"], name=path.strip("/"))
 
-    @app.get("/version")
-    async def version(request: Request) -> Response:
+    async def forward_get(request: Request) -> Response:
+        """A GET that names no model (``/version``, ``/tokenizer_info``): the first model's
+        engine answers, its 404 included (vLLM serves ``/tokenizer_info`` only with
+        ``--enable-tokenizer-info-endpoint``)."""
         key: str = request.scope[KEY]
         charge(ctx, key)
         pools = list(ctx.registry.pools())
@@ -114,9 +121,12 @@ def _register_passthrough(app: FastAPI, ctx: AppContext) -> None:
             raise NoCapacity("no model is configured", retry_after=1.0)
         done = hold(ctx, key)
         try:
-            return await ctx.passthrough.forward(pools[0], "/version", None, "-")
+            return await ctx.passthrough.forward(pools[0], request.url.path, None, "-")
         finally:
             done()
+
+    for path in GET_PATHS:
+        app.add_api_route(path, forward_get, methods=["GET"], name=path.strip("/"))
 
 
 def _readiness(ctx: AppContext, detail: bool) -> Response:

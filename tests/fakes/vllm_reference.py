@@ -69,6 +69,19 @@ def refusal_app(overrides: dict[str, Any]) -> Any:
     app.state.args = args
     for module in (completion, chat, responses, tokenize, models):
         module.attach_router(app)
+    # /invocations, as for a generate model: it picks its handler by the body's shape, and
+    # refuses one that fits none through the tokenizer's serving object (its error builder
+    # alone is needed here); the stand-in handlers are never reached by a refusal.
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+    from vllm.entrypoints.serve.sagemaker import api_router as sagemaker
+
+    app.state.openai_serving_chat = app.state.openai_serving_completion = object()
+    app.state.serving_tokenization = SimpleNamespace(
+        create_error_response=BaseServing.create_error_response
+    )
+    sagemaker.attach_router(app, ("generate",))
     init_exception_handler(app)
     init_entrypoints_middleware(args, app, ())
     return app

@@ -43,8 +43,16 @@ VALID: dict[str, dict[str, Any]] = {
     "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 4},
     "/tokenize": {"model": "tiny", "prompt": "hi"},
     "/detokenize": {"model": "tiny", "tokens": [104, 105]},
+    # SageMaker-style: a chat completion or a completion by the body's shape
+    "/invocations": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
 }
-GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+# The engine path a route's valid body reaches (else its own).
+ENGINE_PATH = {"/invocations": "/v1/chat/completions"}
+NO_HANDLER = (
+    "Cannot find suitable handler for request. "
+    "Expected one of: ['ChatCompletionRequest', 'CompletionRequest']"
+)
 BAD = "Bad Request"  # vLLM's type for a body its request model refuses (FastAPI's validation)
 NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
 _DROP = object()
@@ -71,12 +79,25 @@ def _body_rows() -> dict[str, Refusal]:
     rows: dict[str, Refusal] = {}
     for path in VALID:
         name = path.rsplit("/", 1)[-1]
+        if path == "/invocations":  # vLLM reads its body itself
+            quotes = "JSON decode error: Expecting property name enclosed in double quotes"
+            rows[f"{name}: not JSON"] = Refusal(
+                path, b'{"model": "tiny",', BAD, None, f"{quotes}: line 1 column 18 (char 17)"
+            )
+            rows[f"{name}: broken JSON"] = Refusal(
+                path, b"{bad", BAD, None, f"{quotes}: line 1 column 2 (char 1)"
+            )
+            rows[f"{name}: empty body"] = Refusal(
+                path, b"", BAD, None, "JSON decode error: Expecting value: line 1 column 1 (char 0)"
+            )
+            rows[f"{name}: not an object"] = Refusal(path, b"[1, 2]", "BadRequestError", None)
+            continue
         rows[f"{name}: not JSON"] = Refusal(path, b'{"model": "tiny",', BAD, "body.17")
         rows[f"{name}: broken JSON"] = Refusal(path, b"{bad", BAD, "body.1")
         rows[f"{name}: empty body"] = Refusal(path, b"", BAD, "body")
         rows[f"{name}: not an object"] = Refusal(path, b"[1, 2]", BAD, "body")
         rows[f"{name}: model not a string"] = Refusal(path, _with(path, model=5), BAD, "body.model")
-    completions, chat, responses = GENERATE
+    completions, chat, responses, invocations = GENERATE
     rows |= {
         # wrong type
         "completions: max_tokens": Refusal(
@@ -137,6 +158,34 @@ def _body_rows() -> dict[str, Refusal]:
         "detokenize: no tokens": Refusal(
             "/detokenize", _with("/detokenize", tokens=_DROP), BAD, "body.tokens"
         ),
+        # /invocations: chat if the body fits chat's request model, else a completion
+        "invocations: messages not a list, no prompt": Refusal(
+            invocations, _with(invocations, messages="hi"), "BadRequestError", "prompt", NO_PROMPT
+        ),
+        "invocations: neither messages nor prompt": Refusal(
+            invocations, _with(invocations, messages=_DROP), "BadRequestError", "prompt", NO_PROMPT
+        ),
+        "invocations: prompt a number": Refusal(
+            invocations,
+            _with(invocations, messages=_DROP, prompt=5),
+            "BadRequestError",
+            None,
+            NO_HANDLER,
+        ),
+        "invocations: max_tokens": Refusal(
+            invocations,
+            _with(invocations, max_tokens="many"),
+            "BadRequestError",
+            "prompt",
+            NO_PROMPT,
+        ),
+        "invocations: max_tokens with a prompt": Refusal(
+            invocations,
+            _with(invocations, messages=_DROP, prompt="hi", max_tokens="many"),
+            "BadRequestError",
+            None,
+            NO_HANDLER,
+        ),
     }
     return rows
 
@@ -173,7 +222,7 @@ async def _served_after(
     lease: what :func:`_untouched` checks could have been seen."""
     r = await client.post(url + path, content=content or json.dumps(VALID[path]), headers=JSON)
     assert r.status_code == 200, r.text
-    assert path in [r.path for e in cluster.engines for r in e.received]
+    assert ENGINE_PATH.get(path, path) in [r.path for e in cluster.engines for r in e.received]
     assert metric(ctx, "pdrouter_key_requests_total", result="admitted") == 1
 
 
@@ -254,6 +303,10 @@ OVER_CONTEXT = {
         f"at least {CONTEXT + 1}",
     ),
     "/v1/responses": (_with("/v1/responses", input="w" * 300), f"at least {CONTEXT + 1}"),
+    "/invocations": (
+        _with("/invocations", messages=[{"role": "user", "content": "w" * 300}]),
+        f"at least {CONTEXT + 1}",
+    ),
 }
 
 
@@ -294,6 +347,7 @@ GUARDED = [
     *(("POST", p) for p in VALID),
     ("GET", "/v1/models"),
     ("GET", "/version"),
+    ("GET", "/tokenizer_info"),
     ("GET", "/metrics"),
     ("GET", "/openapi.json"),
     ("GET", "/docs"),

@@ -82,6 +82,9 @@ ROUTES: dict[tuple[str, str], tuple[dict[str, object] | None, int]] = {
     ("POST", "/tokenize"): ({"model": "tiny", "prompt": "hi"}, 200),
     ("POST", "/detokenize"): ({"model": "tiny", "tokens": [104, 105]}, 200),
     ("GET", "/version"): (None, 200),
+    # the fake engine runs without --enable-tokenizer-info-endpoint: its 404 passed on
+    ("GET", "/tokenizer_info"): (None, 404),
+    ("POST", "/invocations"): (CHAT, 200),
     ("GET", "/v1/models"): (None, 200),
     ("GET", "/metrics"): (None, 200),
     ("GET", "/openapi.json"): (None, 200),
