@@ -31,7 +31,7 @@ from pathlib import Path
 
 from router.stack.model import cache_root
 
-__all__ = ["PINNED", "Pin", "fetch", "main", "source_dir", "wheels_dir"]
+__all__ = ["PINNED", "FetchError", "Pin", "fetch", "main", "source_dir", "stamp", "wheels_dir"]
 
 # The wheel every machine fetches: x86-64 Linux, whatever this machine is (the sources are
 # the same in every platform's wheel; the hash is not).
