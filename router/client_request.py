@@ -32,6 +32,7 @@ from router.errors import InvalidBody, InvalidRequest
 __all__ = [
     "ClientRequest",
     "Endpoint",
+    "chat_chars",
     "check_passthrough_body",
     "parse_client_request",
     "parse_invocation",
@@ -44,6 +45,7 @@ class Endpoint(enum.StrEnum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
     RESPONSES = "/v1/responses"
+    CHAT_BATCH = "/v1/chat/completions/batch"  # several conversations (router/chat_batch.py)
 
 
 _PROMPT_SCHEMA: list[JsonValue] = [
@@ -264,7 +266,7 @@ def _prompt_shape(prompt: Any) -> tuple[int, int, bool]:
     raise InvalidBody(f"prompt: must be {_PROMPT_SHAPES}", param=f"body.prompt.{first}")
 
 
-def _chat_chars(messages: list[dict[str, Any]]) -> int:
+def chat_chars(messages: list[dict[str, Any]]) -> int:
     total = 0
     for msg in messages:
         content = msg.get("content")
@@ -285,7 +287,7 @@ def _input_chars(items: str | list[Any]) -> int:
     """Characters of text in a Responses-API ``input`` (a string or a list of items)."""
     if isinstance(items, str):
         return len(items)
-    return _chat_chars([i for i in items if isinstance(i, dict)])
+    return chat_chars([i for i in items if isinstance(i, dict)])
 
 
 _MODELS: dict[Endpoint, type[_Common]] = {
@@ -306,7 +308,7 @@ def parse_client_request(
         if endpoint is Endpoint.CHAT:
             chat = _Chat.model_validate(body)
             common: _Common = chat
-            num, chars, is_tokens = 1, _chat_chars(chat.messages), False
+            num, chars, is_tokens = 1, chat_chars(chat.messages), False
             # vLLM reads max_completion_tokens first, then max_tokens.
             if chat.max_completion_tokens is not None:
                 max_output, field = chat.max_completion_tokens, "max_completion_tokens"

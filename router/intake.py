@@ -16,6 +16,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from router.access_log import AccessRecord
+from router.chat_batch import BatchChatResponse, parse_chat_batch
+from router.chat_batch import split as split_batch
 from router.client_request import (
     ClientRequest,
     Endpoint,
@@ -124,6 +126,24 @@ async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -
         raise
 
 
+async def _check_batch(
+    ctx: AppContext, pool: ModelPool, creq: ClientRequest
+) -> list[ClientRequest]:
+    """A batch's conversations, each checked against the bounds (the batch's length against
+    ``limits.max_prompts``, the router's own bound: vLLM has none)."""
+    most = ctx.config.limits.max_prompts
+    if creq.num_prompts > most:
+        exc = BoundExceeded(
+            "prompts",
+            f"batch of {creq.num_prompts} conversations exceeds the maximum allowed count "
+            f"of {most}.",
+            "messages",
+        )
+        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        raise exc
+    return list(await asyncio.gather(*(_check_bounds(ctx, pool, p) for p in split_batch(creq))))
+
+
 def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
     """The client's X-Request-Id, echoed back as vLLM does; only a short token of
     visible ASCII (it goes into log lines and a response header), else None."""
@@ -149,11 +169,16 @@ async def handle(
         raw = await read_body(ctx, request)
         if endpoint is None:
             creq = parse_invocation(raw, key)
+        elif endpoint is Endpoint.CHAT_BATCH:
+            creq = parse_chat_batch(raw, key)
         else:
             creq = parse_client_request(raw, endpoint, key)
         pool = pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
-        creq = await _check_bounds(ctx, pool, creq)  # before any slot or generate call
+        # Before any slot or generate call; a batch's conversations each on its own.
+        parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
+        if not parts:
+            creq = await _check_bounds(ctx, pool, creq)
         done = hold(ctx, key)
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
@@ -161,6 +186,21 @@ async def handle(
         if ctx.access.enabled:
             ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
         raise
+    if parts:  # a batch of conversations: one dispatch each, in every mode
+        return BatchChatResponse(
+            parts,
+            ctx.dispatcher,
+            ctx.metrics,
+            pool,
+            creq,
+            started,
+            ctx.clock,
+            ctx.config.timeouts.total,
+            client_id,
+            ctx.tracing,
+            ctx.access,
+            on_end=done,
+        )
     # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
     several = creq.num_prompts > 1 and pool.mode.uses_prefill
     if several:

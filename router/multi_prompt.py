@@ -128,8 +128,16 @@ class StreamMerge:
 class MultiPromptResponse(RelayResponse):
     """A :class:`RelayResponse` for a request with several prompts (one dispatch each)."""
 
+    def parts(self) -> list[ClientRequest]:
+        """The requests dispatched, one per prompt, in order."""
+        return split(self._creq)
+
+    def merged(self, bodies: list[bytes]) -> bytes:
+        """The non-streamed answer from each part's (all 200s)."""
+        return merge_bodies(bodies, self._creq.n)
+
     async def _run(self, send: Send) -> Outcome:
-        parts = split(self._creq)
+        parts = self.parts()
         try:
             async with contextlib.AsyncExitStack() as stack:
                 dispatches = await self._open_all(stack, parts)
@@ -161,7 +169,7 @@ class MultiPromptResponse(RelayResponse):
         await self._start(send, legs[0], dispatches[0].request_id)
         if legs[0].rest is None:
             bodies = [await d.first_bytes() for d in dispatches]
-            await self._end(send, merge_bodies(bodies, self._creq.n))
+            await self._end(send, self.merged(bodies))
             self._ttft = self._clock() - self._t0
             return Outcome.SUCCESS
         return await self._merge_streams(dispatches, send, StreamMerge(len(legs), self._creq.n))

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router import chat_batch
 from router.client_request import Endpoint, check_passthrough_body, request_json_schema
 from router.context import AppContext
 from router.errors import HttpError, InternalError, NoCapacity, RouterError, render
@@ -51,6 +52,20 @@ def register_routes(app: FastAPI, ctx: AppContext) -> None:
     async def responses(request: Request) -> Any:
         return await handle(
             ctx, request, Endpoint.RESPONSES, client_request_id(request.scope["headers"])
+        )
+
+    @app.post(
+        "/v1/chat/completions/batch",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": chat_batch.request_schema()}},
+            }
+        },
+    )
+    async def chat_completions_batch(request: Request) -> Any:
+        return await handle(
+            ctx, request, Endpoint.CHAT_BATCH, client_request_id(request.scope["headers"])
         )
 
     @app.post("/invocations")

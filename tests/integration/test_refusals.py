@@ -45,10 +45,25 @@ VALID: dict[str, dict[str, Any]] = {
     "/detokenize": {"model": "tiny", "tokens": [104, 105]},
     # SageMaker-style: a chat completion or a completion by the body's shape
     "/invocations": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    # several conversations, one chat completion each
+    "/v1/chat/completions/batch": {
+        "model": "tiny",
+        "messages": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "ho"}]],
+        "max_tokens": 4,
+    },
 }
-GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+GENERATE = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/invocations",
+    "/v1/chat/completions/batch",
+)
 # The engine path a route's valid body reaches (else its own).
-ENGINE_PATH = {"/invocations": "/v1/chat/completions"}
+ENGINE_PATH = {
+    "/invocations": "/v1/chat/completions",
+    "/v1/chat/completions/batch": "/v1/chat/completions",  # one per conversation
+}
 NO_HANDLER = (
     "Cannot find suitable handler for request. "
     "Expected one of: ['ChatCompletionRequest', 'CompletionRequest']"
@@ -97,7 +112,8 @@ def _body_rows() -> dict[str, Refusal]:
         rows[f"{name}: empty body"] = Refusal(path, b"", BAD, "body")
         rows[f"{name}: not an object"] = Refusal(path, b"[1, 2]", BAD, "body")
         rows[f"{name}: model not a string"] = Refusal(path, _with(path, model=5), BAD, "body.model")
-    completions, chat, responses, invocations = GENERATE
+    completions, chat, responses, invocations, batch = GENERATE
+    vllm = "BadRequestError"  # vLLM's own checks, in its words
     rows |= {
         # wrong type
         "completions: max_tokens": Refusal(
@@ -157,6 +173,58 @@ def _body_rows() -> dict[str, Refusal]:
         ),
         "detokenize: no tokens": Refusal(
             "/detokenize", _with("/detokenize", tokens=_DROP), BAD, "body.tokens"
+        ),
+        # /v1/chat/completions/batch: vLLM's batch checks first, then its request model
+        "batch: n": Refusal(
+            batch,
+            _with(batch, n=2),
+            vllm,
+            "n",
+            "Batch chat completions do not support `n > 1`. Please set `n` to 1. "
+            "(parameter=n, value=2)",
+        ),
+        "batch: beam search": Refusal(
+            batch,
+            _with(batch, use_beam_search=True),
+            vllm,
+            "use_beam_search",
+            "Batch chat completions do not support beam search. Please set `use_beam_search` "
+            "to False. (parameter=use_beam_search)",
+        ),
+        "batch: logprob_token_ids without logprobs": Refusal(
+            batch,
+            _with(batch, logprob_token_ids=[1]),
+            vllm,
+            "logprob_token_ids",
+            "when using `logprob_token_ids`, `logprobs` must be set to true. "
+            "(parameter=logprob_token_ids)",
+        ),
+        "batch: prompt_token_ids": Refusal(
+            batch,
+            _with(batch, kv_transfer_params={"prompt_token_ids": [1, 2]}),
+            vllm,
+            "kv_transfer_params.prompt_token_ids",
+            "Batch chat completions do not support `kv_transfer_params['prompt_token_ids']`: "
+            "one pre-tokenized prompt cannot serve several conversations. "
+            "(parameter=kv_transfer_params.prompt_token_ids)",
+        ),
+        "batch: no messages": Refusal(batch, _with(batch, messages=_DROP), BAD, "body.messages"),
+        "batch: messages a string": Refusal(
+            batch, _with(batch, messages="hi"), BAD, "body.messages"
+        ),
+        "batch: no conversations": Refusal(batch, _with(batch, messages=[]), BAD, "body.messages"),
+        "batch: an empty conversation": Refusal(
+            batch, _with(batch, messages=[[]]), BAD, "body.messages.0"
+        ),
+        "batch: a conversation not a list": Refusal(
+            batch,
+            _with(batch, messages=[{"role": "user", "content": "hi"}]),
+            BAD,
+            "body.messages.0",
+        ),
+        "batch: max_tokens": Refusal(batch, _with(batch, max_tokens="x"), BAD, "body.max_tokens"),
+        "batch: tool_choice": Refusal(
+            batch, _with(batch, tool_choice="auto"), BAD, "body.tool_choice"
         ),
         # /invocations: chat if the body fits chat's request model, else a completion
         "invocations: messages not a list, no prompt": Refusal(
@@ -305,6 +373,16 @@ OVER_CONTEXT = {
     "/v1/responses": (_with("/v1/responses", input="w" * 300), f"at least {CONTEXT + 1}"),
     "/invocations": (
         _with("/invocations", messages=[{"role": "user", "content": "w" * 300}]),
+        f"at least {CONTEXT + 1}",
+    ),
+    "/v1/chat/completions/batch": (  # one conversation over: the batch is refused
+        _with(
+            "/v1/chat/completions/batch",
+            messages=[
+                [{"role": "user", "content": "hi"}],
+                [{"role": "user", "content": "w" * 300}],
+            ],
+        ),
         f"at least {CONTEXT + 1}",
     ),
 }

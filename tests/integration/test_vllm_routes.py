@@ -206,3 +206,89 @@ async def test_a_load_report_that_cannot_be_read_costs_the_header_not_the_answer
     r = await client.post(url + "/v1/chat/completions", json=CHAT, headers={FORMAT: "TEXT"})
     assert r.status_code == 200 and REPORT not in r.headers
     assert r.json()["object"] == "chat.completion"
+
+
+# -- /v1/chat/completions/batch ----------------------------------------------------------
+
+BATCH = "/v1/chat/completions/batch"
+CONVERSATIONS = [
+    [{"role": "user", "content": "one"}],
+    [{"role": "user", "content": "two"}, {"role": "assistant", "content": "2"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "three"}],
+]
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_batch_is_one_p_d_dispatch_per_conversation(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    url, ctx = await _router(cluster, mode)
+    extra = {"logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    body = {"model": "tiny", "messages": CONVERSATIONS, "max_tokens": 3, **extra}
+    r = await client.post(url + BATCH, json={**body, "response_format": SCHEMA})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert doc["object"] == "chat.completion" and doc["model"] == "tiny"
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2]
+    assert all(c["message"]["role"] == "assistant" for c in doc["choices"])
+    usage = doc["usage"]
+    made = cluster.decode[0].behaviour.tokens  # per conversation, as the fake answers
+    assert usage["completion_tokens"] == 3 * made and usage["prompt_tokens_details"] is None
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    # each conversation a chat completion of its own, through P and D, the fields passed on
+    for engines in (cluster.prefill, cluster.decode):
+        legs = [rec.body for e in engines for rec in e.received]
+        assert sorted(json.dumps(b["messages"]) for b in legs) == sorted(
+            json.dumps(c) for c in CONVERSATIONS
+        )
+    for leg in (rec.body for e in cluster.decode for rec in e.received):
+        assert {k: leg[k] for k in extra} == extra and leg["response_format"] == SCHEMA
+        assert "stream" not in leg and "kv_transfer_params" in leg
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 3
+    assert metric(ctx, "pdrouter_requests_total", model="tiny", outcome="success") == 1
+    assert ctx.registry.slots_in_use() == 0
+
+
+async def test_a_batch_is_never_streamed(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    """vLLM's batch request model has no ``stream``: an answer in one piece."""
+    url, _ = await _router(cluster, "pull")
+    body = {"model": "tiny", "messages": CONVERSATIONS[:2], "stream": True, "max_tokens": 2}
+    r = await client.post(url + BATCH, json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert all("stream" not in rec.body for rec in cluster.decode[0].received)
+    assert all(not rec.body.get("stream") for rec in cluster.prefill[0].received)
+
+
+async def test_a_batch_in_aggregated_mode_is_split_too(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router("aggregated")
+    r = await client.post(url + BATCH, json={"model": "tiny", "messages": CONVERSATIONS})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    paths = _paths(cluster.engines)
+    assert paths == ["/v1/chat/completions"] * 3
+
+
+async def test_a_conversation_that_fails_fails_the_batch(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await _router(cluster, "pull")
+    cluster.decode[0].behaviour.status = 400
+    cluster.decode[0].behaviour.error_body = b'{"error": {"message": "bad", "code": 400}}'
+    r = await client.post(url + BATCH, json={"model": "tiny", "messages": CONVERSATIONS})
+    assert r.status_code == 400 and "choices" not in r.json()
+    assert ctx.registry.slots_in_use() == 0
+
+
+async def test_a_batch_longer_than_max_prompts_is_refused_before_any_work(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, ctx = await cluster.router("pull", limits={"max_prompts": 2})
+    r = await client.post(url + BATCH, json={"model": "tiny", "messages": CONVERSATIONS})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages"
+    assert _paths(cluster.engines) == []
+    assert metric(ctx, "pdrouter_bounds_refusals_total", bound="prompts") == 1
