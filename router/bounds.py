@@ -102,6 +102,8 @@ def text_token_bound(creq: ClientRequest) -> list[int | None]:
     """Per prompt of ``creq``: an upper bound of its tokens, the token count itself for
     token ids, or None where the router cannot bound it (parts other than text)."""
     body = creq.body
+    if creq.endpoint is Endpoint.MESSAGES:
+        return [None]  # Anthropic's blocks and system prompt: the engines check
     if creq.endpoint is Endpoint.CHAT:
         return [_messages_bound(body.get("messages") or [], body.get("tools"))]
     if creq.endpoint is Endpoint.RESPONSES:

@@ -46,6 +46,7 @@ class Endpoint(enum.StrEnum):
     CHAT = "/v1/chat/completions"
     RESPONSES = "/v1/responses"
     CHAT_BATCH = "/v1/chat/completions/batch"  # several conversations (router/chat_batch.py)
+    MESSAGES = "/v1/messages"  # the Anthropic Messages API, run by the engines' own route
 
 
 _PROMPT_SCHEMA: list[JsonValue] = [
@@ -84,6 +85,18 @@ class _Responses(_Common):
     # (a union's error would name each of its branches).
     input: Any = Field(json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array"}]})
     max_output_tokens: int | None = Field(default=None, ge=1)
+
+
+class _Messages(BaseModel):
+    """vLLM 0.32's AnthropicMessagesRequest, the fields the router reads: ``model`` and
+    ``max_tokens`` are required there (and a ``max_tokens`` of 0 fails its model)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[Any]
+    max_tokens: int = Field(gt=0)
+    stream: bool | None = False
 
 
 class _TokenizePrompt(BaseModel):
@@ -290,7 +303,8 @@ def _input_chars(items: str | list[Any]) -> int:
     return chat_chars([i for i in items if isinstance(i, dict)])
 
 
-_MODELS: dict[Endpoint, type[_Common]] = {
+_MODELS: dict[Endpoint, type[BaseModel]] = {
+    Endpoint.MESSAGES: _Messages,
     Endpoint.COMPLETIONS: _Completion,
     Endpoint.CHAT: _Chat,
     Endpoint.RESPONSES: _Responses,
@@ -314,6 +328,8 @@ def parse_client_request(
                 max_output, field = chat.max_completion_tokens, "max_completion_tokens"
             else:
                 max_output, field = chat.max_tokens, "max_tokens"
+        elif endpoint is Endpoint.MESSAGES:
+            return _messages_request(body, client_key)
         elif endpoint is Endpoint.RESPONSES:
             resp = _Responses.model_validate(body)
             common = resp
@@ -374,6 +390,37 @@ def parse_invocation(raw: bytes, client_key: str = "anonymous") -> ClientRequest
         return parse_client_request(raw, Endpoint.COMPLETIONS, client_key)
     except InvalidBody:
         raise InvalidRequest(NO_INVOCATION_HANDLER) from None
+
+
+def _system_chars(system: Any) -> int:
+    if isinstance(system, str):
+        return len(system)
+    return chat_chars([{"content": system}]) if isinstance(system, list) else 0
+
+
+def _messages_request(body: dict[str, Any], client_key: str) -> ClientRequest:
+    """An Anthropic Messages body: every field vLLM's request model refuses is a
+    ``"Bad Request"`` there (FastAPI's validation), ``max_tokens: 0`` included."""
+    try:
+        msgs = _Messages.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err["loc"]]
+        raise InvalidBody(f"{'.'.join(loc)}: {err['msg']}", ".".join(["body", *loc])) from None
+    messages = [m for m in msgs.messages if isinstance(m, dict)]
+    return ClientRequest(
+        endpoint=Endpoint.MESSAGES,
+        body=body,
+        model=msgs.model,
+        stream=bool(msgs.stream),
+        n=1,
+        num_prompts=1,
+        prompt_chars=chat_chars(messages) + _system_chars(body.get("system")),
+        prompt_is_tokens=False,
+        max_output=msgs.max_tokens,
+        max_output_field="max_tokens",
+        client_key=client_key,
+    )
 
 
 def check_passthrough_body(raw: bytes, path: str) -> dict[str, Any]:

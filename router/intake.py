@@ -236,7 +236,7 @@ async def handle(
 def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> LoadReport | None:
     """The ORCA header's reader where vLLM sends one: a non-streamed chat completion or
     completion that asks for it (``endpoint-load-metrics-format``)."""
-    if creq.stream or creq.endpoint is Endpoint.RESPONSES:
+    if creq.stream or creq.endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
         return None
     fmt = requested_format(request.headers.raw)
     return None if fmt is None else functools.partial(ctx.load_reports.header, fmt=fmt)

@@ -68,6 +68,13 @@ def register_routes(app: FastAPI, ctx: AppContext) -> None:
             ctx, request, Endpoint.CHAT_BATCH, client_request_id(request.scope["headers"])
         )
 
+    @app.post("/v1/messages", openapi_extra=_openapi_body(Endpoint.MESSAGES))
+    async def messages(request: Request) -> Any:
+        """The Anthropic Messages API: both legs on the engines' own /v1/messages."""
+        return await handle(
+            ctx, request, Endpoint.MESSAGES, client_request_id(request.scope["headers"])
+        )
+
     @app.post("/invocations")
     async def invocations(request: Request) -> Any:
         """SageMaker-style: a chat completion or a completion, by the body's shape."""

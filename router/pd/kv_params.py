@@ -132,7 +132,7 @@ def predicted_prefill_request_id(endpoint: Endpoint, request_id: str) -> str:
     D only uses it for lease heartbeats to P; vLLM adds a random suffix we cannot
     know in concurrent dispatch, so heartbeats may miss and P's lease applies.
     """
-    if endpoint is Endpoint.CHAT:
+    if endpoint is Endpoint.CHAT or endpoint is Endpoint.MESSAGES:  # vLLM runs it as chat
         return f"chatcmpl-{request_id}"
     if endpoint is Endpoint.RESPONSES:
         return f"resp_{request_id}_0"

@@ -55,6 +55,7 @@ def refusal_app(overrides: dict[str, Any]) -> Any:
     refused as ``vllm serve`` refuses it; one it would serve reaches a handler that is not
     there (a 500 naming the missing state)."""
     from fastapi import FastAPI
+    from vllm.entrypoints.anthropic import api_router as anthropic
     from vllm.entrypoints.launchers.cli_args import FrontendArgs
     from vllm.entrypoints.openai.chat_completion import api_router as chat
     from vllm.entrypoints.openai.completion import api_router as completion
@@ -67,7 +68,7 @@ def refusal_app(overrides: dict[str, Any]) -> Any:
     args = argparse.Namespace(**{**vars(FrontendArgs()), **overrides})
     app = FastAPI()
     app.state.args = args
-    for module in (completion, chat, responses, tokenize, models):
+    for module in (completion, chat, responses, tokenize, models, anthropic):
         module.attach_router(app)
     # /invocations, as for a generate model: it picks its handler by the body's shape, and
     # refuses one that fits none through the tokenizer's serving object (its error builder

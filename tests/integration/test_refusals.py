@@ -45,6 +45,12 @@ VALID: dict[str, dict[str, Any]] = {
     "/detokenize": {"model": "tiny", "tokens": [104, 105]},
     # SageMaker-style: a chat completion or a completion by the body's shape
     "/invocations": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    # the Anthropic Messages API: model and max_tokens required
+    "/v1/messages": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    },
     # several conversations, one chat completion each
     "/v1/chat/completions/batch": {
         "model": "tiny",
@@ -173,6 +179,25 @@ def _body_rows() -> dict[str, Refusal]:
         ),
         "detokenize: no tokens": Refusal(
             "/detokenize", _with("/detokenize", tokens=_DROP), BAD, "body.tokens"
+        ),
+        # /v1/messages: vLLM's Anthropic request model
+        "messages: no model": Refusal(
+            "/v1/messages", _with("/v1/messages", model=_DROP), BAD, "body.model"
+        ),
+        "messages: no max_tokens": Refusal(
+            "/v1/messages", _with("/v1/messages", max_tokens=_DROP), BAD, "body.max_tokens"
+        ),
+        "messages: max_tokens 0": Refusal(
+            "/v1/messages", _with("/v1/messages", max_tokens=0), BAD, "body.max_tokens"
+        ),
+        "messages: no messages": Refusal(
+            "/v1/messages", _with("/v1/messages", messages=_DROP), BAD, "body.messages"
+        ),
+        "messages: messages a string": Refusal(
+            "/v1/messages", _with("/v1/messages", messages="hi"), BAD, "body.messages"
+        ),
+        "messages: stream": Refusal(
+            "/v1/messages", _with("/v1/messages", stream="maybe"), BAD, "body.stream"
         ),
         # /v1/chat/completions/batch: vLLM's batch checks first, then its request model
         "batch: n": Refusal(

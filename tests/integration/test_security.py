@@ -85,6 +85,7 @@ ROUTES: dict[tuple[str, str], tuple[dict[str, object] | None, int]] = {
     # the fake engine runs without --enable-tokenizer-info-endpoint: its 404 passed on
     ("GET", "/tokenizer_info"): (None, 404),
     ("POST", "/invocations"): (CHAT, 200),
+    ("POST", "/v1/messages"): (CHAT, 200),
     ("POST", "/v1/chat/completions/batch"): ({**CHAT, "messages": [CHAT["messages"]]}, 200),
     ("GET", "/v1/models"): (None, 200),
     ("GET", "/metrics"): (None, 200),

@@ -292,3 +292,52 @@ async def test_a_batch_longer_than_max_prompts_is_refused_before_any_work(
     assert r.json()["error"]["param"] == "messages"
     assert _paths(cluster.engines) == []
     assert metric(ctx, "pdrouter_bounds_refusals_total", bound="prompts") == 1
+
+
+# -- /v1/messages ------------------------------------------------------------------------
+
+MESSAGES = {
+    "model": "tiny",
+    "system": "be brief",
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    "max_tokens": 5,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["pull", "pipelined"])
+async def test_a_message_runs_both_legs_on_the_engines_messages_route(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str, stream: bool
+) -> None:
+    """vLLM 0.32's Anthropic request model takes ``kv_transfer_params`` (its P leg: one token,
+    not streamed) and answers them: the engines' own route runs each leg, D's answer (its
+    stream too) reaches the client as D sent it."""
+    url, ctx = await _router(cluster, mode)
+    r = await client.post(url + "/v1/messages", json={**MESSAGES, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert _paths(cluster.prefill) == _paths(cluster.decode) == ["/v1/messages"]
+    p_leg = cluster.prefill[0].received[0].body
+    assert (p_leg["max_tokens"], p_leg["stream"]) == (1, False)
+    assert p_leg["kv_transfer_params"]["do_remote_decode"] is True
+    d_leg = cluster.decode[0].received[0].body
+    assert {k: d_leg[k] for k in MESSAGES} == MESSAGES and d_leg.get("stream") == stream
+    assert "kv_transfer_params" in d_leg
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision=mode) == 1
+
+
+async def test_a_message_in_push_mode_is_d_alone(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Push modes split completions and chat only (docs/vllm-compatibility.md)."""
+    url, ctx = await _router(cluster, "push")
+    r = await client.post(url + "/v1/messages", json=MESSAGES)
+    assert r.status_code == 200, r.text
+    assert _paths(cluster.prefill) == [] and _paths(cluster.decode) == ["/v1/messages"]
+    assert "kv_transfer_params" not in cluster.decode[0].received[0].body
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="decode_only_endpoint") == 1
+
+
+async def test_a_message_gets_no_load_report(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await _router(cluster, "pull")
+    r = await client.post(url + "/v1/messages", json=MESSAGES, headers={FORMAT: "TEXT"})
+    assert r.status_code == 200 and REPORT not in r.headers
