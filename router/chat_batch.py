@@ -3,8 +3,8 @@ per conversation, answers assembled as vLLM assembles them.
 
 vLLM takes a chat request whose ``messages`` is a list of conversations (each a non-empty
 list of messages) and answers one non-streamed ``chat.completion`` whose choice ``i`` is
-conversation ``i``'s (``index`` ``i``), whose ``usage`` sums the conversations' tokens (no
-``prompt_tokens_details``) and which carries no ``prompt_token_ids`` or
+conversation ``i``'s (``index`` ``i``), whose ``usage`` sums the conversations' tokens (its
+``*_tokens_details`` null) and which carries no ``prompt_token_ids`` or
 ``kv_transfer_params`` of its own. It refuses, before any work and in its own words,
 ``n`` other than 1, beam search, ``logprob_token_ids`` without ``logprobs``,
 ``kv_transfer_params.prompt_token_ids`` and a ``tool_choice`` other than ``"none"``;
@@ -149,7 +149,11 @@ def merge_batch(bodies: list[bytes]) -> bytes:
     merged["choices"] = choices
     if usages:
         usage = {k: sum(int(u.get(k) or 0) for u in usages) for k in _USAGE_FIELDS}
-        merged["usage"] = {**usage, "prompt_tokens_details": None}
+        merged["usage"] = {
+            **usage,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
     for own in ("prompt_logprobs", "prompt_token_ids", "kv_transfer_params"):
         if own in merged:
             merged[own] = None

@@ -73,6 +73,7 @@ def test_the_answers_are_assembled_as_vllm_assembles_them() -> None:
         "completion_tokens": 5,
         "total_tokens": 35,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
     assert doc["prompt_token_ids"] is None and doc["kv_transfer_params"] is None
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from router.pd.usage import prompt_cached_tokens, with_cached_tokens
+from router.pd.usage import MARKER, prompt_cached_tokens, with_cached_tokens
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,28 @@ def test_a_responses_completed_event_gets_p_s_count() -> None:
         "input_tokens": 78,
         "input_tokens_details": {"cached_tokens": 0},
     }
+
+
+def test_anthropic_usage_is_rewritten_its_prompt_kept() -> None:
+    """The Messages API: ``cache_read_input_tokens`` becomes P's count and ``input_tokens``
+    the rest of the prompt (their sum, the prompt's tokens, unchanged)."""
+    event = (
+        b'data: {"type":"message_delta","usage":{"input_tokens":0,"output_tokens":6,'
+        b'"cache_read_input_tokens":91}}'
+    )
+    assert MARKER in event
+    assert with_cached_tokens(event, 16) == (
+        b'data: {"type":"message_delta","usage":{"input_tokens":75,"output_tokens":6,'
+        b'"cache_read_input_tokens":16}}'
+    )
+    created = (
+        b'{"input_tokens": 5, "output_tokens": 6, "cache_creation_input_tokens": 2, '
+        b'"cache_read_input_tokens": 4}'
+    )
+    assert with_cached_tokens(created, 100) == (
+        b'{"input_tokens":0, "output_tokens": 6, "cache_creation_input_tokens": 2, '
+        b'"cache_read_input_tokens":9}'
+    )
+    without_cache = b'{"usage":{"input_tokens":91,"output_tokens":0}}'
+    assert with_cached_tokens(without_cache, 16) == without_cache
+    assert prompt_cached_tokens({"usage": {"input_tokens": 3, "cache_read_input_tokens": 16}}) == 16
