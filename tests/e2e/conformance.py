@@ -46,6 +46,7 @@ def _chat(**kw: Any) -> dict[str, Any]:
 
 
 _USAGE = {"stream_options": {"include_usage": True}}
+_MESSAGES_GREEDY = {"temperature": 0, "top_k": 1}  # Anthropic's model has no ignore_eos
 _SAMPLED = {"temperature": 1.0, "top_p": 0.9, "seed": 1234}
 _WEATHER = {
     "type": "function",
@@ -144,6 +145,52 @@ CASES = [
         "/v1/responses",
         {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0, "stream": True},
     ),
+    # vLLM 0.32's other routes (issue 44)
+    Case(
+        "chat batch",
+        "/v1/chat/completions/batch",
+        _chat(
+            messages=[
+                [{"role": "user", "content": _TEXT}],
+                [{"role": "user", "content": _TEXT[::-1]}],
+            ],
+            logprobs=True,
+            top_logprobs=2,
+            return_token_ids=True,
+        ),
+    ),
+    Case(
+        "chat batch json_schema",
+        "/v1/chat/completions/batch",
+        _chat(
+            messages=[[{"role": "user", "content": _TEXT}], [{"role": "user", "content": "Hi"}]],
+            max_tokens=30,
+            response_format=_SCHEMA,
+        ),
+    ),
+    Case("invocations chat", "/invocations", _chat()),
+    Case("invocations completion stream", "/invocations", _comp(stream=True, **_USAGE)),
+    Case("invocations neither", "/invocations", {"model": MODEL, "prompt": 5}, compare_error=True),
+    Case(
+        "messages",
+        "/v1/messages",
+        {"model": MODEL, "messages": [{"role": "user", "content": _TEXT}], "max_tokens": 6}
+        | _MESSAGES_GREEDY,
+    ),
+    Case(
+        "messages stream",
+        "/v1/messages",
+        {"model": MODEL, "system": "Be brief.", "max_tokens": 6, "stream": True}
+        | {"messages": [{"role": "user", "content": [{"type": "text", "text": _TEXT}]}]}
+        | _MESSAGES_GREEDY,
+    ),
+    Case(
+        "messages without max_tokens",
+        "/v1/messages",
+        {"model": MODEL, "messages": []},
+        compare_body=False,  # the router's words for a field vLLM's model refuses
+    ),
+    Case("tokenizer_info", "/tokenizer_info", None),  # the engines run without the flag: 404
     Case("tokenize", "/tokenize", {"model": MODEL, "prompt": _TEXT}),
     Case("detokenize", "/detokenize", {"model": MODEL, "tokens": list(range(5, 30))}),
     Case("bad prompt", "/v1/completions", _comp(prompt=5), compare_body=False),
@@ -175,6 +222,8 @@ def ask(base_url: str, case: Case) -> Answer:
     if r.headers.get("content-type", "").startswith("text/event-stream"):
         if case.path == "/v1/responses":
             return Answer(200, _responses_stream_summary(r.text))
+        if case.path == "/v1/messages":
+            return Answer(200, _messages_stream_summary(r.text))
         return Answer(200, _stream_summary(r.text))
     return Answer(200, normalize(r.json()))
 
@@ -203,6 +252,11 @@ def unexercised(answers: dict[str, Answer]) -> list[str]:
         and body("responses stream")["completed"] is not None,
         # Constrained to a JSON object: a random model's free text would not hold a brace.
         "chat json_schema": "{" in body("chat json_schema")["choices"][0]["message"]["content"],
+        "chat batch": len(body("chat batch")["choices"]) == 2
+        and bool(body("chat batch")["choices"][1]["token_ids"]),
+        "messages stream": bool(body("messages stream")["text"])
+        and body("messages stream")["types"][-1] == "message_stop",
+        "tokenizer_info": answers["tokenizer_info"].status == 404,
     }
     return [name for name, ok in checks.items() if not ok]
 
@@ -276,6 +330,27 @@ def _responses_stream_summary(text: str) -> dict[str, Any]:
         if doc["type"] == "response.completed":
             final = normalize(doc["response"])
     return {"types": types, "text": texts, "completed": final}
+
+
+def _messages_stream_summary(text: str) -> dict[str, Any]:
+    """A streamed ``/v1/messages``: the order of its event types (an ``event:`` line per
+    event, equal to its data's ``type``; a run of deltas counts once), the text the deltas
+    add up to, and ``message_delta``'s stop reason and usage."""
+    types: list[str] = []
+    texts, end = "", None
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        if "data" not in lines:
+            continue
+        doc = json.loads(lines["data"])
+        kind = doc["type"] if lines.get("event") == doc["type"] else f"bad {lines}"
+        if kind == "content_block_delta":
+            texts += (doc.get("delta") or {}).get("text") or ""
+        if kind != "content_block_delta" or types[-1:] != [kind]:
+            types.append(kind)
+        if kind == "message_delta":
+            end = normalize({k: v for k, v in doc.items() if k != "type"})
+    return {"types": types, "text": texts, "end": end}
 
 
 def differences(got: Any, want: Any, path: str = "") -> list[str]:
