@@ -7,7 +7,8 @@ rule its timings with one streamed request through P/D, then sends the conforman
 (tests/e2e/conformance.py) and compares them field by field with the aggregated reference,
 as ``test_pd_modes.test_conformance_with_single_engine`` does for P/D. The router's counters
 say that every case was served by the forced engine, but for the load the rule must see: with
-P forced, the second prompt of a two-prompt case finds the first pending on P, and goes P/D.
+P forced, the second prompt of a two-prompt case (or conversation of a batch) finds the first
+pending on P, and goes P/D.
 """
 
 from __future__ import annotations
@@ -77,14 +78,19 @@ def test_a_request_served_alone_answers_as_that_engine_aggregated(
 
 
 def _extra_prompts() -> int:
-    """Prompts of the cases beyond the first of each (those of completions with a list)."""
-    lists = [c.body["prompt"] for c in cf.CASES if c.body and _is_prompt_list(c.body)]
-    return sum(len(p) - 1 for p in lists)
+    """Prompts of the cases beyond the first of each: those of completions with a list of
+    prompts and of chat batches (one dispatch per conversation, all at once)."""
+    return sum(_parts(c.body) - 1 for c in cf.CASES if c.body)
 
 
-def _is_prompt_list(body: dict[str, object]) -> bool:
-    prompt = body.get("prompt")
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+def _parts(body: dict[str, object]) -> int:
+    """How many dispatches the router makes for ``body`` at once."""
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(messages, list) and messages and isinstance(messages[0], list):
+        return len(messages)
+    return 1
 
 
 def _assert_released(stack: AnyStack) -> None:
