@@ -34,10 +34,12 @@ __all__ = [
     "Endpoint",
     "chat_chars",
     "check_passthrough_body",
+    "client_prompt_ids",
     "parse_client_request",
     "parse_invocation",
     "parse_json_object",
     "request_json_schema",
+    "reused_prompt_ids",
 ]
 
 
@@ -257,6 +259,45 @@ def _is_token(x: Any) -> bool:
 _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
 
 
+def client_prompt_ids(body: dict[str, Any]) -> Any:
+    """What a chat body carries in ``kv_transfer_params.prompt_token_ids``, None if nothing.
+
+    vLLM 0.32's chat route runs those ids as the prompt instead of rendering ``messages``
+    (a P/D proxy's reuse of P's tokenization), refuses them when malformed and ignores them
+    when ``echo`` is set or a message has non-text content. The router forwards this one
+    key to the engines unchanged (:mod:`router.pd.kv_params`), so that they decide as vLLM
+    does; it is the only client-supplied transfer parameter that names no engine or block."""
+    kv = body.get("kv_transfer_params")
+    if "messages" not in body or not isinstance(kv, dict):
+        return None
+    return kv.get("prompt_token_ids")
+
+
+def reused_prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """The prompt token ids the engines will run for a chat ``body`` that forwards them
+    (:func:`client_prompt_ids`): well-formed, without ``echo``, every message content text.
+    None where the engines render ``messages`` or refuse the ids."""
+    ids = client_prompt_ids(body)
+    if not isinstance(ids, list) or not ids or not all(_is_token(t) for t in ids):
+        return None
+    if body.get("echo") or not _text_only(body.get("messages")):
+        return None
+    return ids
+
+
+def _text_only(messages: Any) -> bool:
+    """No content part other than text (stricter than vLLM's check: a hint never wrong)."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type", "text") != "text" for part in content
+        ):
+            return False
+    return True
+
+
 def _prompt_shape(prompt: Any) -> tuple[int, int, bool]:
     """(number of prompts, their total size, whether they are token ids)."""
     if prompt is None or prompt == "":
@@ -323,6 +364,9 @@ def parse_client_request(
             chat = _Chat.model_validate(body)
             common: _Common = chat
             num, chars, is_tokens = 1, chat_chars(chat.messages), False
+            reused = reused_prompt_ids(body)
+            if reused is not None:  # the engines run these ids, not the messages
+                chars, is_tokens = len(reused), True
             # vLLM reads max_completion_tokens first, then max_tokens.
             if chat.max_completion_tokens is not None:
                 max_output, field = chat.max_completion_tokens, "max_completion_tokens"

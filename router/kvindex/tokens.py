@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.client_request import ClientRequest, Endpoint
+from router.client_request import ClientRequest, Endpoint, reused_prompt_ids
 
 __all__ = ["CHAT_TEMPLATE_FIELDS", "tokenize_query"]
 
@@ -32,6 +32,9 @@ def tokenize_query(creq: ClientRequest) -> list[int] | dict[str, Any] | None:
     yields them; None when ``/tokenize`` cannot say (the Responses API, several prompts)."""
     body = creq.body
     if creq.endpoint is Endpoint.CHAT:
+        reused = reused_prompt_ids(body)
+        if reused is not None:
+            return list(reused)  # the engines run these, not the rendered messages
         query = {k: body[k] for k in CHAT_TEMPLATE_FIELDS if k in body}
     elif creq.endpoint is Endpoint.COMPLETIONS and creq.num_prompts == 1:
         prompt = body.get("prompt")

@@ -2,7 +2,8 @@
 (router/pd/kept_turn_params.py).
 
 One :class:`KeptTurns` per dispatcher. For a request that qualifies (pull or pipelined mode,
-``kept_turns`` on, a client session id, completions or chat, one choice).
+``kept_turns`` on, a client session id, completions or chat, one choice, no prompt ids of
+the client's in ``kv_transfer_params``).
 
 Pipelined, with no table in the router: D's params ask D to keep this turn under the
 conversation's keep id (:func:`keep_id`, derived from the model, the API key's name and the
@@ -30,7 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from router.client_request import ClientRequest, Endpoint
+from router.client_request import ClientRequest, Endpoint, client_prompt_ids
 from router.config import Mode
 from router.engines.facts import parse_block_size
 from router.engines.instance import Instance
@@ -97,6 +98,8 @@ class KeptTurns:
             return None
         if creq.endpoint not in (Endpoint.COMPLETIONS, Endpoint.CHAT):
             return None
+        if client_prompt_ids(creq.body) is not None:
+            return None  # the engines may run ids the router cannot check against a kept turn
         if pool.mode is not Mode.PIPELINED:
             # vLLM's D keeps no streamed turn (its params come with the body).
             return TurnPlan(creq.session, keep=not creq.stream)

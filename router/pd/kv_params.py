@@ -9,6 +9,10 @@ and a decode (D) body, and which ``kv_transfer_params`` each mode sends:
   ``kv_transfer_params={"do_remote_decode": true, ...}``.
 * D leg: the client body unchanged plus ``kv_transfer_params``: P's returned
   params verbatim (pull), or P's coordinates (push: D needs only P's identity).
+* A chat body's ``kv_transfer_params.prompt_token_ids`` (vLLM's reuse of P's prompt ids,
+  :func:`router.client_request.client_prompt_ids`) is the one client-supplied transfer
+  parameter passed on, to every leg, unchanged: the engines run, ignore or refuse it as
+  ``vllm serve`` does. Every other client-supplied key is dropped.
 * Both legs carry the same ``X-Request-Id`` and the same ``transfer_id``; ids are
   minted per dispatch and never taken from the client, so two clients can never
   cross-wire KV.
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from connector.address import NixlAddress
-from router.client_request import Endpoint
+from router.client_request import Endpoint, client_prompt_ids
 
 __all__ = [
     "DispatchIds",
@@ -63,6 +67,12 @@ def _client_fields(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _CLIENT_STRIPPED}
 
 
+def _with_client_params(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """``kv_params`` plus what the client may send there (module doc)."""
+    ids = client_prompt_ids(body)
+    return kv_params if ids is None else {**kv_params, "prompt_token_ids": ids}
+
+
 def prefill_params(transfer_id: str) -> dict[str, Any]:
     """P's params in pull and push modes: keep the KV for a remote decode."""
     return {
@@ -95,20 +105,24 @@ def prefill_body(
         out["max_tokens"] = 1
         if "max_completion_tokens" in out:
             out["max_completion_tokens"] = 1
-    out["kv_transfer_params"] = kv_params
+    out["kv_transfer_params"] = _with_client_params(body, kv_params)
     return out
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
     """The D leg: the client's request as sent, plus the transfer parameters."""
     out = _client_fields(body)
-    out["kv_transfer_params"] = kv_params
+    out["kv_transfer_params"] = _with_client_params(body, kv_params)
     return out
 
 
 def aggregated_body(body: dict[str, Any]) -> dict[str, Any]:
-    """D alone: the client's request without any routing fields."""
-    return _client_fields(body)
+    """D alone: the client's request without any routing fields (a chat's prompt ids kept)."""
+    out = _client_fields(body)
+    params = _with_client_params(body, {})
+    if params:
+        out["kv_transfer_params"] = params
+    return out
 
 
 def pull_decode_params(

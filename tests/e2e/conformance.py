@@ -12,6 +12,7 @@ differently per batch.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,11 @@ _SCHEMA = {
         },
     },
 }
+_JSON = _SCHEMA["json_schema"]["schema"]
+_IDS = {"prompt_token_ids": list(range(5, 60))}
+_REGEX = r"\d{1,3}(\.\d{1,3}){3}"
+_CHOICE = {"choice": ["alpha", "beta", "gamma"]}
+_GRAMMAR = {"grammar": 'root ::= "SELECT " [a-z]+ " FROM " [a-z]+ ";"'}
 # "e" is a stop string the tiny model's output hits within 24 tokens; unexercised() checks
 # that the reference answers really stopped, called a tool, and so on.
 
@@ -84,6 +90,14 @@ CASES = [
     Case("completion echo", "/v1/completions", _comp(echo=True)),
     Case("completion token ids", "/v1/completions", _comp(prompt=list(range(5, 60)))),
     Case("completion n=2", "/v1/completions", _comp(n=2)),
+    # vLLM runs a chat's kv_transfer_params.prompt_token_ids as its prompt (issue 44).
+    Case("chat prompt ids", "/v1/chat/completions", _chat(kv_transfer_params=_IDS)),
+    Case(
+        "chat prompt ids malformed",
+        "/v1/chat/completions",
+        _chat(kv_transfer_params={"prompt_token_ids": [5, -1]}),
+        compare_error=True,
+    ),
     Case("completion two prompts", "/v1/completions", _comp(prompt=[_TEXT, _TEXT[::-1]])),
     Case("completion stream usage", "/v1/completions", _comp(stream=True, **_USAGE)),
     Case(
@@ -135,6 +149,33 @@ CASES = [
         "/v1/completions",
         _comp(max_tokens=40, response_format=_SCHEMA),
     ),
+    # Structured outputs by vLLM's own field (issue 44): each kind, streamed and not, chat and
+    # completions; ended by the grammar, not by ignore_eos.
+    Case(
+        "chat json_schema stream",
+        "/v1/chat/completions",
+        _chat(max_tokens=40, response_format=_SCHEMA, stream=True, **_USAGE),
+    ),
+    Case(
+        "completion regex",
+        "/v1/completions",
+        _comp(max_tokens=20, ignore_eos=False, structured_outputs={"regex": _REGEX}),
+    ),
+    Case(
+        "chat choice stream",
+        "/v1/chat/completions",
+        _chat(max_tokens=10, ignore_eos=False, stream=True, structured_outputs=_CHOICE),
+    ),
+    Case(
+        "completion grammar stream",
+        "/v1/completions",
+        _comp(max_tokens=30, ignore_eos=False, stream=True, structured_outputs=_GRAMMAR),
+    ),
+    Case(
+        "chat structured json",
+        "/v1/chat/completions",
+        _chat(max_tokens=40, ignore_eos=False, structured_outputs={"json": _JSON}),
+    ),
     Case(
         "responses",
         "/v1/responses",
@@ -144,6 +185,24 @@ CASES = [
         "responses stream",
         "/v1/responses",
         {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0, "stream": True},
+    ),
+    Case(
+        "responses json_schema",
+        "/v1/responses",
+        {"model": MODEL, "input": _TEXT, "max_output_tokens": 40, "temperature": 0}
+        | {"text": {"format": {"type": "json_schema", "name": "answer", "schema": _JSON}}},
+    ),
+    Case(
+        "responses logprobs stream",
+        "/v1/responses",
+        {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0, "stream": True}
+        | {"include": ["message.output_text.logprobs"], "top_logprobs": 5},
+    ),
+    Case(
+        "responses logprobs",
+        "/v1/responses",
+        {"model": MODEL, "input": _TEXT, "max_output_tokens": 6, "temperature": 0}
+        | {"include": ["message.output_text.logprobs"], "top_logprobs": 5},
     ),
     # vLLM 0.32's other routes (issue 44)
     Case(
@@ -257,8 +316,24 @@ def unexercised(answers: dict[str, Answer]) -> list[str]:
         "messages stream": bool(body("messages stream")["text"])
         and body("messages stream")["types"][-1] == "message_stop",
         "tokenizer_info": answers["tokenizer_info"].status == 404,
+        # The ids, not the messages, were the prompt: the answer is the ids' completion.
+        "chat prompt ids": _text(body("chat prompt ids")) == _text(body("completion token ids")),
+        "chat prompt ids malformed": answers["chat prompt ids malformed"].status == 400,
+        "completion regex": re.fullmatch(_REGEX, _text(body("completion regex"))) is not None,
+        "chat choice stream": body("chat choice stream")["texts"].get(0) in _CHOICE["choice"],
+        "completion grammar stream": body("completion grammar stream")["texts"]
+        .get(0, "")
+        .startswith("SELECT "),
+        "chat structured json": _text(body("chat structured json")).startswith("{"),
+        "responses logprobs": "top_logprobs" in json.dumps(body("responses logprobs")),
     }
     return [name for name, ok in checks.items() if not ok]
+
+
+def _text(doc: Any) -> str:
+    """The first choice's text of a non-streamed chat or completion answer."""
+    choice = doc["choices"][0]
+    return str(choice.get("text") or (choice.get("message") or {}).get("content") or "")
 
 
 def _called(doc: Any) -> bool:

@@ -172,6 +172,28 @@ async def test_aggregated_never_calls_prefill(cluster: Cluster, client: httpx.As
     assert "kv_transfer_params" not in d_req.body
 
 
+@pytest.mark.parametrize("mode", ["pull", "push", "push-sequential", "pipelined", "aggregated"])
+async def test_a_chat_s_prompt_ids_reach_the_engines_and_no_other_client_param_does(
+    cluster: Cluster, client: httpx.AsyncClient, mode: str
+) -> None:
+    """vLLM runs a chat's ``kv_transfer_params.prompt_token_ids`` as its prompt: every leg gets
+    them, and nothing else the client put there (issue 44)."""
+    ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
+    url, _ = await cluster.router(mode, prefill_extra=ids, decode_extra=ids)
+    smuggled = {"prompt_token_ids": [5, 6, 7], "remote_host": "evil", "do_remote_decode": True}
+    messages = [{"role": "user", "content": "hello there " * 20}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "kv_transfer_params": smuggled}
+    r = await client.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    legs = cluster.prefill[0].received + cluster.decode[0].received
+    assert len(legs) == (1 if mode == "aggregated" else 2)
+    for leg in legs:
+        assert leg.kv["prompt_token_ids"] == [5, 6, 7]
+        assert leg.kv.get("remote_host") != "evil"
+    if mode == "aggregated":
+        assert legs[0].body["kv_transfer_params"] == {"prompt_token_ids": [5, 6, 7]}
+
+
 async def test_short_prompts_and_n_above_one_skip_prefill(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:

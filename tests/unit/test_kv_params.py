@@ -98,3 +98,32 @@ def test_nixl_address_from_params() -> None:
 def test_dispatch_ids_are_fresh() -> None:
     a, b = kp.new_dispatch_ids(), kp.new_dispatch_ids()
     assert a.request_id != b.request_id and a.transfer_id != b.transfer_id
+
+
+CHAT_WITH_IDS = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "hi"}],
+    "kv_transfer_params": {"prompt_token_ids": [5, 6, 7], "remote_host": "evil", "x": 1},
+}
+
+
+def test_a_chat_s_prompt_ids_reach_every_leg_and_nothing_else_of_the_client_s_params() -> None:
+    p = kp.prefill_body(CHAT_WITH_IDS, kp.prefill_params("xfer-1"), Endpoint.CHAT)
+    d = kp.decode_body(CHAT_WITH_IDS, {"do_remote_prefill": True})
+    alone = kp.aggregated_body(CHAT_WITH_IDS)
+    assert p["kv_transfer_params"] == {**kp.prefill_params("xfer-1"), "prompt_token_ids": [5, 6, 7]}
+    assert d["kv_transfer_params"] == {"do_remote_prefill": True, "prompt_token_ids": [5, 6, 7]}
+    assert alone["kv_transfer_params"] == {"prompt_token_ids": [5, 6, 7]}
+
+
+def test_malformed_prompt_ids_are_passed_on_for_the_engines_to_refuse() -> None:
+    chat = {**CHAT_WITH_IDS, "kv_transfer_params": {"prompt_token_ids": [-1, "a"]}}
+    assert kp.aggregated_body(chat)["kv_transfer_params"] == {"prompt_token_ids": [-1, "a"]}
+
+
+def test_prompt_ids_outside_a_chat_body_are_dropped_as_vllm_ignores_them() -> None:
+    completion = {**CLIENT, "kv_transfer_params": {"prompt_token_ids": [5, 6]}}
+    assert "prompt_token_ids" not in kp.decode_body(completion, {"a": 1})["kv_transfer_params"]
+    assert "kv_transfer_params" not in kp.aggregated_body(completion)
+    null_ids = {**CHAT_WITH_IDS, "kv_transfer_params": {"prompt_token_ids": None}}
+    assert "kv_transfer_params" not in kp.aggregated_body(null_ids)
