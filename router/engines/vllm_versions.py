@@ -28,11 +28,13 @@ from typing import Final
 __all__ = [
     "NIXL_CONNECTOR_VERSIONS",
     "PUSH_EQUAL_BLOCK_SIZES_FROM",
+    "STREAMED_PARAMS_FROM",
     "SUPPORTED",
     "Release",
     "nixl_connector_version",
     "parse_release",
     "push_requires_equal_block_sizes",
+    "streams_params",
 ]
 
 Release = tuple[int, int]
@@ -45,6 +47,10 @@ NIXL_CONNECTOR_VERSIONS: Final[Mapping[Release, int]] = MappingProxyType(
 )
 
 PUSH_EQUAL_BLOCK_SIZES_FROM: Final[Release] = (0, 34)
+
+# From 0.33 a streamed answer's last chunk carries the engine's kv_transfer_params (0.32: only
+# non-streamed bodies do): what a pull D keeps for the next turn can be read from a stream.
+STREAMED_PARAMS_FROM: Final[Release] = (0, 33)
 
 _RELEASE = re.compile(r"\s*v?(\d+)\.(\d+)(?:\D|$)")
 
@@ -65,3 +71,10 @@ def push_requires_equal_block_sizes(release: Release) -> bool:
     """Whether push mode on ``release`` (the newer of P's and D's) refuses a P and a D whose
     KV block sizes differ: from 0.34 on, later releases included."""
     return release >= PUSH_EQUAL_BLOCK_SIZES_FROM
+
+
+def streams_params(version: str | None) -> bool:
+    """Whether an engine of ``version`` (``GET /version``; None: not read yet) ends its streams
+    with its ``kv_transfer_params``; an unknown version is taken not to."""
+    release = parse_release(version) if version is not None else None
+    return release is not None and release >= STREAMED_PARAMS_FROM

@@ -289,7 +289,7 @@ class Dispatcher:
         plan.prefill_done(pair, result)
         body = self._turns.decode_body(turn, body)
         leg = await self._decode(pool, pair.decode, pair.creq, body, pair.ids)
-        self._turns.keep(pool, pair.creq, turn, leg)
+        self._turns.keep(pool, pair.creq, turn, leg, result.prompt_ids)
         self._observe_handoff(pool, result.finished_at)
         return Dispatch(
             res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url, prefill_result=result
@@ -304,10 +304,11 @@ class Dispatcher:
         if turn is None:
             return await self._prefill(pool, plan, pair, params)
         await self._turns.prepare(pool, pair.creq, pair.prefill, turn)
+        ids = turn.streamed  # a streamed turn is kept with the prompt's ids, from P
         if turn.reuse is None:
-            return await self._prefill(pool, plan, pair, params)
+            return await self._prefill(pool, plan, pair, params, ids)
         try:
-            return await self._prefill(pool, plan, pair, {**params, **turn.reuse})
+            return await self._prefill(pool, plan, pair, {**params, **turn.reuse}, ids)
         except UpstreamStatus as exc:
             log.warning(
                 "event=kept_turn_failed request_id=%s engine=%s status=%d",
@@ -315,7 +316,7 @@ class Dispatcher:
                 pair.prefill.url,
                 exc.status,
             )
-            return await self._prefill(pool, plan, pair, params)
+            return await self._prefill(pool, plan, pair, params, ids)
 
     async def _concurrent(
         self,
@@ -411,9 +412,19 @@ class Dispatcher:
     # -- legs ------------------------------------------------------------------
 
     async def _prefill(
-        self, pool: ModelPool, plan: Plan, pair: Pair, params: dict[str, Any]
+        self,
+        pool: ModelPool,
+        plan: Plan,
+        pair: Pair,
+        params: dict[str, Any],
+        prompt_ids: bool = False,
     ) -> PrefillResult:
+        """P's leg; with ``prompt_ids``, P is asked for the prompt's token ids (P's answer
+        never reaches the client)."""
         started = self._clock()
+        body = kp.prefill_body(pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id)
+        if prompt_ids:
+            body["return_token_ids"] = True
         p = pair.prefill
         first = _computes_nothing(p)
         try:
@@ -422,9 +433,7 @@ class Dispatcher:
                     pool.name,
                     p,
                     pair.creq.endpoint,
-                    kp.prefill_body(
-                        pair.creq.body, params, pair.creq.endpoint, pair.ids.request_id
-                    ),
+                    body,
                     pair.ids.request_id,
                     require_params=plan.requires_params,
                     traceparent=self._tracing.traceparent(),

@@ -63,7 +63,7 @@ def reuse_params(
     usable = min(common_prefix(kept.token_ids, prompt_ids), len(prompt_ids) - 1)
     if usable < min_tokens:
         return KeptTurnResult.MISMATCH, None
-    if usable == held:
+    if usable == held and kept.params.get("remote_num_tokens") == held:
         return KeptTurnResult.REUSED, dict(kept.params)
     if block_size is None:
         return KeptTurnResult.UNAVAILABLE, None
@@ -124,3 +124,22 @@ def _kept(
 
 def _ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(i, int) for i in value)
+
+
+def kept_from_stream(
+    raw_params: bytes, prompt_ids: list[int]
+) -> tuple[dict[str, Any], list[int]] | None:
+    """From the params a 0.33+ pull D put on its stream's last chunk (JSON bytes) and the
+    prompt's ids (P's): D's params and the ids its kept KV starts with, the prompt's, for a
+    stream carries no token ids of the client's (the next turn reuses at most the prompt's
+    blocks: :func:`reuse_params`). None when D keeps nothing."""
+    try:
+        params = json.loads(raw_params)
+    except ValueError:
+        return None
+    if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        return None
+    held = params.get("remote_num_tokens")
+    if not (isinstance(held, int) and held > 0):
+        return None
+    return params, prompt_ids[:held]

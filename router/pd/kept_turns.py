@@ -19,9 +19,10 @@ Pull:
 * before P: the session's kept turn, if any, is checked against the new prompt's token ids
   (P's ``/tokenize``) and becomes P's ``kv_transfer_params`` where it matches;
 * on D's leg: ``return_token_ids`` is asked for when D's answer is not streamed, so that the
-  turn D finishes can be kept (streamed answers carry no params in vLLM 0.32);
-* after D: its params and token ids are recorded, and the body the client gets is D's
-  without them, as an aggregated engine answers.
+  turn D finishes can be kept; a streamed turn is kept where D runs vLLM 0.33+ (which ends a
+  stream with its params; 0.32 does not), with the prompt's ids asked of P's leg;
+* after D: its params and token ids are recorded (a stream's once it ended cleanly), and the
+  body the client gets is D's without them, as an aggregated engine answers.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from router.config import Mode
 from router.engines.facts import parse_block_size
 from router.engines.instance import Instance
 from router.engines.kept_turns import KeptTurn, KeptTurnResult
+from router.engines.vllm_versions import streams_params
 from router.kvindex.route import CacheRoute
 from router.kvindex.tokens import tokenize_query
 from router.metrics import Metrics
-from router.pd.kept_turn_params import kept_from_response, reuse_params
+from router.pd.kept_turn_params import kept_from_response, kept_from_stream, reuse_params
 from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
@@ -64,6 +66,9 @@ class TurnPlan:
 
     session: str
     keep: bool
+    # Pull: D streams the turn (vLLM 0.33+ puts D's params on the stream's last chunk; the
+    # prompt's ids come from P, asked for them).
+    streamed: bool = False
     reuse: dict[str, Any] | None = None
     keep_id: str | None = None
     holder: Instance | None = None
@@ -101,8 +106,11 @@ class KeptTurns:
         if client_prompt_ids(creq.body) is not None:
             return None  # the engines may run ids the router cannot check against a kept turn
         if pool.mode is not Mode.PIPELINED:
-            # vLLM's D keeps no streamed turn (its params come with the body).
-            return TurnPlan(creq.session, keep=not creq.stream)
+            # A streamed turn is kept where D ends its streams with its params (vLLM 0.33+).
+            if not creq.stream:
+                return TurnPlan(creq.session, keep=True)
+            streams = decode is not None and streams_params(decode.facts.version)
+            return TurnPlan(creq.session, keep=streams, streamed=streams)
         min_tokens = pool.config.kept_turns.min_tokens
         holder = cache.holder(pool.decode, min_tokens) if cache is not None else None
         return TurnPlan(
@@ -175,22 +183,43 @@ class KeptTurns:
         return None if text is None else parse_block_size(text)
 
     def decode_body(self, turn: TurnPlan | None, body: dict[str, Any]) -> dict[str, Any]:
-        """D's body, asking for the token ids a kept turn needs."""
-        if turn is None or not turn.keep:
+        """D's body, asking for the token ids a kept turn needs (a whole answer's; a
+        streamed turn takes the prompt's from P)."""
+        if turn is None or not turn.keep or turn.streamed:
             return body
         return {**body, "return_token_ids": True}
 
     def keep(
-        self, pool: ModelPool, creq: ClientRequest, turn: TurnPlan | None, leg: DecodeLeg
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        turn: TurnPlan | None,
+        leg: DecodeLeg,
+        prompt_ids: list[int] | None = None,
     ) -> None:
-        """Record the turn D answered and give the client D's body without its params."""
-        if turn is None or not turn.keep or leg.rest is not None or leg.status != 200:
+        """Record the turn D answered and give the client D's body without its params; a
+        streamed turn is recorded when its stream ends cleanly, from D's params on its last
+        chunk and ``prompt_ids`` (P's)."""
+        if turn is None or not turn.keep or leg.status != 200:
+            return
+        if leg.rest is not None:
+            if turn.streamed and prompt_ids:
+                url = leg.instance.url
+                leg.on_params = lambda raw: self._keep_stream(pool, turn, raw, prompt_ids, url)
             return
         found, leg.first = kept_from_response(leg.first, bool(creq.body.get("return_token_ids")))
         if found is not None:
             params, token_ids = found
             kept = pool.config.kept_turns, turn.session, params, token_ids, leg.instance.url
             pool.kept_turns.keep(*kept)
+            self._count(pool, KeptTurnResult.KEPT)
+
+    def _keep_stream(
+        self, pool: ModelPool, turn: TurnPlan, raw: bytes, prompt_ids: list[int], url: str
+    ) -> None:
+        found = kept_from_stream(raw, prompt_ids)
+        if found is not None:
+            pool.kept_turns.keep(pool.config.kept_turns, turn.session, *found, url)
             self._count(pool, KeptTurnResult.KEPT)
 
     def _count(self, pool: ModelPool, result: KeptTurnResult) -> None:

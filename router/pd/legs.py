@@ -20,7 +20,7 @@ from router.errors import Fault, UpstreamError, UpstreamStatus, engine_paused
 from router.metrics import Metrics
 from router.pd.scrub import StreamScrub
 from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
-from router.pd.usage import MARKER, Patch, prompt_cached_tokens
+from router.pd.usage import MARKER, Patch, prompt_cached_tokens, prompt_token_ids
 from router.upstream import UpstreamClient, UpstreamStream
 
 __all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
@@ -34,6 +34,9 @@ class PrefillResult:
     finished_at: float
     # P's prefix-cache hits from its usage (None: P reported no prompt_tokens_details).
     cached_tokens: int | None = None
+    # The prompt's token ids, where P was asked for them (``return_token_ids``): a streamed
+    # turn's kept KV (router/pd/kept_turns.py).
+    prompt_ids: list[int] | None = None
 
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASGI send
@@ -66,6 +69,7 @@ class DecodeLeg:
         "first",
         "first_at",
         "instance",
+        "on_params",
         "rest",
         "stream",
         "verdict",
@@ -94,6 +98,9 @@ class DecodeLeg:
         self.ended_at: float | None = None
         self._clock = clock
         self._closed = False
+        # Called, once a stream ended cleanly, with the last params D put on it (the JSON
+        # bytes the client got as null): a 0.33+ stream's kept turn (router/pd/kept_turns.py).
+        self.on_params: Callable[[bytes], None] | None = None
         # A streaming leg whose first bytes are in is surely running at the engine
         # until its end is read; a complete (non-streaming) body is not.
         self._counted = rest is not None  # in instance.at_engine (router/engines/load.py)
@@ -160,6 +167,9 @@ class DecodeLeg:
             self.chunks, self.worst_gap, self.ended_at = count, worst, now
             self._mark_ended()
         self.verdict = Fault.ANSWER if error_event else None
+        params = self._scrub.last_value
+        if self.on_params is not None and params is not None and self.verdict is None:
+            self.on_params(params)
         before_last()
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
@@ -238,7 +248,9 @@ class LegRunner:
                 instance=inst.url,
                 code="kv_transfer_params_missing",
             )
-        return PrefillResult(params, self._clock(), prompt_cached_tokens(doc))
+        return PrefillResult(
+            params, self._clock(), prompt_cached_tokens(doc), prompt_token_ids(doc)
+        )
 
     async def _prefill_call(
         self,

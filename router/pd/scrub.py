@@ -41,25 +41,32 @@ def without_params(body: bytes) -> bytes:
 
 class StreamScrub:
     """The same for a stream read in pieces: :meth:`feed` each read in order, then
-    :meth:`flush` at the end. Bytes held back by a read come out with a later one."""
+    :meth:`flush` at the end. Bytes held back by a read come out with a later one.
+    ``last_value`` is the last value it made null (JSON bytes; None: none yet): a 0.33+
+    stream's params, for the router alone (a streamed kept turn, router/pd/kept_turns.py)."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("_held", "_removed")
 
     def __init__(self) -> None:
         self._held = b""
+        self._removed: list[bytes] = []
+
+    @property
+    def last_value(self) -> bytes | None:
+        return self._removed[-1] if self._removed else None
 
     def feed(self, chunk: bytes) -> bytes:
         """What of the stream so far can go to the client now."""
         if self._held:
             chunk, self._held = self._held + chunk, b""
-        out, self._held = _scrub(chunk, final=False)
+        out, self._held = _scrub(chunk, final=False, removed=self._removed)
         return out
 
     def flush(self) -> bytes:
         """The stream ended: what was held back (a value the stream never completed is
         dropped, not sent: its bytes may be coordinates)."""
         held, self._held = self._held, b""
-        return _scrub(held, final=True)[0] if held else b""
+        return _scrub(held, final=True, removed=self._removed)[0] if held else b""
 
 
 def _skip_ws(data: bytes, i: int) -> int:
@@ -100,9 +107,10 @@ def _value_end(data: bytes, i: int) -> int | None:
             return k
 
 
-def _scrub(data: bytes, *, final: bool) -> tuple[bytes, bytes]:
+def _scrub(data: bytes, *, final: bool, removed: list[bytes] | None = None) -> tuple[bytes, bytes]:
     """(the bytes to send, the bytes to hold back until more come). With ``final``, nothing
-    is held back: a key without a value is sent as is, a value cut short is dropped."""
+    is held back: a key without a value is sent as is, a value cut short is dropped. The
+    last value made null is left as ``removed``'s one item."""
     found = data.find(KEY)
     if found < 0 and (final or _ends_in_key(data, 0) < 0):
         return data, b""  # the fast path: no key in these bytes
@@ -130,6 +138,8 @@ def _scrub(data: bytes, *, final: bool) -> tuple[bytes, bytes]:
             parts.append(data[emitted:found])
             return b"".join(parts), data[found:]
         if data[start:end] != _NULL:
+            if removed is not None:
+                removed[:] = [data[start:end]]
             parts.append(data[emitted:start])
             parts.append(_NULL)
             emitted = end

@@ -22,7 +22,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["MARKER", "Patch", "prompt_cached_tokens", "with_cached_tokens"]
+__all__ = ["MARKER", "Patch", "prompt_cached_tokens", "prompt_token_ids", "with_cached_tokens"]
 
 MARKER = b'"cache'  # a prefix of both keys: a chunk without it holds no usage to rewrite
 _CACHED = re.compile(rb'"cached_tokens":\s*(\d+|null)')
@@ -61,3 +61,17 @@ def prompt_cached_tokens(doc: dict[str, Any]) -> int | None:
     if cached is None:  # the Anthropic Messages API
         cached = usage.get("cache_read_input_tokens")
     return cached if isinstance(cached, int) else None
+
+
+def prompt_token_ids(doc: Any) -> list[int] | None:
+    """A non-streamed answer's prompt token ids (asked with ``return_token_ids``: a chat's at
+    the top, a completion's on its choice), None if it has none."""
+    if not isinstance(doc, dict):
+        return None
+    ids = doc.get("prompt_token_ids")
+    choices = doc.get("choices")
+    if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        ids = choices[0].get("prompt_token_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        return None
+    return ids

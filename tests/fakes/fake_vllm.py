@@ -339,6 +339,8 @@ class FakeEngine:
             doc["kv_transfer_params"] = b.own_params
         if b.bidirectional and kv.get("do_remote_prefill"):
             _keep_turn(self.name, rec, doc)
+        elif rec.body.get("return_token_ids"):
+            _add_token_ids(rec, doc)
         self._cache_store(prompt + _reply_ids(doc, rec))
         await _respond(send, 200, json.dumps(doc).encode())
 
@@ -361,6 +363,8 @@ class FakeEngine:
             await _respond(send, 200, b'{"id": "cmpl-1", "choices": [')
             return
         doc = _full(rec, 1, cached=b.cached_tokens)
+        if rec.body.get("return_token_ids"):
+            _add_token_ids(rec, doc)
         if not b.omit_kv_params:
             xid = rec.request_id
             doc["kv_transfer_params"] = {
@@ -617,11 +621,19 @@ def _keep_turn(name: str, rec: Received, doc: dict[str, Any]) -> None:
         "transfer_mode": "pull",
     }
     if rec.body.get("return_token_ids"):
-        choice["token_ids"] = output_ids
-        if _is_chat(rec):
-            doc["prompt_token_ids"] = prompt_ids
-        else:
-            choice["prompt_token_ids"] = prompt_ids
+        _add_token_ids(rec, doc)
+
+
+def _add_token_ids(rec: Received, doc: dict[str, Any]) -> None:
+    """What ``return_token_ids`` adds to a whole answer: the prompt's ids (a chat's at the
+    top, a completion's on its choice) and the output's (bytes, as this fake tokenizes)."""
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if _is_chat(rec) else choice["text"]
+    choice["token_ids"] = list(text.encode())
+    if _is_chat(rec):
+        doc["prompt_token_ids"] = _token_ids(rec.body)
+    else:
+        choice["prompt_token_ids"] = _token_ids(rec.body)
 
 
 def _token_ids(body: dict[str, Any]) -> list[int]:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from router.engines.breaker import BreakerState
-from tests.conftest import Cluster, metric
+from tests.conftest import Cluster, eventually, metric
+from tests.fakes.fake_vllm import _token_ids as _fake_prompt_ids
 
 # What an engine of another connector might answer with: coordinates a client must not see.
 D_COORDS = {
@@ -40,8 +41,11 @@ def _no_coordinates(content: bytes) -> None:
 async def _router(cluster: Cluster, mode: str, **overrides: Any) -> str:
     for engine in cluster.engines:
         engine.behaviour.wire = "0.33"
+        engine.behaviour.version = "0.33.0"
     cluster.decode[0].behaviour.own_params = D_COORDS
-    url, _ = await cluster.router(mode, prefill_extra=IDS, decode_extra=IDS, **overrides)
+    url, ctx = await cluster.router(mode, prefill_extra=IDS, decode_extra=IDS, **overrides)
+    if overrides.get("health_checks"):  # the engines' versions read before any request
+        await eventually(lambda: all(i.facts.version for i in ctx.registry.instances()))
     return url
 
 
@@ -95,8 +99,10 @@ async def test_kept_turns_on_a_033_d_show_the_client_nothing_of_d(
     cluster: Cluster, client: httpx.AsyncClient, stream: bool
 ) -> None:
     """A bidirectional pull D names the blocks it keeps on every answer's end (vLLM 0.33+):
-    the client sees null; a whole answer is still kept for the next turn."""
-    url = await _router(cluster, "pull", model={"kept_turns": {"enabled": True, "min_tokens": 16}})
+    the client sees null; the turn is kept for the next, streamed too (its prompt's ids from
+    P, D's params from its stream's last chunk)."""
+    kept = {"kept_turns": {"enabled": True, "min_tokens": 16}}
+    url = await _router(cluster, "pull", model=kept, health_checks=True)
     cluster.decode[0].behaviour.own_params = None
     cluster.decode[0].behaviour.bidirectional = True
     headers = {"x-session-id": "conv-1"}
@@ -122,8 +128,13 @@ async def test_kept_turns_on_a_033_d_show_the_client_nothing_of_d(
     r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == 200
     _no_coordinates(r.content)
-    read = cluster.prefill[0].received[-1].kv.get("remote_engine_id")
-    assert read == (None if stream else "d0-engine")  # a whole turn was kept and is read
+    first_p, next_p = [x for x in cluster.prefill[0].received if x.path != "/tokenize"]
+    assert next_p.kv.get("remote_engine_id") == "d0-engine"  # the turn was kept and is read
+    assert first_p.body.get("return_token_ids") is (True if stream else None)
+    if stream:  # at most the prompt's blocks: the stream told the router no reply's ids
+        prompt_len = len(_fake_prompt_ids(first_p.body))
+        assert 16 <= next_p.kv["remote_num_tokens"] <= prompt_len
+        assert len(next_p.kv["remote_block_ids"][0]) == -(-next_p.kv["remote_num_tokens"] // 16)
 
 
 # -- a paused engine ------------------------------------------------------------------------

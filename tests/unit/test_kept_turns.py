@@ -7,7 +7,8 @@ import json
 
 from router.config import KeptTurnsConfig
 from router.engines.kept_turns import KeptTurn, KeptTurnResult, KeptTurnTable
-from router.pd.kept_turn_params import kept_from_response, reuse_params
+from router.engines.vllm_versions import streams_params
+from router.pd.kept_turn_params import kept_from_response, kept_from_stream, reuse_params
 
 PARAMS = {"do_remote_decode": True, "remote_block_ids": [[7, 8, 9], [17, 18, 19]]}
 
@@ -77,3 +78,27 @@ def test_kept_from_response_without_params_only_hides_the_ids() -> None:
     doc = {"choices": [{"index": 0, "text": "xy", "token_ids": [5]}], "kv_transfer_params": None}
     found, body = kept_from_response(json.dumps(doc).encode(), client_wants_ids=False)
     assert found is None and json.loads(body)["choices"] == [{"index": 0, "text": "xy"}]
+
+
+def test_a_streamed_turn_is_kept_with_the_prompt_s_ids_and_reused_up_to_them() -> None:
+    """D's params from a 0.33+ stream hold prompt and reply (40 tokens); the router knows
+    only the prompt's 30 ids (P's), so the next turn reads at most those, as a partial."""
+    raw = json.dumps({**PARAMS, "remote_num_tokens": 40}).encode()
+    found = kept_from_stream(raw, list(range(30)))
+    assert found is not None
+    params, ids = found
+    kept = KeptTurn(params, tuple(ids), "http://d", 10.0)
+    result, reuse = reuse_params(kept, [*range(30), 500, 501, 502], 16, 8)
+    assert result is KeptTurnResult.PARTIAL and reuse is not None
+    assert reuse["remote_num_tokens"] == 30 and reuse["remote_block_ids"][0] == [7, 8]
+    assert kept_from_stream(b'{"do_remote_decode": false}', [1, 2]) is None
+    assert kept_from_stream(b"not json", [1, 2]) is None
+
+
+def test_only_engines_of_0_33_on_end_their_streams_with_params() -> None:
+    assert [streams_params(v) for v in ("0.32.0", "0.33.0", "0.34.1+cu128", None)] == [
+        False,
+        True,
+        True,
+        False,
+    ]

@@ -122,3 +122,16 @@ def test_a_stream_that_ends_inside_the_value_sends_none_of_it() -> None:
     assert out.startswith(_token(1)) and not any(s in out for s in SECRETS)
     # A key cut before its value is no coordinate: sent as read.
     assert _feed([b'{"kv_transfer_par']) == b'{"kv_transfer_par'
+
+
+def test_the_params_made_null_are_kept_for_the_router_whatever_the_cuts() -> None:
+    raw, _clean = _stream(compact=False)
+    for cut in range(1, len(raw)):
+        scrub = StreamScrub()
+        for piece in _split(raw, [cut]):
+            scrub.feed(piece)
+        scrub.flush()
+        assert scrub.last_value is not None and json.loads(scrub.last_value) == COORDS
+    tokens_only = StreamScrub()
+    tokens_only.feed(_token(1) + _token(2))
+    assert tokens_only.last_value is None  # null values are not params
