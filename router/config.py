@@ -200,13 +200,23 @@ class SessionConfig(_Strict):
     its JSON body (removed before the body reaches an engine), else, with
     ``prefix_fallback``, the start of its prompt or messages (a conversation's history
     starts the same at every turn). Off by default, the fallback would pin every request
-    with a shared prompt start (a common system prompt) to one engine until the load bound
-    spreads them, in place of the ``policy``."""
+    with a shared prompt start (a common system prompt) to one engine until it nears its
+    capacity, in place of the ``policy``.
+
+    Spill rule: a session stays on its engine while the engine's load, this request
+    included, is at most ``max(1, floor(spill_at x capacity))``; capacity is a D's ``slots``
+    and, P having no slots, ``prefill_capacity`` prompts in flight for a P. Load is this
+    router's count, or with ``admission.replicas > 1`` what the engine reports, so replicas
+    spill alike. A session spilled (or new) goes to the first engine with room in its
+    rendezvous-hash order, else to the least loaded. ``load_factor`` no longer bounds
+    sessions: it is the load bound of cache-aware routing (``kv_events``) alone."""
 
     enabled: bool = True
     headers: list[str] = Field(default_factory=lambda: list(_SESSION_HEADERS))
     body_field: str | None = "session_id"
     prefix_fallback: bool = False
+    spill_at: float = Field(default=0.9, gt=0.0, le=1.0, allow_inf_nan=False)
+    prefill_capacity: int = Field(default=16, ge=1)
     load_factor: float = Field(default=1.25, ge=1.0, allow_inf_nan=False)
     max_sessions: int = Field(default=100_000, ge=1)
     ttl_seconds: PositiveFloat = 1800.0

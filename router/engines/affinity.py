@@ -1,24 +1,30 @@
 """Soft session affinity: a conversation's turns go back to the P and the D that served its
-last turn, whose prefix caches hold its history, as long as that keeps load within a bound.
+last turn, whose prefix caches hold its history, until that engine is near its capacity.
 
 For a session key ``k`` and the candidates ``C`` of one role (the instances a request may go
 to now, never empty), :meth:`Affinity.select` picks:
 
-1. the instance the session table remembers for ``(k, role)``, if it is in ``C`` and within
-   the bound (``hit``);
-2. else the first instance within the bound in rendezvous-hash order of ``(k, url)``
-   (``placed``, or ``spilled`` when the remembered or the first-hashed instance was over the
-   bound): every router worker and replica maps a key to the same instance without sharing
-   the table, and an instance leaving moves only the sessions that were on it.
+1. the instance the session table remembers for ``(k, role)``, if it is in ``C`` and has
+   room (``hit``);
+2. else the first instance with room in rendezvous-hash order of ``(k, url)`` (``placed``,
+   or ``spilled`` when the remembered or the first-hashed instance had no room): every
+   router worker and replica maps a key to the same instance without sharing the table,
+   and an instance leaving moves only the sessions that were on it;
+3. else (no candidate has room) the least loaded candidate, ties broken by that same
+   order, so affinity never refuses a request.
 
-The bound is that of consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam,
-2018): with ``L`` the candidates' total load (decode: reserved slots; prefill: legs in
-flight) and ``n = |C|``, an instance may take the request while ``load + 1 <= ceil(c(L+1)/n)``,
-``c = load_factor >= 1``. The least loaded candidate always satisfies it, so affinity never
-refuses a request, and no instance carries more than ``c`` times the average load plus one.
+**Room** is judged against the engine's capacity, never against the other engines' mean
+(the rule before 2026-12, which spilled a session from an engine holding one or two
+streams more than the mean, long before it was busy, and cost the conversation its
+cache): an instance has room while ``load + 1 <= max(1, floor(spill_at x capacity))``,
+``spill_at = sessions.spill_at``. Capacity is a D's ``slots``, and for P (which has no
+slots) ``sessions.prefill_capacity`` prompts in flight.
 
 The load is this router's own count, or (several router replicas) what the engines report
-(``router/engines/reported.py``, injected as ``load``), so that replicas spill alike.
+(``router/engines/reported.py``, injected as ``load``): replicas reading the same reports
+make the same choice, and at low load, where no engine nears its capacity, the choice
+depends on no load at all, only on the hash (and each replica's table, whose entries
+then agree with it).
 
 The table holds at most ``max_sessions`` keys (least recently used dropped first); a key not
 used for ``ttl_seconds`` is forgotten.
@@ -44,7 +50,7 @@ class Placement(enum.StrEnum):
 
     HIT = "hit"  # where the session went last time
     PLACED = "placed"  # a new (or forgotten) session, or its instance is gone
-    SPILLED = "spilled"  # its instance was over the load bound: another one
+    SPILLED = "spilled"  # its instance was near its capacity: another one
 
 
 @dataclass(slots=True)
@@ -88,23 +94,30 @@ class Affinity:
         now = self._clock()
         self._expire(now)
         entry = self._table.get(key)
-        load = self._load
-        cap = math.ceil(
-            self.config.load_factor * (sum(map(load, candidates)) + 1) / len(candidates)
-        )
         remembered = None
         if entry is not None:
             url = entry.urls.get(role)
             remembered = next((i for i in candidates if i.url == url), None)
-        if remembered is not None and load(remembered) + 1 <= cap:
+        if remembered is not None and self._has_room(remembered):
             chosen, how = remembered, Placement.HIT
         else:
             ranked = sorted(candidates, key=lambda i: _rank(key, i.url), reverse=True)
-            chosen = next(i for i in ranked if load(i) + 1 <= cap)
+            chosen = next((i for i in ranked if self._has_room(i)), None) or min(
+                ranked, key=self._load
+            )
             over = remembered if remembered is not None else ranked[0]
             how = Placement.SPILLED if chosen is not over else Placement.PLACED
         self._remember(key, role, chosen.url, now)
         return chosen, how
+
+    def limit(self, inst: Instance) -> int:
+        """The most requests ``inst`` may hold, this one included, and still keep (or
+        take) a session: ``spill_at`` of its capacity, at least 1."""
+        capacity = inst.slots if inst.role is Role.DECODE else self.config.prefill_capacity
+        return max(1, math.floor(self.config.spill_at * capacity))
+
+    def _has_room(self, inst: Instance) -> bool:
+        return self._load(inst) + 1 <= self.limit(inst)
 
     def forget(self, key: str) -> None:
         self._table.pop(key, None)

@@ -8,7 +8,7 @@ on, from the request's token ids (``router/kvindex/tokens.py``). The route is th
 1. leaves the choice to the pool's usual rule (session affinity, else the policy) when any
    candidate's index is unknown (no events yet, a gap no replay could fill): unknown is never
    read as empty;
-2. else keeps the candidates within session affinity's load bound, ``load + 1 <=
+2. else keeps the candidates within the load bound of ``sessions.load_factor``, ``load + 1 <=
    ceil(load_factor x (total load + 1) / n)`` (the least loaded one always is), and picks the
    one of least cost::
 

@@ -35,6 +35,7 @@ async def _replica(cluster: Cluster, replicas: int) -> tuple[str, AppContext]:
         "aggregated",
         decode_extra={"slots": 8},
         admission={"replicas": replicas},
+        model={"sessions": {"spill_at": 0.25}},  # room while load + 1 <= floor(0.25 x 8) = 2
         health={"interval": 60, "load_interval": 3600},  # loads read when the test says
     )
     app = create_app(parse_config(cfg), health_checks=False)
@@ -76,8 +77,8 @@ async def test_a_replica_spills_a_session_where_the_busy_replica_would(
     sessions = _sessions_first_on(d0, d1, 4)
     pending: list[asyncio.Task[Any]] = []
     try:
-        # The busy replica puts two sessions on D0, where the bound now stops a third
-        # (ceil(1.25 x (2 + 1) / 2) = 2): it would spill one first on D0 to D1.
+        # The busy replica puts two sessions on D0, which then has no room for a third
+        # (2 + 1 > 2): it would spill one first on D0 to D1.
         assert [await _where(cluster2, client, busy_url, s, pending) for s in sessions[:2]] == [
             "d0"
         ] * 2

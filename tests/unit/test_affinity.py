@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 
 from router.config import SessionConfig
@@ -43,28 +42,46 @@ def test_removing_an_instance_moves_only_its_sessions() -> None:
             assert again is inst, k
 
 
-def test_no_instance_exceeds_the_bound() -> None:
+def test_a_session_goes_where_there_is_room_else_to_the_least_loaded() -> None:
     rng = random.Random(7)
-    cfg = SessionConfig(load_factor=1.25)
-    aff = Affinity(cfg, Clock())
-    ds = _decodes(3)
+    aff = Affinity(SessionConfig(spill_at=0.5), Clock())
+    ds = _decodes(3, slots=20)  # room while slots held + 1 <= 10
     for _ in range(2000):
         for d in ds:
             hold_slots(d, rng.randint(0, 20))
-        total = sum(d.slots_held for d in ds)
-        cap = math.ceil(1.25 * (total + 1) / 3)
         chosen, _ = aff.select(Role.DECODE, rng.choice("abc"), ds)
-        assert chosen.slots_held + 1 <= cap
+        if any(d.slots_held + 1 <= 10 for d in ds):
+            assert chosen.slots_held + 1 <= 10
+        else:
+            assert chosen.slots_held == min(d.slots_held for d in ds)
 
 
-def test_an_overloaded_sticky_instance_spills() -> None:
-    aff = Affinity(SessionConfig(load_factor=1.0), Clock())
-    ds = _decodes(2)
+def test_a_session_stays_until_its_engine_nears_its_slots() -> None:
+    """Far above the other engines' load, but below spill_at of its own slots: it stays."""
+    aff = Affinity(SessionConfig(spill_at=0.9), Clock())
+    ds = _decodes(2)  # 100 slots each: room while slots held + 1 <= 90
     home, how = aff.select(Role.DECODE, "s", ds)
     assert how is Placement.PLACED
-    hold_slots(home, 10)
+    hold_slots(home, 89)
+    assert aff.select(Role.DECODE, "s", ds) == (home, Placement.HIT)
+    hold_slots(home, 90)
     other, how = aff.select(Role.DECODE, "s", ds)
     assert other is not home and how is Placement.SPILLED
+
+
+def test_a_prefill_session_spills_at_prefill_capacity() -> None:
+    ps = [
+        Instance(f"http://p{i}:8000", Role.PREFILL, "m", Breaker(3, 10.0, lambda: 0.0))
+        for i in range(2)
+    ]
+    load = dict.fromkeys(ps, 0)
+    cfg = SessionConfig(spill_at=0.5, prefill_capacity=8)
+    aff = Affinity(cfg, Clock(), load=load.__getitem__)  # P's load, as the engines report it
+    home, _ = aff.select(Role.PREFILL, "s", ps)
+    load[home] = 3  # 3 + 1 <= floor(0.5 x 8)
+    assert aff.select(Role.PREFILL, "s", ps) == (home, Placement.HIT)
+    load[home] = 4
+    assert aff.select(Role.PREFILL, "s", ps)[1] is Placement.SPILLED
 
 
 def test_table_is_lru_bounded_and_entries_expire() -> None:

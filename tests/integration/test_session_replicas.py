@@ -1,0 +1,220 @@
+"""Sessions stay put across router replicas (issue 41): three replicas of one config over four
+P and four D fake engines, each turn of a conversation sent to the next replica. At low load
+every conversation keeps its P and its D, however unevenly the hash spreads them; when the
+test holds a D near its slots, the sessions on it spill, every replica to the same D, and no
+session on another engine moves.
+
+Timing is the test's: D's answers are held with gates until every request of a batch is on its
+engine, and the replicas read the engines' reports when the test says."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from router.engines.affinity import _rank
+from tests.conftest import Cluster, _start_cluster, eventually
+from tests.fakes.fake_vllm import FakeEngine
+
+_CONVERSATIONS = 16
+_AT_ONCE = 4
+
+
+@pytest.fixture
+async def cluster44() -> AsyncIterator[Cluster]:
+    async for c in _start_cluster(4, 4):
+        yield c
+
+
+def _top(key: str, urls: list[str]) -> str:
+    """The URL first in ``key``'s rendezvous order."""
+    return max(urls, key=lambda u: _rank(key, u))
+
+
+def _tag(conv: str) -> str:
+    """What marks a conversation's requests in an engine's log (no tag contains another)."""
+    return f"<{conv}>"
+
+
+def _chat(conv: str, turn: int) -> dict[str, Any]:
+    history = [{"role": "user", "content": f"{_tag(conv)} opening question"}]
+    for t in range(turn):
+        history += [
+            {"role": "assistant", "content": f"answer {t}"},
+            {"role": "user", "content": f"follow-up {t}"},
+        ]
+    return {"model": "tiny", "messages": history, "max_tokens": 4}
+
+
+def _engines_of(engines: list[FakeEngine], conv: str) -> list[str]:
+    """The engine of each of ``conv``'s requests, in the order they arrived."""
+    return [e.name for e in engines for r in e.received if _tag(conv) in str(r.body)]
+
+
+def _one_engine_ids(cluster: Cluster) -> list[str]:
+    """Conversation ids that all rank the same P and the same D first: the worst spread."""
+    p0, d0 = cluster.prefill_urls[0], cluster.decode_urls[0]
+    found = [
+        f"c{i}"
+        for i in range(5000)
+        if _top(f"c{i}", cluster.prefill_urls) == p0 and _top(f"c{i}", cluster.decode_urls) == d0
+    ]
+    assert len(found) >= _CONVERSATIONS
+    return found[:_CONVERSATIONS]
+
+
+async def _replicas(cluster: Cluster, mode: str, replicas: int, **extra: Any) -> list[str]:
+    """Three routers over the same engines; ``replicas``: their ``admission.replicas``.
+    Engine loads are read only when the test calls :func:`_read_reports`."""
+    urls = []
+    for _ in range(3):
+        url, _ctx = await cluster.router(
+            mode,
+            admission={"replicas": replicas},
+            health={"interval": 60, "load_interval": 3600},
+            **extra,
+        )
+        urls.append(url)
+    return urls
+
+
+async def _read_reports(cluster: Cluster) -> None:
+    """Every replica reads every engine's reported load now (nothing with one replica)."""
+    for ctx in cluster.routers:
+        if ctx.engine_loads is not None:
+            await ctx.engine_loads.read_all(ctx.registry.instances())
+        if ctx.load is not None:
+            await ctx.load.read_all()
+
+
+async def _batch(
+    cluster: Cluster, client: httpx.AsyncClient, sends: list[tuple[str, str, int]]
+) -> None:
+    """Send every ``(router url, conversation, turn)`` at once; D answers none until all are
+    on their D and the replicas have read the engines' reports."""
+    gate = asyncio.Event()
+    for d in cluster.decode:
+        d.behaviour.gate = gate
+    tasks = [
+        asyncio.create_task(
+            client.post(
+                f"{url}/v1/chat/completions",
+                json=_chat(conv, turn),
+                headers={"x-session-id": conv},
+            )
+        )
+        for url, conv, turn in sends
+    ]
+    try:
+        await eventually(lambda: sum(d.active for d in cluster.decode) == len(sends))
+        await _read_reports(cluster)
+    finally:
+        gate.set()
+    assert [r.status_code for r in await asyncio.gather(*tasks)] == [200] * len(sends)
+
+
+@pytest.mark.parametrize("ids", ["plain", "one-engine"])
+@pytest.mark.parametrize("replicas", [1, 3], ids=["replicas1", "replicas3"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_at_low_load_every_conversation_keeps_its_p_and_d(
+    cluster44: Cluster, client: httpx.AsyncClient, mode: str, replicas: int, ids: str
+) -> None:
+    """16 conversations x 3 turns, 4 at a time (at most 4 streams on 4 x 16 slots), turn ``t``
+    of conversation ``i`` through replica ``(i + t) % 3``: none changes P or D."""
+    routers = await _replicas(cluster44, mode, replicas, decode_extra={"slots": 16})
+    convs = (
+        [f"conv{i:02d}" for i in range(_CONVERSATIONS)]
+        if ids == "plain"
+        else _one_engine_ids(cluster44)
+    )
+    for turn in range(3):
+        for start in range(0, _CONVERSATIONS, _AT_ONCE):
+            sends = [
+                (routers[(i + turn) % 3], convs[i], turn) for i in range(start, start + _AT_ONCE)
+            ]
+            await _batch(cluster44, client, sends)
+    moved = {
+        conv: (_engines_of(cluster44.prefill, conv), _engines_of(cluster44.decode, conv))
+        for conv in convs
+        if len(set(_engines_of(cluster44.prefill, conv))) != 1
+        or len(set(_engines_of(cluster44.decode, conv))) != 1
+    }
+    assert moved == {}
+
+
+async def _hold(
+    cluster: Cluster, client: httpx.AsyncClient, routers: list[str], sessions: list[str]
+) -> list[asyncio.Task[httpx.Response]]:
+    """One streamed request per session, through the replicas in turn, held by D's gate."""
+    before = sum(d.active for d in cluster.decode)
+    tasks = [
+        asyncio.create_task(
+            client.post(
+                f"{routers[i % len(routers)]}/v1/chat/completions",
+                json={**_chat(s, 0), "stream": True},
+                headers={"x-session-id": s},
+            )
+        )
+        for i, s in enumerate(sessions)
+    ]
+    await eventually(lambda: sum(d.active for d in cluster.decode) == before + len(sessions))
+    return tasks
+
+
+async def test_under_load_sessions_spill_only_from_the_engine_near_its_slots(
+    cluster44: Cluster, client: httpx.AsyncClient
+) -> None:
+    """D0 of 4 slots holds 3 streams (floor(0.9 x 4) = 3: no room): the conversations on D0
+    move, every replica sending them to their next D in rendezvous order, and no other
+    conversation changes P or D."""
+    routers = await _replicas(cluster44, "push", 3, decode_extra={"slots": 4})
+    d_urls = cluster44.decode_urls
+    convs = [f"conv{i:02d}" for i in range(12)]
+    for i, conv in enumerate(convs):  # turn 0, one at a time: each on its first-ranked D
+        r = await client.post(
+            f"{routers[i % 3]}/v1/chat/completions",
+            json=_chat(conv, 0),
+            headers={"x-session-id": conv},
+        )
+        assert r.status_code == 200
+    home = {c: f"d{d_urls.index(_top(c, d_urls))}" for c in convs}
+    assert {c: _engines_of(cluster44.decode, c) for c in convs} == {c: [home[c]] for c in convs}
+    on_d0 = [c for c in convs if home[c] == "d0"]
+    assert on_d0 and len(on_d0) < len(convs)  # the check below covers both kinds
+
+    d0 = cluster44.decode[0]
+    gate = asyncio.Event()
+    d0.behaviour.gate = gate
+    holders = [s for s in (f"h{i}" for i in range(500)) if _top(s, d_urls) == d_urls[0]][:3]
+    held = await _hold(cluster44, client, routers, holders)
+    try:
+        assert d0.active == 3
+        await _read_reports(cluster44)
+        # Turns 1 and 2, each through another replica than the last: D0 answers nothing
+        # while the gate holds, so a turn sent there would fail on its first-byte timeout.
+        for turn in (1, 2):
+            for i, conv in enumerate(convs):
+                r = await client.post(
+                    f"{routers[(i + turn) % 3]}/v1/chat/completions",
+                    json=_chat(conv, turn),
+                    headers={"x-session-id": conv},
+                )
+                assert r.status_code == 200, conv
+    finally:
+        gate.set()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*held)
+    for conv in convs:
+        prefill = _engines_of(cluster44.prefill, conv)
+        assert len(set(prefill)) == 1, conv  # P is not loaded: no P changes
+        if home[conv] != "d0":
+            assert _engines_of(cluster44.decode, conv) == [home[conv]] * 3, conv
+        else:
+            ranked = sorted(d_urls, key=lambda u: _rank(conv, u), reverse=True)
+            after = f"d{d_urls.index(ranked[1])}"
+            assert _engines_of(cluster44.decode, conv) == ["d0", after, after], conv
