@@ -36,6 +36,12 @@ def _top(key: str, urls: list[str]) -> str:
     return max(urls, key=lambda u: _rank(key, u))
 
 
+def _order(key: str, engines: list[FakeEngine], urls: list[str]) -> list[str]:
+    """The names of ``engines`` (at ``urls``) in ``key``'s rendezvous order."""
+    by_url = dict(zip(urls, engines, strict=True))
+    return [by_url[u].name for u in sorted(urls, key=lambda u: _rank(key, u), reverse=True)]
+
+
 def _tag(conv: str) -> str:
     """What marks a conversation's requests in an engine's log (no tag contains another)."""
     return f"<{conv}>"
@@ -148,10 +154,11 @@ async def test_at_low_load_every_conversation_keeps_its_p_and_d(
 
 
 async def _hold(
-    cluster: Cluster, client: httpx.AsyncClient, routers: list[str], sessions: list[str]
+    client: httpx.AsyncClient, routers: list[str], sessions: list[str], on: FakeEngine
 ) -> list[asyncio.Task[httpx.Response]]:
-    """One streamed request per session, through the replicas in turn, held by D's gate."""
-    before = sum(d.active for d in cluster.decode)
+    """One streamed request per session, through the replicas in turn, held by ``on``'s
+    gate (the sessions' first-ranked engine)."""
+    before = on.active
     tasks = [
         asyncio.create_task(
             client.post(
@@ -162,41 +169,59 @@ async def _hold(
         )
         for i, s in enumerate(sessions)
     ]
-    await eventually(lambda: sum(d.active for d in cluster.decode) == before + len(sessions))
+    await eventually(lambda: on.active == before + len(sessions))
     return tasks
 
 
-async def test_under_load_sessions_spill_only_from_the_engine_near_its_slots(
-    cluster44: Cluster, client: httpx.AsyncClient
+# Held role: the mode (pull: P's leg ends before D's starts, so a held P holds no D), the
+# config that makes 3 requests the engine's limit (floor(0.9 x 4) = 3), the other role's
+# room left ample.
+_UNDER_LOAD = {
+    "decode": ("push", {"decode_extra": {"slots": 4}}),
+    "prefill": (
+        "pull",
+        {"decode_extra": {"slots": 16}, "model": {"sessions": {"prefill_capacity": 4}}},
+    ),
+}
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+async def test_under_load_sessions_spill_only_from_the_engine_near_its_capacity(
+    cluster44: Cluster, client: httpx.AsyncClient, role: str
 ) -> None:
-    """D0 of 4 slots holds 3 streams (floor(0.9 x 4) = 3: no room): the conversations on D0
-    move, every replica sending them to their next D in rendezvous order, and no other
-    conversation changes P or D."""
-    routers = await _replicas(cluster44, "push", 3, decode_extra={"slots": 4})
-    d_urls = cluster44.decode_urls
+    """Engine 0 of ``role`` holds 3 requests, its limit: the conversations on it move, every
+    replica sending them to their next engine in rendezvous order, and no other conversation
+    changes P or D."""
+    mode, extra = _UNDER_LOAD[role]
+    routers = await _replicas(cluster44, mode, 3, **extra)
+    held_role, other = (
+        (cluster44.decode, cluster44.prefill)
+        if role == "decode"
+        else (cluster44.prefill, cluster44.decode)
+    )
+    urls = cluster44.decode_urls if role == "decode" else cluster44.prefill_urls
     convs = [f"conv{i:02d}" for i in range(12)]
-    for i, conv in enumerate(convs):  # turn 0, one at a time: each on its first-ranked D
+    for i, conv in enumerate(convs):  # turn 0, one at a time: each on its first-ranked engines
         r = await client.post(
             f"{routers[i % 3]}/v1/chat/completions",
             json=_chat(conv, 0),
             headers={"x-session-id": conv},
         )
         assert r.status_code == 200
-    home = {c: f"d{d_urls.index(_top(c, d_urls))}" for c in convs}
-    assert {c: _engines_of(cluster44.decode, c) for c in convs} == {c: [home[c]] for c in convs}
-    on_d0 = [c for c in convs if home[c] == "d0"]
-    assert on_d0 and len(on_d0) < len(convs)  # the check below covers both kinds
+    ranked = {c: _order(c, held_role, urls) for c in convs}
+    assert {c: _engines_of(held_role, c) for c in convs} == {c: ranked[c][:1] for c in convs}
+    first = held_role[0]
+    on_first = [c for c in convs if ranked[c][0] == first.name]
+    assert on_first and len(on_first) < len(convs)  # the check below covers both kinds
 
-    d0 = cluster44.decode[0]
     gate = asyncio.Event()
-    d0.behaviour.gate = gate
-    holders = [s for s in (f"h{i}" for i in range(500)) if _top(s, d_urls) == d_urls[0]][:3]
-    held = await _hold(cluster44, client, routers, holders)
+    first.behaviour.gate = gate
+    holders = [s for s in (f"h{i}" for i in range(500)) if _top(s, urls) == urls[0]][:3]
+    held = await _hold(client, routers, holders, first)
     try:
-        assert d0.active == 3
         await _read_reports(cluster44)
-        # Turns 1 and 2, each through another replica than the last: D0 answers nothing
-        # while the gate holds, so a turn sent there would fail on its first-byte timeout.
+        # Turns 1 and 2, each through another replica than the last: the held engine answers
+        # nothing while the gate holds, so a turn sent there would fail on its timeout.
         for turn in (1, 2):
             for i, conv in enumerate(convs):
                 r = await client.post(
@@ -210,11 +235,7 @@ async def test_under_load_sessions_spill_only_from_the_engine_near_its_slots(
         with contextlib.suppress(Exception):
             await asyncio.gather(*held)
     for conv in convs:
-        prefill = _engines_of(cluster44.prefill, conv)
-        assert len(set(prefill)) == 1, conv  # P is not loaded: no P changes
-        if home[conv] != "d0":
-            assert _engines_of(cluster44.decode, conv) == [home[conv]] * 3, conv
-        else:
-            ranked = sorted(d_urls, key=lambda u: _rank(conv, u), reverse=True)
-            after = f"d{d_urls.index(ranked[1])}"
-            assert _engines_of(cluster44.decode, conv) == ["d0", after, after], conv
+        assert len(set(_engines_of(other, conv))) == 1, conv  # not loaded: nobody moves
+        home, after = ranked[conv][:2]
+        expected = [home] * 3 if home != first.name else [home, after, after]
+        assert _engines_of(held_role, conv) == expected, conv
