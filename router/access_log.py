@@ -33,6 +33,7 @@ class AccessRecord:
     prefill: str = "-"
     decode: str = "-"
     ttft_ms: float | None = None
+    priority_class: str = "-"
 
 
 class AccessLog:

@@ -141,6 +141,8 @@ class ClientRequest:
     max_output: int | None = None
     max_output_field: str = "max_tokens"
     client_key: str = "anonymous"  # the API key's name: limits, fair queueing, metrics
+    priority_class: str = ""  # the priority class's name, "" without one (router/priority.py)
+    priority_level: int = 0  # the class's place in the admission queue: 0 most urgent
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:

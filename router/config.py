@@ -346,6 +346,9 @@ class ModelConfig(_Strict):
     # mode's handshake succeed (router/engines/pairing.py); "any": every pair (engines run
     # with enforce_handshake_compat false).
     pairing: Literal["checked", "any"] = "checked"
+    # The engines run with ``--scheduling-policy priority``: the legs carry the request's
+    # priority. False: a non-zero priority is never sent (vLLM refuses it without it).
+    engine_priority_scheduling: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -452,8 +455,15 @@ class TimeoutConfig(_Strict):
     total: PositiveFloat = 1800.0
 
 
+class PriorityClass(_Strict):
+    """One priority class: vLLM's ``priority`` value for it (lower is more urgent)."""
+
+    priority: int = Field(ge=-(2**31), lt=2**31)
+
+
 class AdmissionConfig(_Strict):
-    """Bounded FIFO queue for requests that find no free decode slot."""
+    """Bounded queue for requests that find no free decode slot: by priority class, then
+    fair between API keys (router/engines/fair_queue.py, router/priority.py)."""
 
     queue_size: int = Field(default=1024, ge=0)
     max_wait: PositiveFloat = 30.0
@@ -462,6 +472,24 @@ class AdmissionConfig(_Strict):
     # every decode engine's own load (see router/engines/load.py) and takes only its
     # fair part of the capacity the engine reports free.
     replicas: int = Field(default=1, ge=1)
+    # Named classes; a request picks one by the x-priority header (a name) or the body's
+    # vLLM ``priority`` (a configured value). Empty: one class, priority passed as given.
+    priority_classes: dict[str, PriorityClass] = Field(default_factory=dict)
+    # The class of a request that names none; None: vLLM's default, priority 0.
+    default_priority_class: str | None = None
+    # Seconds of waiting that raise a queued request's class by one level (no starvation).
+    priority_aging: PositiveFloat = 10.0
+
+    @model_validator(mode="after")
+    def _default_class_known(self) -> AdmissionConfig:
+        name = self.default_priority_class
+        if name is not None and name not in self.priority_classes:
+            known = ", ".join(sorted(self.priority_classes)) or "none configured"
+            raise ValueError(f"default_priority_class {name!r} is not a priority class ({known})")
+        values = [c.priority for c in self.priority_classes.values()]
+        if len(values) != len(set(values)):
+            raise ValueError("two priority classes have the same priority value")
+        return self
 
 
 class RetryConfig(_Strict):

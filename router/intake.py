@@ -38,6 +38,7 @@ from router.errors import (
 )
 from router.multi_prompt import MultiPromptResponse
 from router.orca import requested_format
+from router.priority import with_priority
 from router.registry import ModelPool
 from router.relay import LoadReport, RelayResponse, Scope
 
@@ -175,6 +176,9 @@ async def handle(
             creq = parse_client_request(raw, endpoint, key)
         pool = pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
+        creq = with_priority(
+            creq, request.headers.raw, ctx.config.admission, pool.config.engine_priority_scheduling
+        )
         # Before any slot or generate call; a batch's conversations each on its own.
         parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
         if not parts:

@@ -539,6 +539,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.class_queue_wait = _Histogram(
+            "pdrouter_priority_queue_wait_seconds",
+            "Time a dispatch waited for a decode slot, by model and priority class (- none)",
+            ["model", "priority_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.bounds_refused = _Counter(
             "pdrouter_bounds_refusals",
             "Requests refused before any work, by bound (prompts, n, max_tokens, context)",

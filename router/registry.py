@@ -309,7 +309,10 @@ class Registry:
             pool.check_pairs()
         admission = self._config.admission
         pool.ledger.set_limits(
-            admission.queue_size, admission.max_wait, self._config.health.interval
+            admission.queue_size,
+            admission.max_wait,
+            self._config.health.interval,
+            admission.priority_aging,
         )
 
     def _new_pool(self, cfg: ModelConfig) -> ModelPool:
@@ -325,6 +328,7 @@ class Registry:
             probe_interval=self._config.health.interval,
             clock=self._clock,
             affinity=affinity,
+            aging=admission.priority_aging,
         )
         policy = make_policy(cfg.policy.prefill)
         return ModelPool(

@@ -227,6 +227,7 @@ class RelayResponse(Response):
             duration_ms=(self._clock() - self._t0) * 1000,
             client_id=self._client_id,
             ttft_ms=None if self._ttft is None else self._ttft * 1000,
+            priority_class=self._creq.priority_class or "-",
         )
         d = self._dispatch
         if d is not None:

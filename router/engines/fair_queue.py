@@ -1,23 +1,30 @@
-"""The admission queue shared fairly between API keys.
+"""The admission queue: priority classes first, shared fairly between API keys within one.
 
-Waiters queue per key, FIFO within a key. When a slot frees, it goes to the key that holds
-the fewest slots at that moment, and among keys that hold as many, to the one served least
-recently (max-min fairness over the slots, round robin between equals): the ledger ranks
-the keys (:meth:`SlotLedger.rank <router.engines.ledger.SlotLedger.rank>`). A key that
-floods the router thus only ever waits behind itself: another key's request is served at
-the next free slot, as it would be were it alone; keys that all keep requests waiting end
-up holding equal shares.
+Each waiter has a class *level* (0 most urgent; :mod:`router.priority` maps a request's
+class to it). Waiters queue per (level, key), FIFO within one. When a slot frees, it goes
+to the queue whose head has the lowest *effective* level; among equals, to the key that
+holds the fewest slots at that moment, and among keys that hold as many, to the one
+served least recently (max-min fairness over the slots, round robin between equals): the
+ledger ranks the keys (:meth:`SlotLedger.rank <router.engines.ledger.SlotLedger.rank>`).
+A key that floods the router thus only ever waits behind itself and more urgent classes.
 
-When the queue is full, the key with the most waiters gives up its newest one for a key
-with fewer (longest queue drop, :meth:`FairQueue.overflow`), so a flood cannot crowd the
-others out of the queue either.
+Aging (why: a lower class must not starve under a steady stream of urgent requests): a
+waiter's effective level drops by one for every ``aging`` seconds it has waited, down to
+0. A waiter of level L therefore competes as the most urgent class after at most
+``L * aging`` seconds, and from then on is served by key fairness and arrival order.
+
+When the queue is full, the key with the most waiters gives up its newest one of its
+least urgent level for a key with fewer (longest queue drop, :meth:`FairQueue.overflow`),
+so a flood cannot crowd the others out of the queue either.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 __all__ = ["FairQueue"]
@@ -25,12 +32,32 @@ __all__ = ["FairQueue"]
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class _Entry(Generic[T]):
+    arrival: int  # global order of pushes: ties between equal heads
+    since: float  # when it was queued (the clock's time): its age, for aging
+    item: T
+
+
+_Lane = tuple[int, str]  # (class level, API key name)
+
+
 class FairQueue(Generic[T]):
-    def __init__(self, rank: Callable[[str], tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        rank: Callable[[str], tuple[int, int]],
+        clock: Callable[[], float] | None = None,
+        aging: float = math.inf,
+    ) -> None:
         """``rank(key)``: lower goes first, read at each choice (the ledger's: slots held,
-        then when last served); keys of equal rank in the order their heads arrived."""
+        then when last served); keys of equal rank in the order their heads arrived.
+        ``clock``: the time aging is read from (needed only with a finite ``aging``);
+        ``aging``: seconds of waiting that raise a waiter's class by one level."""
         self._rank = rank
-        self._queues: dict[str, deque[tuple[int, T]]] = {}
+        self._clock = clock
+        self._aging = aging
+        self._lanes: dict[_Lane, deque[_Entry[T]]] = {}
+        self._per_key: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._size = 0
 
@@ -38,67 +65,90 @@ class FairQueue(Generic[T]):
         return self._size
 
     def __iter__(self) -> Iterator[T]:
-        for queue in self._queues.values():
-            for _, item in queue:
-                yield item
+        for lane in self._lanes.values():
+            for entry in lane:
+                yield entry.item
+
+    def set_aging(self, aging: float) -> None:
+        self._aging = aging
 
     def waiting(self, key: str) -> int:
-        queue = self._queues.get(key)
-        return len(queue) if queue is not None else 0
+        return self._per_key.get(key, 0)
 
-    def push(self, key: str, item: T) -> None:
-        self._queues.setdefault(key, deque()).append((next(self._arrivals), item))
+    def push(self, key: str, item: T, level: int = 0) -> None:
+        since = self._clock() if self._clock is not None else 0.0
+        entry = _Entry(next(self._arrivals), since, item)
+        self._lanes.setdefault((level, key), deque()).append(entry)
+        self._per_key[key] = self._per_key.get(key, 0) + 1
         self._size += 1
 
     def peek(self) -> T | None:
         """The waiter whose turn it is, or None."""
-        key = self._next_key()
-        return None if key is None else self._queues[key][0][1]
+        lane = self._next_lane()
+        return None if lane is None else self._lanes[lane][0].item
 
     def pop(self) -> T:
         """Remove the waiter whose turn it is now (after anything that changes the slots
         held, take the one :meth:`peek` gave with :meth:`remove`)."""
-        key = self._next_key()
-        if key is None:
+        lane = self._next_lane()
+        if lane is None:
             raise IndexError("pop from an empty FairQueue")
-        queue = self._queues[key]
-        _, item = queue.popleft()
-        self._size -= 1
-        if not queue:
-            del self._queues[key]
-        return item
+        return self._take(lane, self._lanes[lane][0])
 
-    def remove(self, key: str, item: T) -> bool:
-        """Take ``item`` out wherever it is (a waiter gone); False if it was not queued."""
-        queue = self._queues.get(key)
-        if queue is None:
-            return False
-        for entry in queue:
-            if entry[1] == item:
-                queue.remove(entry)
-                self._size -= 1
-                if not queue:
-                    del self._queues[key]
+    def remove(self, key: str, item: T, level: int = 0) -> bool:
+        """Take ``item`` (pushed with ``key`` and ``level``) out wherever it is (a waiter
+        gone); False if it was not queued."""
+        lane = (level, key)
+        for entry in self._lanes.get(lane, ()):
+            if entry.item == item:
+                self._take(lane, entry)
                 return True
         return False
 
     def overflow(self, key: str) -> T | None:
-        """The queue is full and ``key`` wants a place: the newest waiter of the key with
-        the most waiters, taken out, if that key has more than ``key`` would have after
-        joining (else None: ``key`` itself is the one over its share)."""
-        if not self._queues:
+        """The queue is full and ``key`` wants a place: the newest waiter of the least
+        urgent level of the key with the most waiters, taken out, if that key has more
+        than ``key`` would have after joining (else None: ``key`` itself is the one over
+        its share)."""
+        if not self._per_key:
             return None
-        longest = max(self._queues, key=lambda k: len(self._queues[k]))
-        if longest == key or len(self._queues[longest]) <= self.waiting(key) + 1:
+        longest = max(self._per_key, key=self._per_key.__getitem__)
+        if longest == key or self._per_key[longest] <= self.waiting(key) + 1:
             return None
-        queue = self._queues[longest]
-        _, item = queue.pop()
-        self._size -= 1
-        if not queue:
-            del self._queues[longest]
-        return item
+        lane = max(lane for lane in self._lanes if lane[1] == longest)
+        return self._take(lane, self._lanes[lane][-1])
 
-    def _next_key(self) -> str | None:
-        if not self._queues:
+    def _take(self, lane: _Lane, entry: _Entry[T]) -> T:
+        queue = self._lanes[lane]
+        queue.remove(entry)
+        if not queue:
+            del self._lanes[lane]
+        key = lane[1]
+        left = self._per_key[key] - 1
+        if left:
+            self._per_key[key] = left
+        else:
+            del self._per_key[key]
+        self._size -= 1
+        return entry.item
+
+    def _effective(self, lane: _Lane, now: float) -> int:
+        """The lane's level, less one per ``aging`` seconds its head has waited."""
+        level = lane[0]
+        if level == 0 or math.isinf(self._aging):
+            return level
+        waited = now - self._lanes[lane][0].since
+        return max(0, level - int(waited // self._aging))
+
+    def _next_lane(self) -> _Lane | None:
+        if not self._lanes:
             return None
-        return min(self._queues, key=lambda k: (self._rank(k), self._queues[k][0][0]))
+        now = self._clock() if self._clock is not None else 0.0
+        return min(
+            self._lanes,
+            key=lambda ln: (
+                self._effective(ln, now),
+                self._rank(ln[1]),
+                self._lanes[ln][0].arrival,
+            ),
+        )

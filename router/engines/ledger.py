@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class _Waiter:
     session: str | None = field(default=None)
     tenant: str = field(default="")  # the API key's name: whose turn in the fair queue
     choose: Chooser | None = field(default=None)  # the request's own choice (engines/choice.py)
+    level: int = field(default=0)  # the priority class's level: 0 most urgent (router/priority.py)
 
 
 class SlotLedger:
@@ -80,10 +82,12 @@ class SlotLedger:
         probe_interval: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         affinity: Affinity | None = None,
+        aging: float = math.inf,
     ) -> None:
         """``probe_interval``: the health-check interval, the Retry-After of a refusal
         while every decode instance is out for health. ``affinity``: the model's session
-        table, which places requests that carry a session key (else ``policy``)."""
+        table, which places requests that carry a session key (else ``policy``).
+        ``aging``: seconds of waiting that raise a waiter's class by one level."""
         self.model = model
         self._affinity = affinity
         self._shared = shared
@@ -98,7 +102,7 @@ class SlotLedger:
         self._held: dict[str, int] = {}  # slots held per API key name
         self._granted: dict[str, int] = {}  # per API key name: when it last got a slot
         self._grants = itertools.count()
-        self._waiters: FairQueue[_Waiter] = FairQueue(self.rank)
+        self._waiters: FairQueue[_Waiter] = FairQueue(self.rank, clock, aging)
         self._poking = False
         self._again = False
         self.set_instances(instances)
@@ -137,10 +141,13 @@ class SlotLedger:
     def set_policy(self, policy: Policy) -> None:
         self._policy = policy
 
-    def set_limits(self, queue_size: int, max_wait: float, probe_interval: float) -> None:
+    def set_limits(
+        self, queue_size: int, max_wait: float, probe_interval: float, aging: float = math.inf
+    ) -> None:
         self._queue_size = queue_size
         self._max_wait = max_wait
         self._probe_interval = probe_interval
+        self._waiters.set_aging(aging)
 
     async def reserve(
         self,
@@ -149,11 +156,13 @@ class SlotLedger:
         session: str | None = None,
         tenant: str = "",
         choose: Chooser | None = None,
+        level: int = 0,
     ) -> Reservation:
         """A slot on a routable decode instance, preferring ones not in ``avoid``: the one
         ``choose`` picks among those with a free slot, if it picks one; else with a
         ``session`` key the one its affinity picks, else the policy's.
-        ``tenant`` (the API key's name) is the request's place in the fair queue.
+        ``tenant`` (the API key's name) and ``level`` (its priority class's level, 0 most
+        urgent) are the request's place in the queue (:mod:`router.engines.fair_queue`).
 
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
         :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
@@ -169,8 +178,8 @@ class SlotLedger:
         if len(self._waiters) >= self._queue_size:
             self._make_room(tenant)
         fut = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(fut, avoid, key, session, tenant, choose)
-        self._waiters.push(tenant, waiter)
+        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level)
+        self._waiters.push(tenant, waiter, level)
         self._schedule_poll()
         self._arm_reopen()
         try:
@@ -186,7 +195,7 @@ class SlotLedger:
             self._reclaim(waiter)
             raise
         finally:
-            self._waiters.remove(tenant, waiter)
+            self._waiters.remove(tenant, waiter, level)
 
     def _make_room(self, tenant: str) -> None:
         """The queue is full: the key holding the most of it gives up its newest waiter
@@ -250,7 +259,7 @@ class SlotLedger:
     def _serve(self) -> None:
         while (head := self._waiters.peek()) is not None:
             if head.fut.done():
-                self._waiters.remove(head.tenant, head)
+                self._waiters.remove(head.tenant, head, head.level)
                 continue
             usable = candidates(self._instances)
             if not usable:
@@ -260,7 +269,7 @@ class SlotLedger:
             if got is None:
                 return
             # By identity: taking the slot changed what the queue would pick next.
-            self._waiters.remove(head.tenant, head)
+            self._waiters.remove(head.tenant, head, head.level)
             head.fut.set_result(got)
 
     def _refuse_all(self) -> None:

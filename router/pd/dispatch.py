@@ -237,9 +237,11 @@ class Dispatcher:
         waited_from = self._clock()
         with self._tracing.span("slot_wait"):
             reservation = await pool.ledger.reserve(
-                route.key, avoid, route.session, creq.client_key, route.cache
+                route.key, avoid, route.session, creq.client_key, route.cache, creq.priority_level
             )
-        self._metrics.key_queue_wait.labels(creq.client_key).observe(self._clock() - waited_from)
+        waited = self._clock() - waited_from
+        self._metrics.key_queue_wait.labels(creq.client_key).observe(waited)
+        self._metrics.class_queue_wait.labels(pool.name, creq.priority_class or "-").observe(waited)
         self._count_placement(pool, Role.DECODE, reservation.placement)
         self._count_choice(pool, Role.DECODE, route.cache)
         return reservation

@@ -1,0 +1,102 @@
+"""A request's priority class, and the ``priority`` its engine legs carry.
+
+The class comes from, first to last: the ``x-priority`` header (a class name), the body's
+``priority`` (vLLM's integer: one of the configured classes' values), the configured
+default class. A name or value that is not a configured class is a 400 naming it. With no
+classes configured every request is in one class and the body's ``priority`` is taken as
+given.
+
+The class's *level* (0 most urgent) is its value's rank among the configured values and
+vLLM's default 0 (what a request without a class runs as): the admission queue serves
+lower levels first (:mod:`router.engines.fair_queue`).
+
+What the engines see: with ``engine_priority_scheduling`` the legs carry the class's value
+as ``priority`` (vLLM then schedules by it); without it, ``priority`` is removed from the
+legs, since vLLM refuses a non-zero priority on an engine that does not schedule by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from router.client_request import ClientRequest
+from router.config import AdmissionConfig
+from router.errors import InvalidRequest
+
+__all__ = ["HEADER", "Priority", "resolve", "with_priority"]
+
+HEADER = b"x-priority"
+_DEFAULT = 0  # vLLM's priority for a request that gives none
+
+
+@dataclass(frozen=True, slots=True)
+class Priority:
+    name: str  # the class's name; "" without one
+    value: int  # vLLM's priority (lower first)
+    level: int  # the queue's order: 0 most urgent
+
+
+def _header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name == HEADER:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def _level(config: AdmissionConfig, value: int) -> int:
+    values = sorted({c.priority for c in config.priority_classes.values()} | {_DEFAULT})
+    return values.index(value)
+
+
+def _by_value(config: AdmissionConfig, given: Any) -> str:
+    # bool is an int in Python, not in vLLM's schema.
+    if not isinstance(given, int) or isinstance(given, bool):
+        raise InvalidRequest("priority must be an integer", param="priority")
+    for name, cls in config.priority_classes.items():
+        if cls.priority == given:
+            return name
+    known = ", ".join(f"{n}={c.priority}" for n, c in config.priority_classes.items())
+    raise InvalidRequest(
+        f"priority {given} is not a configured priority class ({known})", param="priority"
+    )
+
+
+def resolve(
+    config: AdmissionConfig, headers: Iterable[tuple[bytes, bytes]], body: dict[str, Any]
+) -> Priority:
+    """The request's class (module doc); raises :class:`InvalidRequest` for an unknown one."""
+    classes = config.priority_classes
+    if not classes:
+        return Priority("", _DEFAULT, 0)
+    name = _header(headers)
+    if name is not None and name not in classes:
+        raise InvalidRequest(
+            f"x-priority {name!r} is not a priority class ({', '.join(sorted(classes))})",
+            param="x-priority",
+        )
+    if name is None and "priority" in body:
+        name = _by_value(config, body["priority"])
+    if name is None:
+        name = config.default_priority_class
+    if name is None:
+        return Priority("", _DEFAULT, _level(config, _DEFAULT))
+    value = classes[name].priority
+    return Priority(name, value, _level(config, value))
+
+
+def with_priority(
+    creq: ClientRequest,
+    headers: Iterable[tuple[bytes, bytes]],
+    config: AdmissionConfig,
+    engine_priority: bool,
+) -> ClientRequest:
+    """``creq`` with its class, its body's ``priority`` what the engines must see."""
+    prio = resolve(config, headers, creq.body)
+    body = dict(creq.body)
+    if engine_priority and config.priority_classes:
+        body["priority"] = prio.value
+    elif not engine_priority:
+        body.pop("priority", None)
+    return replace(creq, body=body, priority_class=prio.name, priority_level=prio.level)

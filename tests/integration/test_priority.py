@@ -1,0 +1,96 @@
+"""Priority classes over real sockets. Timing is the test's: the fake D answers a request
+only when the test gives it a turn, so who is served first is decided here."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from tests.conftest import Cluster, eventually, metric
+
+ADMISSION = {
+    "priority_classes": {"interactive": {"priority": -5}, "batch": {"priority": 5}},
+    "default_priority_class": "batch",
+}
+
+
+def _body(tag: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": tag, "max_tokens": 2, **extra}
+
+
+async def _router(cluster: Cluster, engine_priority: bool = False) -> tuple[str, Any]:
+    cluster.decode[0].behaviour.turns = asyncio.Semaphore(0)
+    return await cluster.router(
+        "aggregated",
+        admission=ADMISSION,
+        decode_extra={"slots": 1},
+        model={"engine_priority_scheduling": engine_priority},
+    )
+
+
+def _give_turns(cluster: Cluster, n: int) -> None:
+    turns = cluster.decode[0].behaviour.turns
+    assert turns is not None
+    for _ in range(n):
+        turns.release()
+
+
+async def test_the_urgent_class_is_served_first_at_the_next_free_slot(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The one slot held: a batch request queues, then an interactive one; when the slot
+    frees, the interactive one is served before the batch one that arrived first. The
+    engine does not schedule by priority, so no leg carries one."""
+    url, ctx = await _router(cluster)
+    pool = ctx.registry.get("tiny")
+    post = client.post
+    first = asyncio.create_task(post(url + "/v1/completions", json=_body("first")))
+    await eventually(lambda: cluster.decode[0].active == 1)
+    low = asyncio.create_task(post(url + "/v1/completions", json=_body("low", priority=5)))
+    await eventually(lambda: pool.ledger.queue_depth == 1)
+    high = asyncio.create_task(
+        post(url + "/v1/completions", json=_body("high"), headers={"x-priority": "interactive"})
+    )
+    await eventually(lambda: pool.ledger.queue_depth == 2)
+    _give_turns(cluster, 3)
+    answers = await asyncio.gather(first, low, high)
+    assert [r.status_code for r in answers] == [200, 200, 200]
+    served = [r.body["prompt"] for r in cluster.decode[0].received]
+    assert served == ["first", "high", "low"]
+    assert all("priority" not in r.body for r in cluster.decode[0].received)
+    waits = metric(ctx, "pdrouter_priority_queue_wait_seconds_count", priority_class="batch")
+    assert (
+        waits == 2
+        and metric(ctx, "pdrouter_priority_queue_wait_seconds_count", priority_class="interactive")
+        == 1
+    )
+
+
+async def test_engines_with_priority_scheduling_get_the_class_value(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await _router(cluster, engine_priority=True)
+    _give_turns(cluster, 2)
+    hi = await client.post(
+        url + "/v1/completions", json=_body("a"), headers={"x-priority": "interactive"}
+    )
+    lo = await client.post(url + "/v1/completions", json=_body("b"))
+    assert (hi.status_code, lo.status_code) == (200, 200)
+    assert [r.body["priority"] for r in cluster.decode[0].received] == [-5, 5]
+
+
+async def test_an_unknown_class_is_refused_before_any_engine(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await _router(cluster)
+    bad_header = await client.post(
+        url + "/v1/completions", json=_body("a"), headers={"x-priority": "urgent"}
+    )
+    bad_value = await client.post(url + "/v1/completions", json=_body("b", priority=1))
+    for r, param in ((bad_header, "x-priority"), (bad_value, "priority")):
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["param"] == param and error["type"] == "BadRequestError"
+    assert cluster.decode[0].received == []

@@ -1,0 +1,144 @@
+"""Priority classes: the queue's order between classes (aging on a hand-moved clock),
+a request's class from its header, body or the default, and the config's checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from router.client_request import ClientRequest, Endpoint, parse_client_request
+from router.config import AdmissionConfig, ConfigError, parse_config
+from router.engines.fair_queue import FairQueue
+from router.errors import InvalidRequest
+from router.priority import Priority, resolve, with_priority
+from tests.fakes.clock import Clock
+
+CLASSES = AdmissionConfig.model_validate(
+    {
+        "priority_classes": {"interactive": {"priority": -10}, "batch": {"priority": 10}},
+        "default_priority_class": "batch",
+    }
+)
+
+
+# -- the queue ----------------------------------------------------------------------------
+
+
+def test_a_more_urgent_class_goes_first_and_keys_share_within_a_class() -> None:
+    held = {"a": 3, "b": 0}
+    q: FairQueue[str] = FairQueue(lambda k: (held.get(k, 0), 0), Clock())
+    q.push("b", "b-low", level=2)
+    q.push("a", "a-high-0", level=0)
+    q.push("b", "b-high-0", level=0)
+    q.push("a", "a-high-1", level=0)
+    # Within level 0 the key holding fewer slots first; level 2 only when 0 is empty.
+    assert q.pop() == "b-high-0"
+    held["b"] = 3
+    assert [q.pop(), q.pop(), q.pop()] == ["a-high-0", "a-high-1", "b-low"]
+
+
+def test_aging_raises_a_waiting_class_one_level_per_period() -> None:
+    clock = Clock()
+    q: FairQueue[str] = FairQueue(lambda k: (0, 0), clock, aging=10.0)
+    q.push("k", "low", level=2)
+    clock.advance(10.0)  # low is now level 1
+    q.push("k", "mid", level=1)
+    q.push("k", "high", level=0)
+    assert q.peek() == "high"
+    clock.advance(9.9)  # low waited 19.9 s: still level 1, arrived before mid
+    assert q.remove("k", "high", level=0)
+    assert q.peek() == "low"
+    q.push("k", "high2", level=0)
+    assert q.peek() == "high2"
+    clock.advance(0.1)  # low waited 20 s and mid 10 s: both level 0, before high2
+    assert [q.pop(), q.pop(), q.pop()] == ["low", "mid", "high2"]
+
+
+def test_overflow_drops_the_longest_keys_least_urgent_newest() -> None:
+    q: FairQueue[str] = FairQueue(lambda k: (0, 0), Clock())
+    q.push("flood", "f-low-0", level=1)
+    q.push("flood", "f-high", level=0)
+    q.push("flood", "f-low-1", level=1)
+    assert q.overflow("quiet") == "f-low-1"
+    assert q.waiting("flood") == 2 and len(q) == 2
+
+
+# -- a request's class --------------------------------------------------------------------
+
+
+def _headers(value: str | None) -> list[tuple[bytes, bytes]]:
+    return [] if value is None else [(b"x-priority", value.encode())]
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "expected"),
+    [
+        ("interactive", {}, Priority("interactive", -10, 0)),
+        (None, {"priority": -10}, Priority("interactive", -10, 0)),
+        (None, {}, Priority("batch", 10, 2)),  # the default class
+        ("batch", {"priority": -10}, Priority("batch", 10, 2)),  # the header wins
+    ],
+)
+def test_the_class_from_header_body_or_default(
+    header: str | None, body: dict[str, Any], expected: Priority
+) -> None:
+    assert resolve(CLASSES, _headers(header), body) == expected
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "param"),
+    [("urgent", {}, "x-priority"), (None, {"priority": 3}, "priority")],
+)
+def test_an_unknown_class_is_a_400_naming_it(
+    header: str | None, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        resolve(CLASSES, _headers(header), body)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_a_non_integer_priority_is_a_400() -> None:
+    with pytest.raises(InvalidRequest, match="integer"):
+        resolve(CLASSES, [], {"priority": True})
+
+
+def test_without_classes_every_request_is_one_class() -> None:
+    assert resolve(AdmissionConfig(), _headers("anything"), {"priority": 5}) == Priority("", 0, 0)
+
+
+def _creq(body: dict[str, Any]) -> ClientRequest:
+    return parse_client_request(
+        orjson.dumps({"model": "m", "prompt": "x", **body}), Endpoint.COMPLETIONS, "k"
+    )
+
+
+def test_the_legs_carry_priority_only_to_engines_that_schedule_by_it() -> None:
+    creq = _creq({"priority": -10})
+    on = with_priority(creq, [], CLASSES, engine_priority=True)
+    assert on.body["priority"] == -10 and on.priority_class == "interactive"
+    default = with_priority(_creq({}), [], CLASSES, engine_priority=True)
+    assert default.body["priority"] == 10
+    off = with_priority(creq, [], CLASSES, engine_priority=False)
+    assert "priority" not in off.body and off.priority_level == 0
+    bare = with_priority(_creq({"priority": 7}), [], AdmissionConfig(), engine_priority=False)
+    assert "priority" not in bare.body
+    assert creq.body["priority"] == -10  # the client's body is never mutated
+
+
+# -- the config ---------------------------------------------------------------------------
+
+
+def _config(admission: dict[str, Any]) -> Any:
+    model = {"name": "m", "mode": "aggregated", "decode": [{"url": "http://d"}]}
+    return parse_config({"models": [model], "admission": admission})
+
+
+def test_the_config_refuses_an_unknown_default_and_duplicate_values() -> None:
+    with pytest.raises(ConfigError, match="not a priority class"):
+        _config({"priority_classes": {"a": {"priority": 1}}, "default_priority_class": "b"})
+    with pytest.raises(ConfigError, match="same priority value"):
+        _config({"priority_classes": {"a": {"priority": 1}, "b": {"priority": 1}}})
+    with pytest.raises(ConfigError):
+        _config({"priority_aging": 0})
