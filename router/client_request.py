@@ -143,6 +143,8 @@ class ClientRequest:
     client_key: str = "anonymous"  # the API key's name: limits, fair queueing, metrics
     priority_class: str = ""  # the priority class's name, "" without one (router/priority.py)
     priority_level: int = 0  # the class's place in the admission queue: 0 most urgent
+    ttft_deadline_ms: float | None = None  # the request's TTFT deadline (router/priority.py)
+    deadline_at: float | None = None  # when it passes, on the router's clock
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:

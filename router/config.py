@@ -459,6 +459,9 @@ class PriorityClass(_Strict):
     """One priority class: vLLM's ``priority`` value for it (lower is more urgent)."""
 
     priority: int = Field(ge=-(2**31), lt=2**31)
+    # The class's TTFT deadline: a request still waiting for a decode slot this long after it
+    # arrived is refused (503, deadline_exceeded); x-slo-ttft-ms overrides it. None: none.
+    ttft_deadline_ms: PositiveFloat | None = None
 
 
 class AdmissionConfig(_Strict):

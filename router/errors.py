@@ -47,6 +47,7 @@ import orjson
 __all__ = [
     "BodyTooLarge",
     "BoundExceeded",
+    "DeadlineExceeded",
     "FairShareExceeded",
     "Fault",
     "HttpError",
@@ -280,6 +281,21 @@ class NoCapacity(RouterError):
     def __init__(self, message: str, retry_after: float) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class DeadlineExceeded(NoCapacity):
+    """The request's TTFT deadline passed while it waited for a decode slot: refused before
+    any slot, prefill or decode is spent on it."""
+
+    code = "deadline_exceeded"
+
+    def __init__(self, model: str, deadline_ms: float, retry_after: float) -> None:
+        super().__init__(
+            f"the request's TTFT deadline of {deadline_ms:g} ms passed while it waited for "
+            f"a decode slot for model {model!r}",
+            retry_after,
+        )
+        self.deadline_ms = deadline_ms
 
 
 class NoHealthyEngine(NoCapacity):

@@ -177,7 +177,11 @@ async def handle(
         pool = pool_for(ctx, creq.model)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
         creq = with_priority(
-            creq, request.headers.raw, ctx.config.admission, pool.config.engine_priority_scheduling
+            creq,
+            request.headers.raw,
+            ctx.config.admission,
+            pool.config.engine_priority_scheduling,
+            started,
         )
         # Before any slot or generate call; a batch's conversations each on its own.
         parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []

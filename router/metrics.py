@@ -546,6 +546,13 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.deadline_misses = _Counter(
+            "pdrouter_deadline_misses",
+            "Requests refused because their TTFT deadline passed while they waited for a "
+            "decode slot, by model and priority class (- none)",
+            ["model", "priority_class"],
+            registry=r,
+        )
         self.bounds_refused = _Counter(
             "pdrouter_bounds_refusals",
             "Requests refused before any work, by bound (prompts, n, max_tokens, context)",

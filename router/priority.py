@@ -13,10 +13,16 @@ lower levels first (:mod:`router.engines.fair_queue`).
 What the engines see: with ``engine_priority_scheduling`` the legs carry the class's value
 as ``priority`` (vLLM then schedules by it); without it, ``priority`` is removed from the
 legs, since vLLM refuses a non-zero priority on an engine that does not schedule by it.
+
+A request's TTFT deadline: the ``x-slo-ttft-ms`` header (a positive number of milliseconds,
+else a 400), else its class's ``ttft_deadline_ms``, else none. It runs from the request's
+arrival; the decode-slot queue refuses a request still waiting when it passes
+(:class:`router.errors.DeadlineExceeded`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,9 +31,10 @@ from router.client_request import ClientRequest
 from router.config import AdmissionConfig
 from router.errors import InvalidRequest
 
-__all__ = ["HEADER", "Priority", "resolve", "with_priority"]
+__all__ = ["DEADLINE_HEADER", "HEADER", "Priority", "deadline_ms", "resolve", "with_priority"]
 
 HEADER = b"x-priority"
+DEADLINE_HEADER = b"x-slo-ttft-ms"
 _DEFAULT = 0  # vLLM's priority for a request that gives none
 
 
@@ -38,9 +45,9 @@ class Priority:
     level: int  # the queue's order: 0 most urgent
 
 
-def _header(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+def _header(headers: Iterable[tuple[bytes, bytes]], wanted: bytes = HEADER) -> str | None:
     for name, value in headers:
-        if name == HEADER:
+        if name == wanted:
             return value.decode("latin-1").strip()
     return None
 
@@ -86,17 +93,48 @@ def resolve(
     return Priority(name, value, _level(config, value))
 
 
+def deadline_ms(
+    config: AdmissionConfig, headers: Iterable[tuple[bytes, bytes]], prio: Priority
+) -> float | None:
+    """The request's TTFT deadline in ms (module doc); a 400 for a malformed header."""
+    given = _header(headers, DEADLINE_HEADER)
+    if given is None:
+        cls = config.priority_classes.get(prio.name)
+        return None if cls is None else cls.ttft_deadline_ms
+    try:
+        value = float(given)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(
+            f"x-slo-ttft-ms must be a positive number of milliseconds, got {given!r}",
+            param="x-slo-ttft-ms",
+        )
+    return value
+
+
 def with_priority(
     creq: ClientRequest,
     headers: Iterable[tuple[bytes, bytes]],
     config: AdmissionConfig,
     engine_priority: bool,
+    now: float = 0.0,
 ) -> ClientRequest:
-    """``creq`` with its class, its body's ``priority`` what the engines must see."""
+    """``creq`` with its class and deadline (``now``: its arrival on the router's clock),
+    its body's ``priority`` what the engines must see."""
     prio = resolve(config, headers, creq.body)
+    deadline = deadline_ms(config, headers, prio)
+    deadline_at = None if deadline is None else now + deadline / 1000
     body = dict(creq.body)
     if engine_priority and config.priority_classes:
         body["priority"] = prio.value
     elif not engine_priority:
         body.pop("priority", None)
-    return replace(creq, body=body, priority_class=prio.name, priority_level=prio.level)
+    return replace(
+        creq,
+        body=body,
+        priority_class=prio.name,
+        priority_level=prio.level,
+        ttft_deadline_ms=deadline,
+        deadline_at=deadline_at,
+    )

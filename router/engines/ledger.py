@@ -33,10 +33,16 @@ from router.engines.choice import Chooser
 from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
-from router.errors import FairShareExceeded, NoCapacity, NoHealthyEngine, QueueFull
+from router.errors import (
+    DeadlineExceeded,
+    FairShareExceeded,
+    NoCapacity,
+    NoHealthyEngine,
+    QueueFull,
+)
 from router.shared_slots import WorkerSlots, slot_key
 
-__all__ = ["Reservation", "SlotLedger"]
+__all__ = ["Deadline", "Reservation", "SlotLedger"]
 
 # Waiters re-check the shared table this often while (and only while) this worker
 # has waiters. Why a poller rather than a pipe or eventfd per worker: a release in
@@ -54,6 +60,15 @@ class Reservation:
     detached: bool = False  # handed to a background owner that releases it later
     placement: Placement | None = None  # how a request with a session key got this D
     tenant: str = ""  # the API key's name (slots held per key: the fair queue's order)
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """A request's TTFT deadline: ``at`` on the ledger's clock; ``ms`` as given (for the
+    refusal's message)."""
+
+    at: float
+    ms: float
 
 
 @dataclass(eq=False, slots=True)
@@ -157,6 +172,7 @@ class SlotLedger:
         tenant: str = "",
         choose: Chooser | None = None,
         level: int = 0,
+        deadline: Deadline | None = None,
     ) -> Reservation:
         """A slot on a routable decode instance, preferring ones not in ``avoid``: the one
         ``choose`` picks among those with a free slot, if it picks one; else with a
@@ -164,13 +180,19 @@ class SlotLedger:
         ``tenant`` (the API key's name) and ``level`` (its priority class's level, 0 most
         urgent) are the request's place in the queue (:mod:`router.engines.fair_queue`).
 
-        Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull` or
-        :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
+        Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull`,
+        :class:`DeadlineExceeded` (``deadline`` passed before a slot was given: none is
+        taken) or :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
         """
         self.poke()  # waiters refused if none is in rotation, else served first
         usable = candidates(self._instances)
         if not usable:
             raise self._refusal()
+        wait = self._max_wait
+        if deadline is not None:
+            wait = min(wait, deadline.at - self._clock())
+            if wait <= 0:
+                raise self._missed(deadline)
         if not self._waiters:
             got = self._take(usable, avoid, key, session, tenant, choose)
             if got is not None:
@@ -183,10 +205,12 @@ class SlotLedger:
         self._schedule_poll()
         self._arm_reopen()
         try:
-            async with asyncio.timeout(self._max_wait):
+            async with asyncio.timeout(wait):
                 return await waiter.fut
         except TimeoutError:
             self._reclaim(waiter)
+            if deadline is not None and wait < self._max_wait:
+                raise self._missed(deadline) from None
             raise NoCapacity(
                 f"no decode slot for model {self.model!r} became free within {self._max_wait:g}s",
                 retry_after=min(self._max_wait, 5.0),
@@ -212,6 +236,10 @@ class SlotLedger:
             f"all decode slots for model {self.model!r} are busy and the queue is full",
             retry_after=1.0,
         )
+
+    def _missed(self, deadline: Deadline) -> DeadlineExceeded:
+        # Retry-After 1 s: the queue turns over in about a stream's time; a later try may fit.
+        return DeadlineExceeded(self.model, deadline.ms, retry_after=1.0)
 
     def _share_exceeded(self, tenant: str) -> FairShareExceeded:
         return FairShareExceeded(

@@ -28,8 +28,8 @@ from router.config import RetryConfig, TracingConfig
 from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
-from router.engines.ledger import Reservation
-from router.errors import NoHealthyEngine, UpstreamError, UpstreamStatus
+from router.engines.ledger import Deadline, Reservation
+from router.errors import DeadlineExceeded, NoHealthyEngine, UpstreamError, UpstreamStatus
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.metrics import Metrics
 from router.pd import adaptive
@@ -236,9 +236,19 @@ class Dispatcher:
         """A decode slot (may queue: the wait is the key's queue-wait metric)."""
         waited_from = self._clock()
         with self._tracing.span("slot_wait"):
-            reservation = await pool.ledger.reserve(
-                route.key, avoid, route.session, creq.client_key, route.cache, creq.priority_level
-            )
+            try:
+                reservation = await pool.ledger.reserve(
+                    route.key,
+                    avoid,
+                    route.session,
+                    creq.client_key,
+                    route.cache,
+                    creq.priority_level,
+                    _deadline(creq),
+                )
+            except DeadlineExceeded:
+                self._metrics.deadline_misses.labels(pool.name, creq.priority_class or "-").inc()
+                raise
         waited = self._clock() - waited_from
         self._metrics.key_queue_wait.labels(creq.client_key).observe(waited)
         self._metrics.class_queue_wait.labels(pool.name, creq.priority_class or "-").observe(waited)
@@ -605,3 +615,9 @@ async def _client_left(
 
 def _all(pool: ModelPool) -> list[Instance]:
     return [*pool.prefill, *pool.decode]
+
+
+def _deadline(creq: ClientRequest) -> Deadline | None:
+    if creq.deadline_at is None or creq.ttft_deadline_ms is None:
+        return None
+    return Deadline(creq.deadline_at, creq.ttft_deadline_ms)

@@ -94,3 +94,30 @@ async def test_an_unknown_class_is_refused_before_any_engine(
         error = r.json()["error"]
         assert error["param"] == param and error["type"] == "BadRequestError"
     assert cluster.decode[0].received == []
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_an_engine(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The one slot held by the test until the end: a request with a 50 ms TTFT deadline
+    queues behind it and is refused when its deadline passes, with no slot, no leg."""
+    url, ctx = await _router(cluster)
+    first = asyncio.create_task(client.post(url + "/v1/completions", json=_body("first")))
+    await eventually(lambda: cluster.decode[0].active == 1)
+    late = await client.post(
+        url + "/v1/completions", json=_body("late"), headers={"x-slo-ttft-ms": "50"}
+    )
+    assert late.status_code == 503 and late.headers["retry-after"] == "1"
+    error = late.json()["error"]
+    assert error["code"] == "deadline_exceeded" and "50 ms" in error["message"]
+    assert metric(ctx, "pdrouter_deadline_misses_total", priority_class="batch") == 1
+    _give_turns(cluster, 1)
+    assert (await first).status_code == 200
+    assert [r.body["prompt"] for r in cluster.decode[0].received] == ["first"]
+
+
+async def test_a_malformed_deadline_is_a_400(cluster: Cluster, client: httpx.AsyncClient) -> None:
+    url, _ = await _router(cluster)
+    r = await client.post(url + "/v1/completions", json=_body("a"), headers={"x-slo-ttft-ms": "0"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "x-slo-ttft-ms"
+    assert cluster.decode[0].received == []

@@ -10,9 +10,13 @@ import pytest
 
 from router.client_request import ClientRequest, Endpoint, parse_client_request
 from router.config import AdmissionConfig, ConfigError, parse_config
+from router.engines.breaker import Breaker
 from router.engines.fair_queue import FairQueue
-from router.errors import InvalidRequest
-from router.priority import Priority, resolve, with_priority
+from router.engines.instance import Instance, Role
+from router.engines.ledger import Deadline, SlotLedger
+from router.engines.policies import make_policy
+from router.errors import DeadlineExceeded, InvalidRequest
+from router.priority import Priority, deadline_ms, resolve, with_priority
 from tests.fakes.clock import Clock
 
 CLASSES = AdmissionConfig.model_validate(
@@ -142,3 +146,37 @@ def test_the_config_refuses_an_unknown_default_and_duplicate_values() -> None:
         _config({"priority_classes": {"a": {"priority": 1}, "b": {"priority": 1}}})
     with pytest.raises(ConfigError):
         _config({"priority_aging": 0})
+
+
+# -- deadlines ----------------------------------------------------------------------------
+
+
+def test_the_deadline_from_the_header_else_the_class() -> None:
+    config = AdmissionConfig.model_validate(
+        {"priority_classes": {"chat": {"priority": 0, "ttft_deadline_ms": 800}}}
+    )
+    chat = resolve(config, _headers("chat"), {})
+    assert deadline_ms(config, _headers("chat"), chat) == 800
+    given = [(b"x-priority", b"chat"), (b"x-slo-ttft-ms", b"250.5")]
+    assert deadline_ms(config, given, chat) == 250.5
+    assert deadline_ms(config, [], Priority("", 0, 0)) is None
+    creq = with_priority(_creq({}), given, config, engine_priority=False, now=100.0)
+    assert creq.deadline_at == pytest.approx(100.2505) and creq.ttft_deadline_ms == 250.5
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "soon", "nan", "inf"])
+def test_a_malformed_deadline_is_refused(value: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        deadline_ms(AdmissionConfig(), [(b"x-slo-ttft-ms", value.encode())], Priority("", 0, 0))
+    assert info.value.param == "x-slo-ttft-ms"
+
+
+async def test_a_deadline_already_passed_is_refused_without_queueing_or_a_slot() -> None:
+    clock = Clock()
+    d = Instance("d", Role.DECODE, "m", Breaker(3, 10.0, clock), slots=1)
+    led = SlotLedger("m", [d], make_policy("least_loaded"), 8, 30.0, clock=clock)
+    clock.advance(5.0)
+    with pytest.raises(DeadlineExceeded) as info:
+        await led.reserve(deadline=Deadline(at=4.0, ms=200))
+    assert info.value.status == 503 and "200 ms" in info.value.message
+    assert d.slots_held == 0 and led.queue_depth == 0
