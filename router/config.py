@@ -574,6 +574,8 @@ class ApiKey(_Strict):
     name: str = Field(pattern=_KEY_NAME)
     key: SecretStr
     limits: KeyLimits | None = None
+    # The priority class of this key's requests that name none (admission.priority_classes).
+    priority_class: str | None = None
 
     @field_validator("key")
     @classmethod
@@ -759,6 +761,20 @@ class RouterConfig(_Strict):
         if dup:
             raise ValueError(f"model name listed twice: {dup}")
         return models
+
+    @field_validator("auth")
+    @classmethod
+    def _key_classes_known(cls, auth: AuthConfig, info: ValidationInfo) -> AuthConfig:
+        admission = info.data.get("admission")
+        classes = admission.priority_classes if admission is not None else {}
+        for i, key in enumerate(auth.keys):
+            if key.priority_class is not None and key.priority_class not in classes:
+                known = ", ".join(sorted(classes)) or "none configured"
+                raise ValueError(
+                    f"keys.{i}.priority_class {key.priority_class!r} is not a priority class "
+                    f"({known})"
+                )
+        return auth
 
     @field_validator("limits")
     @classmethod

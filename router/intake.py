@@ -68,6 +68,14 @@ def identify(ctx: AppContext, scope: Scope) -> str:
         raise
 
 
+def _key_class(ctx: AppContext, key: str) -> str | None:
+    """The priority class the API key named ``key`` gives its requests, if any (a scan:
+    read only with classes configured, over the few named keys)."""
+    if not ctx.config.admission.priority_classes:
+        return None
+    return next((k.priority_class for k in ctx.config.auth.keys if k.name == key), None)
+
+
 def charge(ctx: AppContext, key: str) -> None:
     """Count one request against ``key``'s rate (refusals counted by key name)."""
     try:
@@ -182,6 +190,7 @@ async def handle(
             ctx.config.admission,
             pool.config.engine_priority_scheduling,
             started,
+            _key_class(ctx, key),
         )
         # Before any slot or generate call; a batch's conversations each on its own.
         parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []

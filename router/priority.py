@@ -1,10 +1,10 @@
 """A request's priority class, and the ``priority`` its engine legs carry.
 
 The class comes from, first to last: the ``x-priority`` header (a class name), the body's
-``priority`` (vLLM's integer: one of the configured classes' values), the configured
-default class. A name or value that is not a configured class is a 400 naming it. With no
-classes configured every request is in one class and the body's ``priority`` is taken as
-given.
+``priority`` (vLLM's integer: one of the configured classes' values), the API key's
+``priority_class``, the configured default class. A name or value that is not a
+configured class is a 400 naming it. With no classes configured every request is in one
+class.
 
 The class's *level* (0 most urgent) is its value's rank among the configured values and
 vLLM's default 0 (what a request without a class runs as): the admission queue serves
@@ -71,9 +71,13 @@ def _by_value(config: AdmissionConfig, given: Any) -> str:
 
 
 def resolve(
-    config: AdmissionConfig, headers: Iterable[tuple[bytes, bytes]], body: dict[str, Any]
+    config: AdmissionConfig,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: dict[str, Any],
+    key_class: str | None = None,
 ) -> Priority:
-    """The request's class (module doc); raises :class:`InvalidRequest` for an unknown one."""
+    """The request's class (module doc; ``key_class``: its API key's default, a configured
+    class); raises :class:`InvalidRequest` for an unknown one."""
     classes = config.priority_classes
     if not classes:
         return Priority("", _DEFAULT, 0)
@@ -86,7 +90,7 @@ def resolve(
     if name is None and "priority" in body:
         name = _by_value(config, body["priority"])
     if name is None:
-        name = config.default_priority_class
+        name = key_class or config.default_priority_class
     if name is None:
         return Priority("", _DEFAULT, _level(config, _DEFAULT))
     value = classes[name].priority
@@ -119,10 +123,11 @@ def with_priority(
     config: AdmissionConfig,
     engine_priority: bool,
     now: float = 0.0,
+    key_class: str | None = None,
 ) -> ClientRequest:
     """``creq`` with its class and deadline (``now``: its arrival on the router's clock),
     its body's ``priority`` what the engines must see."""
-    prio = resolve(config, headers, creq.body)
+    prio = resolve(config, headers, creq.body, key_class)
     deadline = deadline_ms(config, headers, prio)
     deadline_at = None if deadline is None else now + deadline / 1000
     body = dict(creq.body)

@@ -121,3 +121,25 @@ async def test_a_malformed_deadline_is_a_400(cluster: Cluster, client: httpx.Asy
     r = await client.post(url + "/v1/completions", json=_body("a"), headers={"x-slo-ttft-ms": "0"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "x-slo-ttft-ms"
     assert cluster.decode[0].received == []
+
+
+async def test_an_api_keys_class_applies_to_its_requests_that_name_none(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    cluster.decode[0].behaviour.turns = asyncio.Semaphore(2)
+    keys = [
+        {"name": "chat", "key": "chat-key-0123", "priority_class": "interactive"},
+        {"name": "jobs", "key": "jobs-key-4567"},
+    ]
+    url, _ = await cluster.router(
+        "aggregated",
+        admission=ADMISSION,
+        auth={"keys": keys},
+        model={"engine_priority_scheduling": True},
+    )
+    for key in ("chat-key-0123", "jobs-key-4567"):
+        r = await client.post(
+            url + "/v1/completions", json=_body(key), headers={"authorization": f"Bearer {key}"}
+        )
+        assert r.status_code == 200
+    assert [r.body["priority"] for r in cluster.decode[0].received] == [-5, 5]

@@ -180,3 +180,21 @@ async def test_a_deadline_already_passed_is_refused_without_queueing_or_a_slot()
         await led.reserve(deadline=Deadline(at=4.0, ms=200))
     assert info.value.status == 503 and "200 ms" in info.value.message
     assert d.slots_held == 0 and led.queue_depth == 0
+
+
+# -- the API key's class ------------------------------------------------------------------
+
+
+def test_the_keys_class_comes_after_header_and_body_before_the_default() -> None:
+    assert resolve(CLASSES, [], {}, key_class="interactive").name == "interactive"
+    assert resolve(CLASSES, [], {"priority": 10}, key_class="interactive").name == "batch"
+    assert resolve(CLASSES, _headers("batch"), {}, key_class="interactive").name == "batch"
+
+
+def test_the_config_refuses_a_key_naming_an_unknown_class() -> None:
+    model = {"name": "m", "mode": "aggregated", "decode": [{"url": "http://d"}]}
+    auth = {"keys": [{"name": "a", "key": "secret-a", "priority_class": "gold"}]}
+    with pytest.raises(ConfigError, match=r"keys\.0\.priority_class 'gold'"):
+        parse_config({"models": [model], "auth": auth})
+    admission = {"priority_classes": {"gold": {"priority": -1}}}
+    parse_config({"models": [model], "auth": auth, "admission": admission})
