@@ -48,6 +48,7 @@ __all__ = [
     "BodyTooLarge",
     "BoundExceeded",
     "DeadlineExceeded",
+    "DeadlineUnattainable",
     "FairShareExceeded",
     "Fault",
     "HttpError",
@@ -270,6 +271,28 @@ class FairShareExceeded(QueueFull):
 
     code = "queue_share_exceeded"
     outcome = Outcome.RATE_LIMITED
+
+
+class DeadlineUnattainable(QueueFull):
+    """The request's predicted TTFT (its wait for a decode slot, from its place in the
+    queue and how long slots are held, plus the prompt's learned compute time) exceeds its
+    deadline: refused at once, before any slot, prefill or decode is spent on it. A 429:
+    the router is busier now than the deadline allows; ``Retry-After`` says when the
+    queue ahead of it will have drained."""
+
+    code = "deadline_unattainable"
+
+    def __init__(
+        self, model: str, deadline_ms: float, predicted_ms: float, ahead: int, retry_after: float
+    ) -> None:
+        super().__init__(
+            f"the request's predicted time to first token of {predicted_ms:.0f} ms "
+            f"({ahead} waiting before it for a decode slot for model {model!r}) exceeds its "
+            f"TTFT deadline of {deadline_ms:g} ms",
+            retry_after,
+        )
+        self.deadline_ms = deadline_ms
+        self.predicted_ms = predicted_ms
 
 
 class NoCapacity(RouterError):

@@ -553,6 +553,14 @@ class Metrics:
             ["model", "priority_class"],
             registry=r,
         )
+        self.class_refusals = _Counter(
+            "pdrouter_admission_refusals",
+            "Requests refused while asking for a decode slot, by model, priority class (- none) "
+            "and reason (the error's code: deadline_unattainable, deadline_exceeded, queue_full, "
+            "queue_share_exceeded, no_capacity)",
+            ["model", "priority_class", "reason"],
+            registry=r,
+        )
         self.bounds_refused = _Counter(
             "pdrouter_bounds_refusals",
             "Requests refused before any work, by bound (prompts, n, max_tokens, context)",

@@ -45,6 +45,9 @@ class Priority:
     level: int  # the queue's order: 0 most urgent
 
 
+_NONE = Priority("", _DEFAULT, 0)  # the class of every request when none is configured
+
+
 def _header(headers: Iterable[tuple[bytes, bytes]], wanted: bytes = HEADER) -> str | None:
     for name, value in headers:
         if name == wanted:
@@ -80,7 +83,7 @@ def resolve(
     class); raises :class:`InvalidRequest` for an unknown one."""
     classes = config.priority_classes
     if not classes:
-        return Priority("", _DEFAULT, 0)
+        return _NONE
     name = _header(headers)
     if name is not None and name not in classes:
         raise InvalidRequest(
@@ -130,11 +133,9 @@ def with_priority(
     prio = resolve(config, headers, creq.body, key_class)
     deadline = deadline_ms(config, headers, prio)
     deadline_at = None if deadline is None else now + deadline / 1000
-    body = dict(creq.body)
-    if engine_priority and config.priority_classes:
-        body["priority"] = prio.value
-    elif not engine_priority:
-        body.pop("priority", None)
+    body = _engine_body(creq.body, prio, config, engine_priority)
+    if body is creq.body and deadline is None and prio == _NONE:
+        return creq  # no class, no deadline, nothing to change: no copy
     return replace(
         creq,
         body=body,
@@ -143,3 +144,18 @@ def with_priority(
         ttft_deadline_ms=deadline,
         deadline_at=deadline_at,
     )
+
+
+def _engine_body(
+    body: dict[str, Any], prio: Priority, config: AdmissionConfig, engine_priority: bool
+) -> dict[str, Any]:
+    """The body the legs get: the class's value as ``priority`` for engines that schedule by
+    it, no ``priority`` for the others; ``body`` itself when that is what it already is (no
+    copy on the way of every request)."""
+    if engine_priority and config.priority_classes:
+        if body.get("priority") == prio.value and "priority" in body:
+            return body
+        return {**body, "priority": prio.value}
+    if not engine_priority and "priority" in body:
+        return {k: v for k, v in body.items() if k != "priority"}
+    return body

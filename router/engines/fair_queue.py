@@ -1,28 +1,32 @@
 """The admission queue: priority classes first, shared fairly between API keys within one.
 
 Each waiter has a class *level* (0 most urgent; :mod:`router.priority` maps a request's
-class to it). Waiters queue per (level, key), FIFO within one. When a slot frees, it goes
-to the queue whose head has the lowest *effective* level; among equals, to the key that
-holds the fewest slots at that moment, and among keys that hold as many, to the one
-served least recently (max-min fairness over the slots, round robin between equals): the
-ledger ranks the keys (:meth:`SlotLedger.rank <router.engines.ledger.SlotLedger.rank>`).
-A key that floods the router thus only ever waits behind itself and more urgent classes.
+class to it) and may have a TTFT deadline. Waiters queue per (level, key), earliest
+deadline first within one (a waiter without a deadline after every one with, then by
+arrival). When a slot frees, it goes to the queue whose head has the lowest *effective*
+level; among equals, to the key that holds the fewest slots at that moment, and among
+keys that hold as many, to the one served least recently (max-min fairness over the
+slots, round robin between equals): the ledger ranks the keys (:meth:`SlotLedger.rank
+<router.engines.ledger.SlotLedger.rank>`); among keys ranked alike, to the earliest
+deadline, then the oldest head. A key that floods the router thus only ever waits behind
+itself and more urgent classes, and within a class the queue is earliest-deadline-first.
 
 Aging (why: a lower class must not starve under a steady stream of urgent requests): a
 waiter's effective level drops by one for every ``aging`` seconds it has waited, down to
 0. A waiter of level L therefore competes as the most urgent class after at most
 ``L * aging`` seconds, and from then on is served by key fairness and arrival order.
 
-When the queue is full, the key with the most waiters gives up its newest one of its
-least urgent level for a key with fewer (longest queue drop, :meth:`FairQueue.overflow`),
+When the queue is full, the key with the most waiters gives up its last one (latest
+deadline, else newest) of its least urgent level for a key with fewer (longest queue
+drop, :meth:`FairQueue.overflow`),
 so a flood cannot crowd the others out of the queue either.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -37,6 +41,10 @@ class _Entry(Generic[T]):
     arrival: int  # global order of pushes: ties between equal heads
     since: float  # when it was queued (the clock's time): its age, for aging
     item: T
+    deadline: float = math.inf  # its TTFT deadline on the clock (inf: none): EDF order
+
+    def order(self) -> tuple[float, int]:
+        return self.deadline, self.arrival
 
 
 _Lane = tuple[int, str]  # (class level, API key name)
@@ -56,7 +64,7 @@ class FairQueue(Generic[T]):
         self._rank = rank
         self._clock = clock
         self._aging = aging
-        self._lanes: dict[_Lane, deque[_Entry[T]]] = {}
+        self._lanes: dict[_Lane, list[_Entry[T]]] = {}  # each sorted by _Entry.order
         self._per_key: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._size = 0
@@ -75,10 +83,13 @@ class FairQueue(Generic[T]):
     def waiting(self, key: str) -> int:
         return self._per_key.get(key, 0)
 
-    def push(self, key: str, item: T, level: int = 0) -> None:
+    def push(self, key: str, item: T, level: int = 0, deadline: float = math.inf) -> None:
+        """Queue ``item`` for ``key`` at ``level``; ``deadline``: when its TTFT deadline
+        passes on the clock (inf: none)."""
         since = self._clock() if self._clock is not None else 0.0
-        entry = _Entry(next(self._arrivals), since, item)
-        self._lanes.setdefault((level, key), deque()).append(entry)
+        entry = _Entry(next(self._arrivals), since, item, deadline)
+        lane = self._lanes.setdefault((level, key), [])
+        bisect.insort(lane, entry, key=_Entry.order)
         self._per_key[key] = self._per_key.get(key, 0) + 1
         self._size += 1
 
@@ -106,8 +117,9 @@ class FairQueue(Generic[T]):
         return False
 
     def overflow(self, key: str) -> T | None:
-        """The queue is full and ``key`` wants a place: the newest waiter of the least
-        urgent level of the key with the most waiters, taken out, if that key has more
+        """The queue is full and ``key`` wants a place: the last waiter (latest deadline,
+        else newest) of the least urgent level of the key with the most waiters, taken
+        out, if that key has more
         than ``key`` would have after joining (else None: ``key`` itself is the one over
         its share)."""
         if not self._per_key:
@@ -149,6 +161,6 @@ class FairQueue(Generic[T]):
             key=lambda ln: (
                 self._effective(ln, now),
                 self._rank(ln[1]),
-                self._lanes[ln][0].arrival,
+                self._lanes[ln][0].order(),
             ),
         )

@@ -35,6 +35,7 @@ from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
 from router.errors import (
     DeadlineExceeded,
+    DeadlineUnattainable,
     FairShareExceeded,
     NoCapacity,
     NoHealthyEngine,
@@ -52,6 +53,9 @@ __all__ = ["Deadline", "Reservation", "SlotLedger"]
 # (seconds), and an idle or unsaturated worker pays nothing.
 _SHARED_POLL_S = 0.005
 
+# The weight of a new slot hold time in its moving average: about the last ten streams.
+_HOLD_WEIGHT = 0.2
+
 
 @dataclass(eq=False, slots=True)
 class Reservation:
@@ -60,15 +64,18 @@ class Reservation:
     detached: bool = False  # handed to a background owner that releases it later
     placement: Placement | None = None  # how a request with a session key got this D
     tenant: str = ""  # the API key's name (slots held per key: the fair queue's order)
+    taken_at: float = 0.0  # when the slot was taken (the ledger's clock): its hold time
 
 
 @dataclass(frozen=True, slots=True)
 class Deadline:
     """A request's TTFT deadline: ``at`` on the ledger's clock; ``ms`` as given (for the
-    refusal's message)."""
+    refusal's message); ``service_s``: its predicted time to first token once it holds a
+    slot (the prompt's learned compute time; 0 when unknown)."""
 
     at: float
     ms: float
+    service_s: float = 0.0
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +87,7 @@ class _Waiter:
     tenant: str = field(default="")  # the API key's name: whose turn in the fair queue
     choose: Chooser | None = field(default=None)  # the request's own choice (engines/choice.py)
     level: int = field(default=0)  # the priority class's level: 0 most urgent (router/priority.py)
+    deadline_at: float = field(default=math.inf)  # its TTFT deadline on the clock (inf: none)
 
 
 class SlotLedger:
@@ -117,6 +125,8 @@ class SlotLedger:
         self._held: dict[str, int] = {}  # slots held per API key name
         self._granted: dict[str, int] = {}  # per API key name: when it last got a slot
         self._grants = itertools.count()
+        self._hold_s: float | None = None  # moving average of how long a slot is held
+        self._live: set[Reservation] = set()  # held now: when each slot is expected back
         self._waiters: FairQueue[_Waiter] = FairQueue(self.rank, clock, aging)
         self._poking = False
         self._again = False
@@ -193,6 +203,7 @@ class SlotLedger:
             wait = min(wait, deadline.at - self._clock())
             if wait <= 0:
                 raise self._missed(deadline)
+            self._check_attainable(deadline, level)
         if not self._waiters:
             got = self._take(usable, avoid, key, session, tenant, choose)
             if got is not None:
@@ -200,8 +211,9 @@ class SlotLedger:
         if len(self._waiters) >= self._queue_size:
             self._make_room(tenant)
         fut = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level)
-        self._waiters.push(tenant, waiter, level)
+        at = math.inf if deadline is None else deadline.at
+        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level, at)
+        self._waiters.push(tenant, waiter, level, at)
         self._schedule_poll()
         self._arm_reopen()
         try:
@@ -237,6 +249,54 @@ class SlotLedger:
             retry_after=1.0,
         )
 
+    @property
+    def hold_s(self) -> float | None:
+        """How long a decode slot is held, a moving average over recent releases (None
+        before the first): the queue's turnover, for predicted waits."""
+        return self._hold_s
+
+    def predicted_wait(self, level: int, deadline_at: float = math.inf) -> tuple[float, int]:
+        """A new waiter's predicted wait for a slot and how many wait before it: those of a
+        more urgent level, and those of its level whose deadline is not later (the
+        queue's order, aging aside).
+
+        Each held slot is expected back ``hold`` (the moving average) after it was taken,
+        a free one at once; the k-th in line (0: the first) gets the (k mod slots)-th of
+        those times, plus ``hold`` for every full round of the slots before it. 0 s while a
+        slot is free and none waits, or before any hold time is known (nothing to predict
+        from). Slots another worker holds (``--workers``) count as free: optimistic, so a
+        refusal is never the price of not seeing them."""
+        ahead = sum(
+            1
+            for w in self._waiters
+            if not w.fut.done()
+            and (w.level < level or (w.level == level and w.deadline_at <= deadline_at))
+        )
+        hold = self._hold_s
+        usable = candidates(self._instances)
+        capacity = sum(i.limit for i in usable)
+        free = any(i.free_slots > 0 for i in usable)
+        if hold is None or capacity == 0 or (free and ahead == 0):
+            return 0.0, ahead
+        now = self._clock()
+        back = sorted(
+            max(0.0, r.taken_at + hold - now) for r in self._live if r.instance in usable
+        )[:capacity]
+        back = [0.0] * (capacity - len(back)) + back
+        rounds, place = divmod(ahead, capacity)
+        return back[place] + rounds * hold, ahead
+
+    def _check_attainable(self, deadline: Deadline, level: int) -> None:
+        """Refuse at once a request whose predicted TTFT (:meth:`predicted_wait` plus
+        ``deadline.service_s``) ends past its deadline: it would only take a place, then
+        a slot, a prefill and a decode, for an answer its client no longer wants."""
+        wait, ahead = self.predicted_wait(level, deadline.at)
+        predicted = wait + deadline.service_s
+        if self._clock() + predicted > deadline.at:
+            raise DeadlineUnattainable(
+                self.model, deadline.ms, predicted * 1000, ahead, retry_after=max(1.0, wait)
+            )
+
     def _missed(self, deadline: Deadline) -> DeadlineExceeded:
         # Retry-After 1 s: the queue turns over in about a stream's time; a later try may fit.
         return DeadlineExceeded(self.model, deadline.ms, retry_after=1.0)
@@ -253,6 +313,8 @@ class SlotLedger:
         if reservation.released:
             return
         reservation.released = True
+        self._live.discard(reservation)
+        self._observe_hold(self._clock() - reservation.taken_at)
         inst = reservation.instance
         inst.give_slot()
         held = self._held[reservation.tenant] - 1
@@ -263,6 +325,10 @@ class SlotLedger:
         if self._shared is not None:
             self._shared.release(slot_key(self.model, inst.url))
         self.poke()
+
+    def _observe_hold(self, seconds: float) -> None:
+        old = self._hold_s
+        self._hold_s = seconds if old is None else old + _HOLD_WEIGHT * (seconds - old)
 
     def poke(self) -> None:
         """Re-evaluate the waiters: serve them in FIFO order while capacity lasts,
@@ -331,7 +397,9 @@ class SlotLedger:
                 inst.breaker.on_dispatch()
                 self._held[tenant] = self._held.get(tenant, 0) + 1
                 self._granted[tenant] = next(self._grants)
-                return Reservation(inst, placement=placement, tenant=tenant)
+                got = Reservation(inst, placement=placement, tenant=tenant, taken_at=self._clock())
+                self._live.add(got)
+                return got
             # Another worker took the last slot between our read and its lock.
             free.remove(inst)
         return None

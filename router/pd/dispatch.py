@@ -29,7 +29,14 @@ from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Deadline, Reservation
-from router.errors import DeadlineExceeded, NoHealthyEngine, UpstreamError, UpstreamStatus
+from router.errors import (
+    DeadlineExceeded,
+    NoCapacity,
+    NoHealthyEngine,
+    QueueFull,
+    UpstreamError,
+    UpstreamStatus,
+)
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.metrics import Metrics
 from router.pd import adaptive
@@ -244,10 +251,10 @@ class Dispatcher:
                     creq.client_key,
                     route.cache,
                     creq.priority_level,
-                    _deadline(creq),
+                    _deadline(pool, creq),
                 )
-            except DeadlineExceeded:
-                self._metrics.deadline_misses.labels(pool.name, creq.priority_class or "-").inc()
+            except (NoCapacity, QueueFull) as exc:
+                self._count_refusal(pool, creq, exc)
                 raise
         waited = self._clock() - waited_from
         self._metrics.key_queue_wait.labels(creq.client_key).observe(waited)
@@ -255,6 +262,14 @@ class Dispatcher:
         self._count_placement(pool, Role.DECODE, reservation.placement)
         self._count_choice(pool, Role.DECODE, route.cache)
         return reservation
+
+    def _count_refusal(
+        self, pool: ModelPool, creq: ClientRequest, exc: NoCapacity | QueueFull
+    ) -> None:
+        cls = creq.priority_class or "-"
+        self._metrics.class_refusals.labels(pool.name, cls, exc.code).inc()
+        if isinstance(exc, DeadlineExceeded):
+            self._metrics.deadline_misses.labels(pool.name, cls).inc()
 
     async def _split(
         self,
@@ -617,7 +632,11 @@ def _all(pool: ModelPool) -> list[Instance]:
     return [*pool.prefill, *pool.decode]
 
 
-def _deadline(creq: ClientRequest) -> Deadline | None:
+def _deadline(pool: ModelPool, creq: ClientRequest) -> Deadline | None:
+    """The request's deadline for the ledger, with its predicted time to first token once
+    it holds a slot: the prompt's learned compute time (0 until one is learned)."""
     if creq.deadline_at is None or creq.ttft_deadline_ms is None:
         return None
-    return Deadline(creq.deadline_at, creq.ttft_deadline_ms)
+    per_token = pool.timings.prefill_s_per_token
+    service = 0.0 if per_token is None else per_token * creq.estimated_prompt_tokens()
+    return Deadline(creq.deadline_at, creq.ttft_deadline_ms, service)

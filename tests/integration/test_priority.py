@@ -116,6 +116,51 @@ async def test_a_request_whose_deadline_passes_in_the_queue_never_reaches_an_eng
     assert [r.body["prompt"] for r in cluster.decode[0].received] == ["first"]
 
 
+async def test_a_request_predicted_to_miss_its_deadline_is_refused_before_queueing(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The router has seen a stream hold the one slot for h >= 1 s (the test gave its turn
+    after 1 s). With the slot held and an interactive request waiting, a batch request's
+    predicted TTFT is about 2h; with a 1.5h deadline it gets a 429 at once naming the
+    deadline, never queues and never reaches the engine."""
+    url, ctx = await _router(cluster)
+    pool = ctx.registry.get("tiny")
+    warm = asyncio.create_task(client.post(url + "/v1/completions", json=_body("warm")))
+    await eventually(lambda: cluster.decode[0].active == 1)
+    await asyncio.sleep(1.0)  # a lower bound on the hold time only: the deadline follows it
+    _give_turns(cluster, 1)
+    assert (await warm).status_code == 200
+    hold = pool.ledger.hold_s
+    assert hold is not None and hold >= 1.0
+    first = asyncio.create_task(client.post(url + "/v1/completions", json=_body("first")))
+    await eventually(lambda: cluster.decode[0].active == 1)
+    urgent = asyncio.create_task(
+        client.post(
+            url + "/v1/completions", json=_body("urgent"), headers={"x-priority": "interactive"}
+        )
+    )
+    await eventually(lambda: pool.ledger.queue_depth == 1)
+    deadline = f"{1500 * hold:.0f}"
+    doomed = await client.post(
+        url + "/v1/completions", json=_body("doomed"), headers={"x-slo-ttft-ms": deadline}
+    )
+    assert doomed.status_code == 429 and int(doomed.headers["retry-after"]) >= 2
+    error = doomed.json()["error"]
+    assert error["code"] == "deadline_unattainable" and f"{deadline} ms" in error["message"]
+    assert pool.ledger.queue_depth == 1
+    refused = metric(
+        ctx,
+        "pdrouter_admission_refusals_total",
+        priority_class="batch",
+        reason="deadline_unattainable",
+    )
+    assert refused == 1
+    _give_turns(cluster, 2)
+    assert [(await t).status_code for t in (first, urgent)] == [200, 200]
+    served = [r.body["prompt"] for r in cluster.decode[0].received]
+    assert served == ["warm", "first", "urgent"]
+
+
 async def test_a_malformed_deadline_is_a_400(cluster: Cluster, client: httpx.AsyncClient) -> None:
     url, _ = await _router(cluster)
     r = await client.post(url + "/v1/completions", json=_body("a"), headers={"x-slo-ttft-ms": "0"})

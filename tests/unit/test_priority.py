@@ -3,6 +3,7 @@ a request's class from its header, body or the default, and the config's checks.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -15,7 +16,7 @@ from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role
 from router.engines.ledger import Deadline, SlotLedger
 from router.engines.policies import make_policy
-from router.errors import DeadlineExceeded, InvalidRequest
+from router.errors import DeadlineExceeded, DeadlineUnattainable, InvalidRequest
 from router.priority import Priority, deadline_ms, resolve, with_priority
 from tests.fakes.clock import Clock
 
@@ -58,6 +59,20 @@ def test_aging_raises_a_waiting_class_one_level_per_period() -> None:
     assert q.peek() == "high2"
     clock.advance(0.1)  # low waited 20 s and mid 10 s: both level 0, before high2
     assert [q.pop(), q.pop(), q.pop()] == ["low", "mid", "high2"]
+
+
+def test_within_a_class_the_earliest_deadline_goes_first() -> None:
+    """EDF within a key's lane and between keys ranked alike; a waiter without a deadline
+    after every one with, then by arrival; a more urgent class still goes first."""
+    q: FairQueue[str] = FairQueue(lambda k: (0, 0), Clock())
+    q.push("a", "a-none", level=1)
+    q.push("a", "a-late", level=1, deadline=9.0)
+    q.push("b", "b-early", level=1, deadline=3.0)
+    q.push("a", "a-early", level=1, deadline=5.0)
+    q.push("b", "b-none", level=1)
+    q.push("c", "c-urgent-none", level=0)
+    popped = [q.pop() for _ in range(6)]
+    assert popped == ["c-urgent-none", "b-early", "a-early", "a-late", "a-none", "b-none"]
 
 
 def test_overflow_drops_the_longest_keys_least_urgent_newest() -> None:
@@ -131,6 +146,18 @@ def test_the_legs_carry_priority_only_to_engines_that_schedule_by_it() -> None:
     assert creq.body["priority"] == -10  # the client's body is never mutated
 
 
+def test_a_request_without_class_or_deadline_is_not_copied() -> None:
+    """The path of every request of a router without classes: nothing to change, no copy;
+    a deadline, or a body to change, makes a new request and leaves the client's alone."""
+    plain = _creq({})
+    assert with_priority(plain, [], AdmissionConfig(), engine_priority=False) is plain
+    timed = with_priority(plain, [(b"x-slo-ttft-ms", b"500")], AdmissionConfig(), False, 2.0)
+    assert timed is not plain and timed.deadline_at == 2.5 and plain.deadline_at is None
+    kept = _creq({"priority": 10})
+    same = with_priority(kept, [], CLASSES, engine_priority=True)
+    assert same.body is kept.body and same.priority_class == "batch"
+
+
 # -- the config ---------------------------------------------------------------------------
 
 
@@ -180,6 +207,89 @@ async def test_a_deadline_already_passed_is_refused_without_queueing_or_a_slot()
         await led.reserve(deadline=Deadline(at=4.0, ms=200))
     assert info.value.status == 503 and "200 ms" in info.value.message
     assert d.slots_held == 0 and led.queue_depth == 0
+
+
+async def _hold_learned(clock: Clock, slots: int, hold: float) -> tuple[Instance, SlotLedger]:
+    """A ledger over one D of ``slots`` slots that has seen streams hold a slot ``hold``
+    seconds, every slot held again (by requests without a deadline)."""
+    d = Instance("d", Role.DECODE, "m", Breaker(3, 10.0, clock), slots=slots)
+    led = SlotLedger("m", [d], make_policy("least_loaded"), 64, 300.0, clock=clock)
+    first = [await led.reserve() for _ in range(slots)]
+    clock.advance(hold)
+    for r in first:
+        led.release(r)
+    for _ in range(slots):
+        await led.reserve()
+    assert led.hold_s == pytest.approx(hold)
+    return d, led
+
+
+async def test_a_request_predicted_to_miss_its_deadline_is_refused_at_once() -> None:
+    """2 slots, both taken just now, streams known to hold a slot 4 s: both expected back
+    in 4 s. With 3 more urgent requests waiting, the fourth in line gets the second slot's
+    second turn: 4 + 4 = 8 s. A 2 s deadline is refused at once (429 naming it, nothing
+    queued or taken); a 30 s one queues. A request of the waiters' class with a deadline
+    goes before them (EDF: they have none), so it waits for the first slot back: 4 s,
+    within a 5 s deadline, but not a 3 s one.
+    """
+    clock = Clock()
+    d, led = await _hold_learned(clock, 2, 4.0)
+    waiters = [asyncio.create_task(led.reserve(level=0)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert led.queue_depth == 3
+    assert led.predicted_wait(1, clock() + 2.0) == (pytest.approx(8.0), 3)
+    with pytest.raises(DeadlineUnattainable) as info:
+        await led.reserve(level=1, deadline=Deadline(at=clock() + 2.0, ms=2000))
+    assert info.value.status == 429 and info.value.code == "deadline_unattainable"
+    assert "2000 ms" in info.value.message and "8000 ms" in info.value.message
+    assert info.value.retry_after == pytest.approx(8.0)
+    assert led.queue_depth == 3 and d.slots_held == 2
+    with pytest.raises(DeadlineUnattainable):
+        await led.reserve(level=0, deadline=Deadline(clock() + 3.0, 3000))
+    urgent = asyncio.create_task(led.reserve(level=0, deadline=Deadline(clock() + 5.0, 5000)))
+    patient = asyncio.create_task(led.reserve(level=1, deadline=Deadline(clock() + 30, 3e4)))
+    await asyncio.sleep(0)
+    assert led.queue_depth == 5 and not urgent.done() and not patient.done()
+    for t in (*waiters, urgent, patient):
+        t.cancel()
+    await asyncio.gather(*waiters, urgent, patient, return_exceptions=True)
+
+
+async def test_the_predicted_wait_follows_when_each_held_slot_is_expected_back() -> None:
+    """A stream held a slot 4 s; then one slot is taken at 4 s, the other at 7 s: at 7 s
+    they are expected back in 1 s and 4 s. The 1st in line waits 1 s, the 2nd 4 s, the
+    3rd 1 + 4 s (the first slot's second turn)."""
+    clock = Clock()
+    d = Instance("d", Role.DECODE, "m", Breaker(3, 10.0, clock), slots=2)
+    led = SlotLedger("m", [d], make_policy("least_loaded"), 64, 300.0, clock=clock)
+    learned = await led.reserve()
+    clock.advance(4.0)
+    led.release(learned)
+    assert led.hold_s == 4.0
+    await led.reserve()
+    clock.advance(3.0)
+    await led.reserve()
+    waits = [led.predicted_wait(0)[0]]
+    waiters = []
+    for _ in range(2):
+        waiters.append(asyncio.create_task(led.reserve()))
+        await asyncio.sleep(0)
+        waits.append(led.predicted_wait(0)[0])
+    assert waits == [pytest.approx(1.0), pytest.approx(4.0), pytest.approx(5.0)]
+    for t in waiters:
+        t.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+
+
+async def test_the_prompts_learned_compute_time_counts_even_with_a_slot_free() -> None:
+    clock = Clock()
+    d = Instance("d", Role.DECODE, "m", Breaker(3, 10.0, clock), slots=1)
+    led = SlotLedger("m", [d], make_policy("least_loaded"), 8, 30.0, clock=clock)
+    with pytest.raises(DeadlineUnattainable):
+        await led.reserve(deadline=Deadline(at=0.1, ms=100, service_s=0.5))
+    assert d.slots_held == 0
+    got = await led.reserve(deadline=Deadline(at=1.0, ms=1000, service_s=0.5))
+    assert got.instance is d
 
 
 # -- the API key's class ------------------------------------------------------------------
