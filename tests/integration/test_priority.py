@@ -4,6 +4,7 @@ only when the test gives it a turn, so who is served first is decided here."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 import httpx
@@ -28,6 +29,10 @@ async def _router(cluster: Cluster, engine_priority: bool = False) -> tuple[str,
         decode_extra={"slots": 1},
         model={"engine_priority_scheduling": engine_priority},
     )
+
+
+def _depth_is(pool: Any, depth: int) -> bool:
+    return bool(pool.ledger.queue_depth == depth)
 
 
 def _give_turns(cluster: Cluster, n: int) -> None:
@@ -159,6 +164,54 @@ async def test_a_request_predicted_to_miss_its_deadline_is_refused_before_queuei
     assert [(await t).status_code for t in (first, urgent)] == [200, 200]
     served = [r.body["prompt"] for r in cluster.decode[0].received]
     assert served == ["warm", "first", "urgent"]
+
+
+async def test_under_overload_the_urgent_class_goes_first_and_the_late_never_reach_d(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Two slots, both held; four batch requests queue, then two interactive ones (a 60 s
+    class deadline) and one interactive with a 100 ms deadline. The test hands out turns
+    only after the 100 ms one was refused (503, its deadline passed in the queue): the
+    engine then serves the two interactive ones before the four batch ones, FIFO within a
+    class, and never sees the refused one."""
+    cluster.decode[0].behaviour.turns = asyncio.Semaphore(0)
+    admission = {
+        "priority_classes": {
+            "interactive": {"priority": -5, "ttft_deadline_ms": 60_000},
+            "batch": {"priority": 5},
+        },
+        "default_priority_class": "batch",
+    }
+    url, ctx = await cluster.router("aggregated", admission=admission, decode_extra={"slots": 2})
+    pool = ctx.registry.get("tiny")
+
+    def post(tag: str, **headers: str) -> asyncio.Task[httpx.Response]:
+        req = client.post(url + "/v1/completions", json=_body(tag), headers=headers)
+        return asyncio.create_task(req)
+
+    holders = [post(f"hold-{i}") for i in range(2)]
+    await eventually(lambda: cluster.decode[0].active == 2)
+    queued = []
+    for tag, headers in [
+        *((f"batch-{i}", {}) for i in range(4)),
+        *((f"chat-{i}", {"x-priority": "interactive"}) for i in range(2)),
+    ]:
+        queued.append(post(tag, **headers))
+        await eventually(functools.partial(_depth_is, pool, len(queued)))  # in this order
+    late = await client.post(
+        url + "/v1/completions",
+        json=_body("late"),
+        headers={"x-priority": "interactive", "x-slo-ttft-ms": "100"},
+    )
+    assert late.status_code == 503 and late.json()["error"]["code"] == "deadline_exceeded"
+    _give_turns(cluster, 8)
+    answers = await asyncio.gather(*holders, *queued)
+    assert [r.status_code for r in answers] == [200] * 8
+    served = [r.body["prompt"] for r in cluster.decode[0].received]
+    assert served[2:] == ["chat-0", "chat-1", "batch-0", "batch-1", "batch-2", "batch-3"]
+    assert "late" not in served and pool.ledger.slots_in_use == 0
+    reason = {"priority_class": "interactive", "reason": "deadline_exceeded"}
+    assert metric(ctx, "pdrouter_admission_refusals_total", **reason) == 1
 
 
 async def test_a_malformed_deadline_is_a_400(cluster: Cluster, client: httpx.AsyncClient) -> None:
