@@ -44,6 +44,8 @@ from tests.fakes.fake_vllm import FakeEngine, KvBus
 from tests.fakes.router_proc import router_process
 from tests.fakes.servers import serve
 
+_CLIENTS = 64
+
 
 @dataclass
 class _Class:
@@ -90,7 +92,8 @@ async def _router(args: argparse.Namespace, variant: str) -> AsyncIterator[str]:
         }
         parse_config(cfg)
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        url, _ = await stack.enter_async_context(router_process(cfg, tmp / "router.yaml"))
+        router = router_process(cfg, tmp / "router.yaml", log=tmp / "router.log")
+        url, _ = await stack.enter_async_context(router)
         yield url
 
 
@@ -140,11 +143,14 @@ async def run(args: argparse.Namespace, variant: str) -> dict[str, _Class]:
     stats = {"interactive": _Class(), "batch": _Class()}
     capacity = args.engines * args.slots / (args.tokens * args.token_ms / 1000)
     gap = 1 / (capacity * args.load)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with (
-        _router(args, variant) as url,
-        httpx.AsyncClient(timeout=args.max_wait + 60, limits=limits) as client,
-    ):
+    async with _router(args, variant) as url, contextlib.AsyncExitStack() as clients:
+        # Many clients, few connections each: httpx's pool walks all of its connections on
+        # every request and release, so one client with hundreds of streams open would be
+        # what this measures (docs/benchmarks.md, "http1 vs httpx").
+        pool = [
+            await clients.enter_async_context(httpx.AsyncClient(timeout=args.max_wait + 60))
+            for _ in range(_CLIENTS)
+        ]
         tasks = []
         start = time.monotonic()
         for i in range(int(args.seconds / gap)):
@@ -152,6 +158,7 @@ async def run(args: argparse.Namespace, variant: str) -> dict[str, _Class]:
             interactive = i % 5 == 0
             name = "interactive" if interactive else "batch"
             headers = _headers(args, variant, interactive)
+            client = pool[i % _CLIENTS]
             tasks.append(asyncio.create_task(_one(client, url, headers, stats[name], i)))
         await asyncio.gather(*tasks)
     return stats

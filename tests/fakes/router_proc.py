@@ -24,18 +24,29 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def router_process(
-    cfg: dict[str, Any], path: Path, grace: float = 1.0, args: Sequence[str] = ()
+    cfg: dict[str, Any],
+    path: Path,
+    grace: float = 1.0,
+    args: Sequence[str] = (),
+    log: Path | None = None,
 ) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
-    """A ready router subprocess serving ``cfg``; yields its URL and the process."""
+    """A ready router subprocess serving ``cfg``; yields its URL and the process. Its log
+    (stderr) goes to ``log`` if given, else to a pipe read only if it fails to start: a
+    router that logs more than the pipe holds (64 KiB, e.g. a refusal per request under
+    overload) then blocks on its next log line, so a long or busy run must give ``log``."""
     port = free_port()
     path.write_text(yaml.safe_dump({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
-    proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "router", "serve", "--config", str(path), "--grace", str(grace)),
-        *args,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    with contextlib.ExitStack() as files:
+        stderr: Any = asyncio.subprocess.PIPE
+        if log is not None:
+            stderr = files.enter_context(log.open("ab"))
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "router", "serve", "--config", str(path)),
+            *("--grace", str(grace), *args),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=stderr,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as c:
@@ -44,7 +55,7 @@ async def router_process(
                 with contextlib.suppress(httpx.HTTPError):
                     if (await c.get(url + "/ready")).status_code == 200:
                         break
-                assert proc.returncode is None, await proc.stderr.read()  # type: ignore[union-attr]
+                assert proc.returncode is None, await _stderr(proc, log)
                 assert time.monotonic() < deadline, "router did not become ready"
                 await asyncio.sleep(0.1)
         yield url, proc
@@ -52,3 +63,11 @@ async def router_process(
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
+
+
+async def _stderr(proc: asyncio.subprocess.Process, log: Path | None) -> bytes:
+    """What a router that exited wrote to stderr."""
+    if log is not None:
+        return log.read_bytes()
+    assert proc.stderr is not None
+    return await proc.stderr.read()
