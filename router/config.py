@@ -289,6 +289,17 @@ class KvEventsConfig(_Strict):
         return v
 
 
+class AutoscalingConfig(_Strict):
+    """The targets the demand gauges are computed for (``router/demand.py``,
+    ``pdrouter_autoscale_desired_engines``): P kept at ``prefill_utilization`` of its
+    measured prefill capacity (the headroom that keeps prompts from queueing behind each
+    other), D at a step time of ``tpot_ms`` per output token (None: D's demand is not
+    computed)."""
+
+    prefill_utilization: float = Field(default=0.7, gt=0, le=1)
+    tpot_ms: PositiveFloat | None = None
+
+
 class AdaptiveConfig(_Strict):
     """The per-request choice between P/D, D alone and P alone (``router/pd/adaptive.py``;
     the rule in ``docs/policy.md``). Off by default: every request is then served as the
@@ -332,6 +343,7 @@ class ModelConfig(_Strict):
     kept_turns: KeptTurnsConfig = KeptTurnsConfig()
     kv_events: KvEventsConfig = KvEventsConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)

@@ -77,7 +77,7 @@ def build_context(
     engine_load = engine_loads.load if engine_loads is not None else own_load
     registry = Registry(config, clock, shared_slots, load=engine_load)
     metrics = Metrics(multiprocess=shared_slots is not None)
-    metrics.attach_state(registry.pools)
+    metrics.attach_state(registry.pools, clock)
     kv_index = KvIndex()
     metrics.attach_kv_index(kv_index.streams)
     legs = LegRunner(upstream, config.timeouts, metrics, clock)

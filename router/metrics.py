@@ -17,6 +17,7 @@ breaker and degraded flags take the worst (max) and health the worst (min) view.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from router.demand import demands, desired_or_nan
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role
 from router.engines.kept_turns import KeptTurnResult
@@ -110,6 +112,22 @@ class _Histogram(_CachedLabels, Histogram):
     pass
 
 
+_ENGINES_HELP = "Engines of a role in rotation now, as this router sees them"
+_DESIRED_HELP = (
+    "Engines of a role the load this router sends needs at the model's autoscaling targets "
+    "(router/demand.py; NaN until measured): sum over router replicas and scale on it"
+)
+
+
+def _demand_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    return (
+        GaugeMetricFamily("pdrouter_autoscale_engines", _ENGINES_HELP, labels=["model", "role"]),
+        GaugeMetricFamily(
+            "pdrouter_autoscale_desired_engines", _DESIRED_HELP, labels=["model", "role"]
+        ),
+    )
+
+
 def _facts(inst: Instance) -> tuple[str, str]:
     """``pdrouter_engine_info``'s own labels: vLLM version and block size ('' unknown)."""
     facts = inst.facts
@@ -119,10 +137,17 @@ def _facts(inst: Instance) -> tuple[str, str]:
 class StateCollector(Collector):
     """Reads slots, queues, breakers and health from the model pools at scrape time."""
 
-    def __init__(self, pools: Callable[[], Iterable[ModelPool]], per_worker: bool = True) -> None:
-        """``per_worker=False``: only the slot families (the rest comes from gauges)."""
+    def __init__(
+        self,
+        pools: Callable[[], Iterable[ModelPool]],
+        per_worker: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``per_worker=False``: only the slot families (the rest comes from gauges).
+        ``clock``: the dispatcher's, which the demand's rates are counted on."""
         self._pools = pools
         self._per_worker = per_worker
+        self._clock = clock
 
     def collect(self) -> Iterator[Metric]:
         if not self._per_worker:
@@ -170,7 +195,12 @@ class StateCollector(Collector):
             "1 while no engine of the other role can pair with this one (out of rotation)",
             labels=["model", "role", "engine"],
         )
+        engines, desired = _demand_families()
+        now = self._clock()
         for pool in self._pools():
+            for demand in demands(pool, now):
+                engines.add_metric([pool.name, demand.role.value], demand.engines)
+                desired.add_metric([pool.name, demand.role.value], desired_or_nan(demand))
             queue.add_metric([pool.name], pool.ledger.queue_depth)
             sessions.add_metric([pool.name], len(pool.affinity))
             for d in pool.decode:
@@ -187,7 +217,7 @@ class StateCollector(Collector):
                 info.add_metric([*labels, *_facts(inst)], 1)
                 unpaired.add_metric(labels, 0 if inst.unpaired is None else 1)
         yield from (slots, in_use, queue, inflight, breaker, healthy, degraded, sessions)
-        yield from (info, unpaired)
+        yield from (info, unpaired, engines, desired)
 
     def _slots(self) -> Iterator[Metric]:
         slots = GaugeMetricFamily(
@@ -352,11 +382,31 @@ class WorkerStateGauges:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # Every worker sees the same engines; each its own share of the load: max, sum.
+        self.engines = _Gauge(
+            "pdrouter_autoscale_engines",
+            _ENGINES_HELP,
+            ["model", "role"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.desired = _Gauge(
+            "pdrouter_autoscale_desired_engines",
+            _DESIRED_HELP,
+            ["model", "role"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
-    def refresh(self, pools: Iterable[ModelPool]) -> None:
-        """Copy the current state. Series of removed instances keep their last
-        value until the worker restarts (multiprocess files cannot drop a series)."""
+    def refresh(self, pools: Iterable[ModelPool], now: float) -> None:
+        """Copy the current state (``now``: the dispatcher's clock). Series of removed
+        instances keep their last value until the worker restarts (multiprocess files
+        cannot drop a series)."""
         for pool in pools:
+            for demand in demands(pool, now):
+                role = demand.role.value
+                self.engines.labels(pool.name, role).set(demand.engines)
+                self.desired.labels(pool.name, role).set(desired_or_nan(demand))
             self.queue.labels(pool.name).set(pool.ledger.queue_depth)
             self.sessions.labels(pool.name).set(len(pool.affinity))
             for d in pool.decode:
@@ -377,6 +427,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._pools: Callable[[], Iterable[ModelPool]] | None = None
+        self._clock: Callable[[], float] = time.monotonic  # the dispatcher's (attach_state)
         self._zeroed: set[tuple[str, str, tuple[str, ...], tuple[bool, ...]]] = set()
         self._worker_state = WorkerStateGauges(r) if multiprocess else None
         self._scrape = r
@@ -619,15 +670,19 @@ class Metrics:
         """Read the KV index's streams at every scrape."""
         self._scrape.register(KvIndexCollector(streams))
 
-    def attach_state(self, pools: Callable[[], Iterable[ModelPool]]) -> None:
+    def attach_state(
+        self, pools: Callable[[], Iterable[ModelPool]], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """Read the pools at every scrape (``clock``: the dispatcher's, for the demand)."""
         self._pools = pools
+        self._clock = clock
         per_worker = self._worker_state is None
-        self._scrape.register(StateCollector(pools, per_worker=per_worker))
+        self._scrape.register(StateCollector(pools, per_worker=per_worker, clock=clock))
 
     def refresh_worker_state(self) -> None:
         """Copy this worker's own state into the multiprocess gauges (no-op otherwise)."""
         if self._worker_state is not None and self._pools is not None:
-            self._worker_state.refresh(self._pools())
+            self._worker_state.refresh(self._pools(), self._clock())
 
     def _zero_series(self) -> None:
         """Create every model's request, retry and fallback series at 0 (and each prefill

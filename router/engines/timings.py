@@ -16,7 +16,9 @@ Two exponentially weighted moving averages, each None until its first observatio
   prompt): kept apart, so that they do not make D's streams look slow;
 
 and two ledgers, ``given_prefill`` and ``given_decode``: the prompt seconds the choice gave
-each role, by time given, which it reads over a stream's life (its admission bound).
+each role, by time given, which it reads over a stream's life (its admission bound); and
+``prefill_tokens``, the prompt tokens sent to P per second over the last minute (what an
+autoscaler scales P on: ``router/demand.py``).
 
 The dispatcher (``router/pd/dispatch.py``) is the one writer; the choice reads.
 """
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 
-__all__ = ["WEIGHT", "PromptLedger", "Timings"]
+__all__ = ["WEIGHT", "PromptLedger", "RateWindow", "Timings"]
 
 # The weight of a new observation: the estimate follows roughly the last ten requests.
 WEIGHT = 0.2
@@ -61,11 +63,47 @@ class PromptLedger:
         return max(0.0, self._total)
 
 
+class RateWindow:
+    """A count per second over the last ``seconds`` seconds (whole-second buckets, a ring):
+    constant memory whatever the rate, unlike a ledger of every event."""
+
+    __slots__ = ("_buckets", "_seconds", "_stamps")
+
+    def __init__(self, seconds: int = 60) -> None:
+        self._seconds = seconds
+        # One more bucket than the window: the second being counted beside the window's.
+        self._buckets = [0.0] * (seconds + 1)
+        self._stamps = [-1] * (seconds + 1)  # the whole second each bucket holds
+
+    def add(self, now: float, amount: float) -> None:
+        second = int(now)
+        i = second % len(self._buckets)
+        if self._stamps[i] != second:
+            self._stamps[i], self._buckets[i] = second, 0.0
+        self._buckets[i] += amount
+
+    def rate(self, now: float) -> float:
+        """The mean per second over the window's whole seconds before ``now``'s."""
+        second = int(now)
+        first = second - self._seconds
+        total = sum(
+            b for b, t in zip(self._buckets, self._stamps, strict=True) if first <= t < second
+        )
+        return total / self._seconds
+
+
 class Timings:
     """One model's recent prefill and decode-step times, and the prompt work the choice gave
     each role (see module doc)."""
 
-    __slots__ = ("given_decode", "given_prefill", "prefill_s_per_token", "prefill_step_s", "step_s")
+    __slots__ = (
+        "given_decode",
+        "given_prefill",
+        "prefill_s_per_token",
+        "prefill_step_s",
+        "prefill_tokens",
+        "step_s",
+    )
 
     def __init__(self) -> None:
         self.prefill_s_per_token: float | None = None
@@ -73,6 +111,8 @@ class Timings:
         self.prefill_step_s: float | None = None
         self.given_prefill = PromptLedger()
         self.given_decode = PromptLedger()
+        # Prompt tokens (estimated) sent to P legs, per second: P's demand (router/demand.py).
+        self.prefill_tokens = RateWindow()
 
     def observe_prefill(self, seconds: float, prompt_tokens: int) -> None:
         """A prompt of ``prompt_tokens`` (estimated) took ``seconds`` to compute."""

@@ -454,6 +454,8 @@ class Dispatcher:
             body["return_token_ids"] = True
         p = pair.prefill
         first = _computes_nothing(p)
+        tokens = pair.creq.estimated_prompt_tokens()
+        pool.timings.prefill_tokens.add(started, tokens)  # P's demand (router/demand.py)
         try:
             with self._tracing.span("prefill", {"pdrouter.engine": p.url}):
                 result = await self._legs.prefill(
@@ -471,7 +473,6 @@ class Dispatcher:
         else:
             pool.record(p, None)
             if first:
-                tokens = pair.creq.estimated_prompt_tokens()
                 pool.timings.observe_prefill(self._clock() - started, tokens)
             return result
         finally:

@@ -71,3 +71,39 @@ def test_the_validator_rejects_a_broken_deployment(break_it: Any) -> None:
     break_it(broken)
     with pytest.raises(kv.ValidationError):
         kv.validate(broken, VERSIONS[-1], strict=True)
+
+
+AUTOSCALING = ROOT / "deploy" / "autoscaling"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_hpa_example_matches_the_kubernetes_schemas(version: str) -> None:
+    kv = need_module("kubernetes_validate", "test extra: kubernetes-validate")
+    docs = [d for d in yaml.safe_load_all((AUTOSCALING / "hpa.yaml").read_text()) if d]
+    for doc in docs:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as exc:
+            pytest.fail(f"hpa.yaml {doc['metadata']['name']}: {exc}")
+    assert len(docs) == 2
+
+
+def test_the_autoscalers_scale_the_engine_deployments_by_role() -> None:
+    """keda.yaml and hpa.yaml each scale vllm-prefill on P's demand and vllm-decode on D's,
+    the Deployments deploy/k8s/engines.yaml runs with those roles."""
+    engines = {
+        d["metadata"]["name"]: d["metadata"]["labels"]["pd-router.io/role"]
+        for d in yaml.safe_load_all((K8S / "engines.yaml").read_text())
+        if d and d["kind"] == "Deployment"
+    }
+    keda = [d for d in yaml.safe_load_all((AUTOSCALING / "keda.yaml").read_text()) if d]
+    hpa = [d for d in yaml.safe_load_all((AUTOSCALING / "hpa.yaml").read_text()) if d]
+    for doc in keda:
+        role = engines[doc["spec"]["scaleTargetRef"]["name"]]
+        [trigger] = doc["spec"]["triggers"]
+        assert f'role="{role}"' in trigger["metadata"]["query"]
+    for doc in hpa:
+        role = engines[doc["spec"]["scaleTargetRef"]["name"]]
+        [metric] = doc["spec"]["metrics"]
+        assert metric["external"]["metric"]["selector"]["matchLabels"]["role"] == role
+    assert len(keda) == len(hpa) == len(engines) == 2

@@ -1,7 +1,8 @@
 """A real Prometheus scrapes a router (fake engines on real sockets) and evaluates the alert
 rules: every router panel of the Grafana dashboard returns data under load, the alerts stay
 silent while all is well, and each one built for it goes off when an engine stops answering
-its health checks or the admission queue sticks. (The engine panels are checked against
+its health checks or the admission queue sticks; the autoscalers' queries (deploy/autoscaling)
+read each role's demand. (The engine panels are checked against
 real vLLM engines in tests/e2e/test_pd_modes.py.)"""
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from router.app import AppContext
 from tests.conftest import Cluster
 from tests.observability.prometheus import Prometheus, prometheus
-from tests.observability.promtool import DASHBOARD
+from tests.observability.promtool import DASHBOARD, ROOT
 
 # Generous: Prometheus scrapes and evaluates every second; this only bounds a broken run.
 DEADLINE_S = 30.0
@@ -189,3 +191,39 @@ async def test_stuck_admission_queue_raises_its_alert(cluster: Cluster, tmp_path
 
 async def _raised(prom: Prometheus, name: str, **labels: str) -> bool:
     return _active(await prom.alerts(), name, **labels)
+
+
+def keda_queries(model: str) -> dict[str, str]:
+    """The Prometheus query of each of deploy/autoscaling/keda.yaml's ScaledObjects (by the
+    Deployment it scales), for ``model``."""
+    path = ROOT / "deploy" / "autoscaling" / "keda.yaml"
+    out = {}
+    for doc in yaml.safe_load_all(path.read_text()):
+        [trigger] = doc["spec"]["triggers"]
+        query = trigger["metadata"]["query"].replace('model="pd-model"', f'model="{model}"')
+        out[doc["spec"]["scaleTargetRef"]["name"]] = query
+    return out
+
+
+async def test_the_autoscalers_queries_read_each_roles_demand_under_load(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """deploy/autoscaling/keda.yaml's own queries against a real Prometheus scraping a router:
+    0 while idle (one sample: KEDA holds minReplicaCount), then, under steady traffic, each
+    role's demand in engines, above 0 once P's prompts and D's steps are timed (D's step of
+    ~10 ms a token against a 5 ms target: more D)."""
+    queries = keda_queries("tiny")
+    assert set(queries) == {"vllm-prefill", "vllm-decode"}
+    url, _ = await _router(cluster, model={"autoscaling": {"tpot_ms": 5}})
+    async with prometheus(tmp_path, _jobs(url, cluster)) as prom:
+        await prom.targets_up(3)
+        for query in queries.values():
+            assert [float(s["value"][1]) for s in await prom.query(query)] == [0.0]
+        async with load(url) as statuses:
+
+            async def demand_seen() -> bool:
+                values = [await prom.query(q) for q in queries.values()]
+                return all(float(v[0]["value"][1]) > 0 for v in values)
+
+            await until(demand_seen, lambda: "no demand in the autoscalers' queries")
+        assert set(statuses) == {200}
