@@ -13,7 +13,9 @@ Engine flags every P/D stack of the main kinds shares, harmless to every test ru
 prompt-token details and tool calls (the conformance cases), OTLP traces to the run's
 receiver (the tracing test), load tracking and request logs on both engines (fault tests see
 which engine's API server holds a request, and that it sent an abort), and a P that allows
-fewer tokens than D (a prompt only P rejects).
+fewer tokens than D (a prompt only P rejects). The pull stack's P and D alone also schedule by
+priority (``PRIORITY``), for tests/e2e/test_priority_real.py; the push stack's do not, so
+that test sees both kinds of engine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "ENGINE_FLAGS",
     "KINDS",
     "NEEDS_REFERENCE",
+    "PRIORITY",
     "P_MAX_MODEL_LEN",
     "RECEIVE_TIMEOUT_S",
     "Running",
@@ -49,6 +52,20 @@ ENGINE_FLAGS = (
 # answer began), and the API server logs each abort it sent its core ("Aborted request(s)"),
 # so a test knows the abort is on its way before it lets a frozen core run.
 TRACKING = ("--enable-server-load-tracking", "--enable-log-requests")
+# vLLM's priority scheduling on the pull stack's P and D (tests/e2e/test_priority_real.py: the
+# router's priority classes reach the engines and reorder their waiting queues). Harmless to
+# every other test on that stack: their requests all run at vLLM's default priority 0 (the
+# stack's own router and the other routed ones have no priority classes and remove
+# ``priority`` from the legs; no test posts one to the engines), and with every priority
+# equal vLLM 0.32's priority policy is its FCFS. Read in vllm/v1/core/sched/: request_queue.py's
+# PriorityRequestQueue is a heap ordered by Request.__lt__ (vllm/v1/request.py: priority, then
+# arrival_time, then request id), FCFSRequestQueue a deque in the order requests were added,
+# i.e. arrival order; a preempted request goes back first in FCFS (prepend_request) and by its
+# arrival time in the heap, which is first too (requests leave the queue in arrival order);
+# scheduler.py's only other use of the policy, picking whom to preempt when KV blocks run out,
+# takes max(running, key=(priority, arrival_time)), the latest arrival, where FCFS takes
+# running[-1], the last scheduled.
+PRIORITY = ("--scheduling-policy", "priority")
 P_MAX_MODEL_LEN = 3200  # D allows 4096: a prompt in between only P rejects
 # The real model's stacks serve prompts of at most ~550 tokens (tests/e2e/test_real_model.py).
 # Their KV cache is sized for eight sequences of this length: SmolLM2 keeps 45 KiB a token in
@@ -121,7 +138,8 @@ def _stack_for(kind: str, otlp_url: str | None) -> Any:
 
     if kind in MAIN:
         assert otlp_url is not None
-        shared = (*ENGINE_FLAGS, *TRACKING, "--otlp-traces-endpoint", otlp_url)
+        priority = PRIORITY if kind == "pull" else ()
+        shared = (*ENGINE_FLAGS, *TRACKING, *priority, "--otlp-traces-endpoint", otlp_url)
         p_flags = (*shared, "--max-model-len", str(P_MAX_MODEL_LEN))
         return Stack(variant=MODEL, mode=kind, engine_args={P: p_flags, D: shared})
     if kind.endswith("-cached"):
