@@ -359,7 +359,8 @@ class ModelConfig(_Strict):
     # with enforce_handshake_compat false).
     pairing: Literal["checked", "any"] = "checked"
     # The engines run with ``--scheduling-policy priority``: the legs carry the request's
-    # priority. False: a non-zero priority is never sent (vLLM refuses it without it).
+    # priority. False: a non-zero priority is never sent (vLLM documents it as an error on an
+    # engine without priority scheduling; 0.32 ignores it).
     engine_priority_scheduling: bool = False
 
     @model_validator(mode="before")

@@ -12,7 +12,8 @@ lower levels first (:mod:`router.engines.fair_queue`).
 
 What the engines see: with ``engine_priority_scheduling`` the legs carry the class's value
 as ``priority`` (vLLM then schedules by it); without it, ``priority`` is removed from the
-legs, since vLLM refuses a non-zero priority on an engine that does not schedule by it.
+legs: vLLM's API documents a non-zero priority as an error on an engine that does not
+schedule by it (0.32 accepts and ignores it; removing it keeps either behaviour harmless).
 
 A request's TTFT deadline: the ``x-slo-ttft-ms`` header (a positive number of milliseconds,
 else a 400), else its class's ``ttft_deadline_ms``, else none. It runs from the request's
