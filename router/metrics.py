@@ -641,6 +641,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Mid-stream migrations (router/pd/migration.py): cause disconnect, error_event, stall.
+        self.migrations = _Counter(
+            "pdrouter_migrations",
+            "Streams continued on another engine after D's failure mid-stream, by cause",
+            ["model", "mode", "cause"],
+            registry=r,
+        )
 
     def attach_keys(self, names: Iterable[str]) -> None:
         """Create every key's series at 0 (and the slow-client ones), so that a rate or a
