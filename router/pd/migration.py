@@ -175,6 +175,14 @@ class Migration:
     async def _relay(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
         or a cut (returned; nothing of the cut event was sent)."""
+        with self._tracing.span("stream"):
+            cut = await self._relay_leg(d, send, hooks)
+            self._tracing.set(pdrouter__chunks=d.leg.chunks)
+            if cut is not None:
+                self._tracing.set(pdrouter__cut=cut.cause)
+            return cut
+
+    async def _relay_leg(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
         leg, events = d.leg, _Events()
         reads = _reads(leg, self._config.stall_timeout)
         count, worst = 1, 0.0
