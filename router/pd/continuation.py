@@ -84,7 +84,8 @@ def refusal(creq: ClientRequest, kept_turns: bool) -> str | None:
         return "not_streamed"
     if creq.n != 1 or (_set(body.get("best_of")) and body.get("best_of") != 1):
         return "n"
-    if body.get("logprobs") not in (None, False):  # a completion's logprobs=0 asks for some
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:  # a completion's 0 asks for some
         return "logprobs"
     if creq.num_prompts != 1:
         return "prompts"
