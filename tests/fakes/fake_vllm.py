@@ -175,6 +175,7 @@ class FakeEngine:
         self.health_checks = 0
         self.gets: list[str] = []  # paths of every GET but /health
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
+        self.stalled = asyncio.Event()  # set when a stream stalls (Behaviour.stall_after)
         self.cache: PrefixCache | None = None  # see start_kv_events
         self._computing = asyncio.Lock()
         self.publisher: Publisher | None = None
@@ -520,6 +521,7 @@ class FakeEngine:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return True
         if b.stall_after == sent:
+            self.stalled.set()
             await (b.stall_gate or asyncio.Event()).wait()
         return False
 

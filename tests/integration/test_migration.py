@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Cluster, eventually, metric, stream_error
+from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 from tests.fakes.fake_vllm import FakeEngine, Shot, deterministic_reply, prompt_ids
 
 N = 12  # tokens asked for
@@ -63,9 +63,12 @@ def arm(cluster: Cluster, fault: str, stall: asyncio.Event, k: int = K, shots: i
 
 
 async def router(cluster: Cluster, mode: str, **overrides: Any) -> tuple[str, Any]:
-    if mode == "push":
+    if mode.startswith("push"):
         for p in cluster.prefill:
             p.behaviour.transfer_mode = "push"
+    if mode == "pipelined":  # each leg is given the other's identity
+        ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
+        overrides.update(prefill_extra=ids, decode_extra=ids)
     migration = {"max_attempts": 2, "stall_timeout": 1.0, **overrides.pop("migration", {})}
     return await cluster.router(mode, migration=migration, **overrides)
 
@@ -114,7 +117,7 @@ def _continued(body: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("fault", ["drop", "stall"])
-@pytest.mark.parametrize("mode", ["aggregated", "pull", "push"])
+@pytest.mark.parametrize("mode", ["aggregated", "pull", "push", "push-sequential", "pipelined"])
 async def test_a_cut_stream_continues_on_another_engine_token_for_token(
     cluster2: Cluster,
     client: httpx.AsyncClient,
@@ -265,4 +268,19 @@ async def test_one_engine_left_means_no_migration(
     arm(cluster, "error_event", stall)
     r = await client.post(url + "/v1/completions", json=COMPLETION)
     assert stream_error(r.text)["message"] == "engine died"
+    assert metric(ctx, "pdrouter_migrations_total") == 0
+
+
+async def test_no_migration_once_the_client_left(
+    cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    """The client leaves while D stalls (the router's stall timeout far away): the stalled
+    leg is closed and no engine is asked to continue."""
+    deterministic(cluster2)
+    url, ctx = await router(cluster2, "pull", migration={"stall_timeout": 60})
+    arm(cluster2, "stall", stall)
+    stalled = lambda: any(d.stalled.is_set() for d in cluster2.decode)  # noqa: E731
+    await client_leaves(url + "/v1/completions", COMPLETION, stalled)
+    await eventually(lambda: all(d.active == 0 for d in cluster2.decode))
+    assert not [r for d in cluster2.decode for r in d.received if _continued(r.body)]
     assert metric(ctx, "pdrouter_migrations_total") == 0
