@@ -21,13 +21,12 @@ is built (:func:`continuation`).
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.client_request import ClientRequest, Endpoint
 
-__all__ = ["Progress", "continuation", "refusal", "remaining", "with_token_ids"]
+__all__ = ["Progress", "continuation", "null_ids", "refusal", "remaining", "with_token_ids"]
 
 # Fields that make the continuation differ from the uninterrupted answer: present and not
 # null/false/0/empty, the request is not migrated (docs/operations.md#migration).
@@ -69,9 +68,9 @@ _CHAT_ONLY = (
     "mm_processor_kwargs",
 )
 _IDS = "return_token_ids"
-# A token-id list in an event's JSON (``token_ids``, ``prompt_token_ids``): generated text
-# cannot look like it, its quotes are escaped inside a JSON string.
-_IDS_VALUE = re.compile(rb'("(?:prompt_)?token_ids":\s*)\[[\d,\s]*\]')
+# The key of a token-id list in an event's JSON (``token_ids``, ``prompt_token_ids``).
+# Generated text cannot hold it: inside a JSON string its quote would be escaped.
+_IDS_KEY = b'token_ids":'
 
 
 def refusal(creq: ClientRequest, kept_turns: bool) -> str | None:
@@ -155,7 +154,7 @@ class Progress:
         if isinstance(ids, list) and self.prompt_ids is None:
             self.prompt_ids = ids
         self._saw_usage(doc)
-        return event if self.client_ids else _IDS_VALUE.sub(rb"\1null", event)
+        return event if self.client_ids else null_ids(event)
 
     def continued(self, doc: dict[str, Any]) -> dict[str, Any]:
         """A continuation's completion chunk as the first leg's stream would have sent it:
@@ -229,6 +228,21 @@ class Progress:
 
     def _object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+def null_ids(event: bytes) -> bytes:
+    """``event`` with every token-id list made null, every other byte as it was (a scan, not
+    a regex: this runs once per streamed token, and a regex cost four times as much)."""
+    i = event.find(_IDS_KEY)
+    while i >= 0:
+        j = i + len(_IDS_KEY)
+        while event[j : j + 1] == b" ":
+            j += 1
+        if event[j : j + 1] == b"[":
+            end = event.index(b"]", j)
+            event = event[:j] + b"null" + event[end + 1 :]
+        i = event.find(_IDS_KEY, j)
+    return event
 
 
 def _has_text(choice: dict[str, Any]) -> bool:

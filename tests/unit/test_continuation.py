@@ -11,7 +11,7 @@ import pytest
 
 from router.client_request import ClientRequest, Endpoint, parse_client_request
 from router.config import MigrationConfig, parse_config
-from router.pd.continuation import Progress, continuation, refusal, with_token_ids
+from router.pd.continuation import Progress, continuation, null_ids, refusal, with_token_ids
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 10, "stream": True}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -127,3 +127,11 @@ def test_text_without_ids_cannot_be_continued() -> None:
     progress = Progress.of(creq(COMPLETION))
     progress.first_leg(*_event({"id": "c", "choices": [{"index": 0, "text": "a"}]}))
     assert not progress.resumable
+
+
+def test_null_ids_touches_only_the_id_lists() -> None:
+    event = b'{"text":"token_ids\\":[1]","prompt_token_ids": [1, 2],"token_ids":[3],"n":[4]}'
+    assert null_ids(event) == (
+        b'{"text":"token_ids\\":[1]","prompt_token_ids": null,"token_ids":null,"n":[4]}'
+    )
+    assert json.loads(null_ids(event))["text"] == 'token_ids":[1]'
