@@ -261,7 +261,8 @@ def remaining(creq: ClientRequest, progress: Progress) -> int | None:
 def continuation(creq: ClientRequest, progress: Progress) -> ClientRequest:
     """The completion that continues ``creq`` where ``progress`` stands: its prompt the prompt's
     ids then the generated ids, ``max_tokens`` (and ``min_tokens``) less what was generated,
-    every other sampling and stop setting kept, token ids asked for."""
+    every other sampling and stop setting kept, token ids asked for; its priority class and
+    session kept, no TTFT deadline."""
     assert progress.prompt_ids is not None, "continued without the prompt's ids"
     ids = [*progress.prompt_ids, *progress.generated]
     body = {k: v for k, v in creq.body.items() if k not in _CHAT_ONLY}
@@ -283,4 +284,8 @@ def continuation(creq: ClientRequest, progress: Progress) -> ClientRequest:
         prompt_is_tokens=True,
         max_output=left,
         max_output_field="max_tokens",
+        # The TTFT deadline was the first token's, met: a continuation waiting for a slot
+        # must not be refused for it.
+        ttft_deadline_ms=None,
+        deadline_at=None,
     )

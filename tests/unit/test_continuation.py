@@ -3,6 +3,7 @@ client gets across legs (pure functions)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -81,6 +82,19 @@ def test_a_chat_continues_as_a_completion_of_its_template_ids() -> None:
     assert cont.body["max_tokens"] == 6 and cont.body["min_tokens"] == 3
     assert cont.body["return_token_ids"] is True
     assert not {"messages", "max_completion_tokens", "chat_template_kwargs"} & set(cont.body)
+
+
+def test_a_continuation_keeps_its_class_but_not_its_ttft_deadline() -> None:
+    """The deadline was the first token's, met: a continuation that waits for a slot must not
+    be refused for it (router/priority.py)."""
+    c = dataclasses.replace(
+        creq(COMPLETION), priority_class="gold", ttft_deadline_ms=100.0, deadline_at=1.0
+    )
+    progress = Progress.of(c)
+    progress.prompt_ids = [1]
+    cont = continuation(c, progress)
+    assert cont.priority_class == "gold"
+    assert cont.deadline_at is None and cont.ttft_deadline_ms is None
 
 
 def test_a_continuations_events_look_like_the_first_legs() -> None:
