@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from router.access_log import ACCESS_LOGGER
+from router.engines.breaker import BreakerState
 from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 from tests.fakes.fake_vllm import FakeEngine, Shot, deterministic_reply, prompt_ids
 
@@ -182,25 +185,28 @@ async def test_usage_counts_every_token_the_client_received(
     assert usage[0]["completion_tokens"] == N
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_token_ids_reach_only_a_client_that_asked(
-    cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+    cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, endpoint: str
 ) -> None:
     """The router asks D for ids; the client gets them (the prompt's once) only if it asked,
     and otherwise null, as vLLM sends a stream that did not ask."""
     deterministic(cluster2)
+    path, body = PATHS[endpoint]
     url, _ = await router(cluster2, "aggregated")
     arm(cluster2, "drop", stall)
-    docs = events((await client.post(url + "/v1/completions", json=COMPLETION)).text)
+    docs = events((await client.post(url + path, json=body)).text)
     choices = [c for d in docs for c in d["choices"]]
     assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in choices)
+    assert all(d.get("prompt_token_ids") is None for d in docs)
     arm(cluster2, "drop", stall)
-    asked = {**COMPLETION, "return_token_ids": True}
-    docs = events((await client.post(url + "/v1/completions", json=asked)).text)
+    docs = events((await client.post(url + path, json={**body, "return_token_ids": True})).text)
     choices = [c for d in docs for c in d["choices"]]
-    ids = [t for c in choices for t in c["token_ids"]]
-    assert ids == deterministic_reply(prompt_ids(COMPLETION), N)
+    ids = [t for c in choices for t in c.get("token_ids") or ()]
+    assert ids == deterministic_reply(prompt_ids(body), N)
     prompts = [c["prompt_token_ids"] for c in choices if c.get("prompt_token_ids")]
-    assert prompts == [prompt_ids(COMPLETION)]
+    prompts += [d["prompt_token_ids"] for d in docs if d.get("prompt_token_ids")]
+    assert prompts == [prompt_ids(body)]
 
 
 async def test_an_answer_cut_after_its_last_token_is_closed_by_the_router(
@@ -284,3 +290,29 @@ async def test_no_migration_once_the_client_left(
     await eventually(lambda: all(d.active == 0 for d in cluster2.decode))
     assert not [r for d in cluster2.decode for r in d.received if _continued(r.body)]
     assert metric(ctx, "pdrouter_migrations_total") == 0
+
+
+async def test_the_failed_d_is_judged_and_the_access_log_counts_the_migration(
+    cluster2: Cluster,
+    client: httpx.AsyncClient,
+    stall: asyncio.Event,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The cut leg is judged as a failed leg is (one engine fault ejects, here); the
+    request's one access line says it migrated once, its outcome a success."""
+    deterministic(cluster2)
+    url, ctx = await router(
+        cluster2, "pull", breaker={"failure_threshold": 1}, logging={"access": True}
+    )
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    arm(cluster2, "drop", stall)
+    r = await client.post(url + "/v1/completions", json=COMPLETION)
+    assert "".join(map(content, events(r.text))) == reference(COMPLETION)
+    d, _ = continuation_of(cluster2)
+    states = {i.url: i.breaker.state for i in ctx.registry.instances() if i.role == "decode"}
+    cont_url = cluster2.decode_urls[cluster2.decode.index(d)]
+    assert [u for u, s in states.items() if s is not BreakerState.CLOSED] == [
+        u for u in cluster2.decode_urls if u != cont_url
+    ]
+    [line] = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
+    assert " migrations=1" in line and " outcome=success " in line
