@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -183,36 +183,59 @@ class Migration:
             return cut
 
     async def _relay_leg(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
-        leg, events = d.leg, _Events()
-        reads = _reads(leg, self._config.stall_timeout)
+        # The reads are inlined, not a generator, and the stall is watched by one timer per
+        # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
+        leg, events, rest = d.leg, _Events(), d.leg.rest
+        assert rest is not None
+        loop = asyncio.get_running_loop()
+        watch = _StallWatch(leg, self._config.stall_timeout, loop)
         count, worst = 1, 0.0
         data: bytes | None = leg.first
         try:
             while True:
-                if data is None:  # D's HTTP end, but no [DONE]: a cut answer
-                    leg.read_ended(count, worst, Fault.ENGINE)
-                    return self._cut("disconnect", leg, Fault.ENGINE)
+                if data is None:  # D's end without [DONE], or the stream closed on a stall
+                    return self._ended_early(leg, watch, count, worst)
                 out, done, error = self._client_bytes(events.feed(data))
                 if d.usage_patch is not None and MARKER in out:
                     out = await d.usage_patch(out)
                 if done:
-                    await self._finish(d, send, hooks, out, reads, count, worst)
+                    watch.since = loop.time()  # D's end is read, but not forever
+                    await self._finish(d, send, hooks, out, rest, count, worst)
                     return None
                 if out:  # the events before an error event in the same read too
                     await self._send(send, hooks, out)
                 if error is not None:
                     leg.read_ended(count, worst, Fault.ANSWER)
                     return self._cut("error_event", leg, Fault.ANSWER, error)
-                data, gap = await reads.__anext__()
-                count, worst = count + 1, max(worst, gap)
+                watch.since = started = loop.time()
+                raw = await anext(rest, None)
+                watch.since = None
+                count, gap = count + 1, loop.time() - started
+                worst = gap if gap > worst else worst
+                data = None if raw is None else leg.scrubbed(raw)
         except UpstreamError as exc:
-            stalled = isinstance(exc, UpstreamTimeout)
+            if watch.fired:
+                return self._ended_early(leg, watch, count, worst)
+            stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
             leg.read_ended(count, worst, exc.fault)
-            cut = Cut("stall" if stalled else "disconnect", d.prefill_error or exc, exc.fault)
-            return cut
+            return Cut("stall" if stalled else "disconnect", d.prefill_error or exc, exc.fault)
         finally:
-            await reads.aclose()
+            watch.cancel()
             hooks.stream_stats(d)
+
+    def _ended_early(self, leg: DecodeLeg, watch: _StallWatch, count: int, worst: float) -> Cut:
+        """D's stream ended before ``[DONE]``: closed by D, or by the stall watch."""
+        leg.read_ended(count, worst, Fault.ENGINE)
+        if not watch.fired:
+            return self._cut("disconnect", leg, Fault.ENGINE)
+        inst = leg.instance
+        error = UpstreamTimeout(
+            f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
+            role=str(inst.role),
+            instance=inst.url,
+            code="decode_stalled",
+        )
+        return Cut("stall", error, Fault.ENGINE)
 
     def _cut(self, cause: str, leg: DecodeLeg, fault: Fault, event: bytes | None = None) -> Cut:
         inst = leg.instance
@@ -255,16 +278,15 @@ class Migration:
         send: Send,
         hooks: RelayHooks,
         out: bytes,
-        reads: AsyncIterator[tuple[bytes | None, float]],
+        rest: AsyncIterator[bytes],
         count: int,
         worst: float,
     ) -> None:
         """``[DONE]`` came: D's HTTP end is read (its connection reused) before the client
         gets the end, as a plain relay does; a failure there breaks no answer."""
         with contextlib.suppress(UpstreamError):
-            async for data, _ in reads:
-                if data is None:
-                    break
+            async for _ in rest:
+                pass
         d.leg.read_ended(count, worst, None)
         d.ended_cleanly()
         if not self._sent:
@@ -300,31 +322,32 @@ class _Events:
         return [e for e in events if e]
 
 
-async def _reads(
-    leg: DecodeLeg, stall_timeout: float
-) -> AsyncGenerator[tuple[bytes | None, float]]:
-    """The rest of ``leg``'s stream, scrubbed, with the wait for each read; ``(None, gap)``
-    at its end. No byte within ``stall_timeout`` is D's timeout (a stalled engine)."""
-    assert leg.rest is not None
-    loop = asyncio.get_running_loop()
-    while True:
-        started = loop.time()
-        try:
-            async with asyncio.timeout(stall_timeout):
-                data = await anext(leg.rest, None)
-        except TimeoutError:
-            inst = leg.instance
-            raise UpstreamTimeout(
-                f"{inst.role} engine sent nothing for {stall_timeout:g}s mid-stream",
-                role=str(inst.role),
-                instance=inst.url,
-                code="decode_stalled",
-            ) from None
-        gap = loop.time() - started
-        if data is None:
-            yield None, gap
+class _StallWatch:
+    """Closes a leg's stream (its pending read then ends) once it has been waited on for
+    ``seconds`` without a byte; ``fired`` says it did. The reader sets ``since`` when it starts
+    waiting for D and None once a read returns (a slow client's time is not D's). One timer
+    per stream, re-armed only when it fires."""
+
+    __slots__ = ("_handle", "_leg", "_loop", "fired", "seconds", "since")
+
+    def __init__(self, leg: DecodeLeg, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
+        self._leg, self._loop, self.seconds = leg, loop, seconds
+        self.since: float | None = None
+        self.fired = False
+        self._handle = loop.call_later(seconds, self._check)
+
+    def _check(self) -> None:
+        now, since = self._loop.time(), self.since
+        if since is not None and now - since >= self.seconds:
+            self.fired = True
+            self._leg.stream.close()
             return
-        yield leg.scrubbed(data), gap
+        self._handle = self._loop.call_at(
+            (now if since is None else since) + self.seconds, self._check
+        )
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _json(payload: bytes) -> dict[str, Any] | None:
