@@ -55,10 +55,7 @@ from router.pd.usage import MARKER
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["CAUSES", "Migration", "RelayHooks"]
-
-# Why a stream was cut: the ``cause`` label of pdrouter_migrations_total.
-CAUSES = ("disconnect", "error_event", "stall")
+__all__ = ["Migration", "RelayHooks"]
 
 
 class RelayHooks(Protocol):
@@ -88,7 +85,7 @@ class Cut:
     """Why and how a leg's stream was cut: the error the client gets if it is not continued,
     and the fault D is judged by."""
 
-    cause: str
+    cause: str  # one of router.metrics.MIGRATION_CAUSES
     error: UpstreamError
     fault: Fault
     event: bytes | None = None  # D's own error event, relayed as is if not continued

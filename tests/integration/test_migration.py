@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.access_log import ACCESS_LOGGER
 from router.engines.breaker import BreakerState
@@ -275,6 +276,10 @@ async def test_one_engine_left_means_no_migration(
     r = await client.post(url + "/v1/completions", json=COMPLETION)
     assert stream_error(r.text)["message"] == "engine died"
     assert metric(ctx, "pdrouter_migrations_total") == 0
+    # Every cause's series exists at 0 before the first migration (rates have data).
+    families = text_string_to_metric_families(ctx.metrics.render().decode())
+    samples = [x for f in families for x in f.samples if x.name == "pdrouter_migrations_total"]
+    assert sorted(x.labels["cause"] for x in samples) == ["disconnect", "error_event", "stall"]
 
 
 async def test_no_migration_once_the_client_left(
