@@ -132,20 +132,28 @@ class Migration:
         self, cut: Cut, send: Send, hooks: RelayHooks, avoid: set[Instance]
     ) -> Cut | None:
         """Continue after ``cut`` on another engine, or end the stream: closed by the router
-        if nothing is left to generate, with the cut's error where it cannot continue."""
+        if nothing is left to generate, with the cut's error where it cannot continue. A cut
+        before any event reached the client starts the request over (a completion's prompt
+        ids come with its first token: none came)."""
         progress = self._progress
-        if progress.resumable and (
-            progress.finish_reason is not None or remaining(self._creq, progress) == 0
+        fresh = not progress.identity
+        if (
+            not fresh
+            and progress.resumable
+            and (progress.finish_reason is not None or remaining(self._creq, progress) == 0)
         ):
             await self._close(send, hooks)
             return None
-        if not self._may_continue(avoid):
+        if not self._may_continue(avoid, fresh):
             await self._fail(send, hooks, cut)
             return None
         self.count += 1
         self._metrics.migrations.labels(self._pool.name, self._pool.mode.value, cut.cause).inc()
-        progress.legs += 1
-        creq = continuation(self._creq, progress)
+        if fresh:
+            creq = with_token_ids(self._creq)
+        else:
+            progress.legs += 1
+            creq = continuation(self._creq, progress)
         attributes = {"pdrouter.migration": self.count, "pdrouter.cause": cut.cause}
         try:
             with self._tracing.span("migration", attributes):
@@ -162,10 +170,10 @@ class Migration:
             return None
         return next_cut
 
-    def _may_continue(self, avoid: set[Instance]) -> bool:
+    def _may_continue(self, avoid: set[Instance], fresh: bool) -> bool:
         return (
             self.count < self._config.max_attempts
-            and self._progress.resumable
+            and (fresh or self._progress.resumable)
             and self._pool.has_alternative(Role.DECODE.value, frozenset(avoid))
         )
 

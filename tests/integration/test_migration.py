@@ -169,6 +169,40 @@ async def test_an_error_event_or_an_early_end_is_a_cut_too(
     assert metric(ctx, "pdrouter_migrations_total", cause=CAUSES[fault]) == 1
 
 
+@pytest.mark.parametrize("k", [0, 1, N - 1, N])
+@pytest.mark.parametrize("fault", ["drop", "error_event", "end"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_any_cut_point_gives_the_uninterrupted_answer(
+    cluster2: Cluster,
+    client: httpx.AsyncClient,
+    stall: asyncio.Event,
+    endpoint: str,
+    fault: str,
+    k: int,
+) -> None:
+    """Cut before the first token, after it, before the last and after the last (all sent:
+    the router closes the answer, no engine asked again). A cut before any byte reached the
+    router may surface as a failed first read, which ``retries`` retries from the start:
+    the answer is the same either way, and only one of the two happens."""
+    deterministic(cluster2)
+    path, body = PATHS[endpoint]
+    body = {**body, "stream_options": {"include_usage": True}}
+    url, ctx = await router(cluster2, "pull", retries={"max_attempts": 2})
+    arm(cluster2, fault, stall, k=k)
+    docs = events((await client.post(url + path, json=body)).text)
+    assert "".join(map(content, docs)) == reference(body)
+    check_one_answer([d for d in docs if d["choices"]], endpoint == "chat")
+    assert docs[-1]["usage"]["completion_tokens"] == N
+    migrations = metric(ctx, "pdrouter_migrations_total")
+    retries = metric(ctx, "pdrouter_retries_total")
+    if k == N:
+        assert (migrations, retries) == (0, 0)
+    elif k > 0 or endpoint == "chat":  # the chat's role event went before the cut
+        assert (migrations, retries) == (1, 0)
+    else:
+        assert migrations + retries == 1
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_usage_counts_every_token_the_client_received(
     cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, endpoint: str
