@@ -5,18 +5,20 @@ SSE error event. With ``migration.max_attempts`` above 0, a request that may be 
 (:func:`router.pd.continuation.refusal`) is relayed event by event instead of byte by byte:
 
 1. Its first dispatch asks the engines for token ids (``return_token_ids``). Each SSE event is
-   parsed, the ids recorded and removed from what the client gets unless it asked for them
-   (:class:`~router.pd.continuation.Progress`), then sent on as one event.
+   parsed, the ids recorded and made null in what the client gets unless it asked for them
+   (:class:`~router.pd.continuation.Progress`), then sent on whole.
 2. D's stream is *cut* when its connection breaks or closes before ``[DONE]`` (cause
-   ``disconnect``), when it sends an error event (``error_event``), or when no byte comes
-   for ``migration.stall_timeout`` seconds (``stall``). A cut event is never sent: the
-   client has exactly the events read whole before the cut.
+   ``disconnect``), when it sends an error event (``error_event``), or when it has been
+   waited on for ``migration.stall_timeout`` seconds without a byte (``stall``: the stream is
+   closed). Nothing of a cut event is sent: the client has exactly the events read whole
+   before the cut.
 3. The cut leg's dispatch is left first, as any ended dispatch is (its slot released once, D
    judged by the cut's fault, its connection closed: vLLM aborts there). Then the
    continuation (:func:`~router.pd.continuation.continuation`) is dispatched as a new request
-   by the model's rules (decode slot first), keeping away from every D that failed this
+   by the model's rules (decode slot first), preferring a D that has not failed this
    request, and its events are relayed as the first leg's (same id, created, model, index;
-   a chat's re-wrapped as chat chunks; usage counting every token the client received).
+   a chat's re-wrapped as chat chunks; usage counting every token the client received). A
+   cut before any event reached the client sends the request again as it came.
 4. At most ``max_attempts`` continuations; none once the client has left (its disconnect
    cancels the whole exchange), none without another D in rotation, none where an engine
    returned no token ids. Then the stream ends with the error event, as without migration.
