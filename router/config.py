@@ -536,6 +536,10 @@ class MigrationConfig(_Strict):
 
     max_attempts: int = Field(default=2, ge=0, le=100)
     stall_timeout: PositiveFloat = 30.0
+    # Non-streamed requests too: D's leg is streamed to the router and the answer assembled
+    # there (vLLM's fields, the router's bytes). Off: a non-streamed answer is D's own, and a
+    # D failing before it is whole is retried from the start (``retries``).
+    non_streamed: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -139,7 +139,7 @@ class RelayResponse(Response):
         self._conn: Connection | None = None  # the server's, if it offers it
         self._migration: Migration | None = None
         if migration is not None and migration.enabled:
-            refused = refusal(creq, pool.config.kept_turns.enabled)
+            refused = refusal(creq, pool.config.kept_turns.enabled, migration.non_streamed)
             if refused is None:
                 self._migration = Migration(
                     dispatcher, pool, creq, self._client_id, migration, metrics, self._tracing
@@ -302,6 +302,16 @@ class RelayResponse(Response):
         self._stream_stats(dispatch)
 
     async def end(self, send: Send, body: bytes) -> None:
+        await self._end(send, body)
+
+    async def whole(self, send: Send, body: bytes, request_id: str) -> None:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", self._echo or request_id.encode("latin-1")),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._started, self._status = True, 200
+        self.first_byte()
         await self._end(send, body)
 
     async def _refuse(self, send: Send, exc: RouterError) -> Outcome:

@@ -68,18 +68,32 @@ _CHAT_ONLY = (
     "mm_processor_kwargs",
 )
 _IDS = "return_token_ids"
+_WHOLE_OBJECT = {True: "chat.completion", False: "text_completion"}
+# A non-streamed chat answer's message as vLLM 0.32 writes one with text only.
+_CHAT_MESSAGE: dict[str, Any] = {
+    "role": "assistant",
+    "content": "",
+    "refusal": None,
+    "annotations": None,
+    "audio": None,
+    "function_call": None,
+    "tool_calls": [],
+    "reasoning": None,
+    "reasoning_content": None,
+}
 # The key of a token-id list in an event's JSON (``token_ids``, ``prompt_token_ids``).
 # Generated text cannot hold it: inside a JSON string its quote would be escaped.
 _IDS_KEY = b'token_ids":'
 
 
-def refusal(creq: ClientRequest, kept_turns: bool) -> str | None:
+def refusal(creq: ClientRequest, kept_turns: bool, non_streamed: bool = False) -> str | None:
     """Why ``creq`` is never migrated (a short reason for the log), or None if it may be.
-    ``kept_turns``: its model keeps turns on D (a kept turn is D's own, it cannot move)."""
+    ``kept_turns``: its model keeps turns on D (a kept turn is D's own, it cannot move).
+    ``non_streamed``: a non-streamed request may be (``migration.non_streamed``)."""
     body = creq.body
     if creq.endpoint not in (Endpoint.COMPLETIONS, Endpoint.CHAT):
         return "endpoint"
-    if not creq.stream:
+    if not creq.stream and not non_streamed:
         return "not_streamed"
     if creq.n != 1 or (_set(body.get("best_of")) and body.get("best_of") != 1):
         return "n"
@@ -104,8 +118,13 @@ def _set(value: Any) -> bool:
 
 
 def with_token_ids(creq: ClientRequest) -> ClientRequest:
-    """``creq`` asking its engines for token ids (``return_token_ids``)."""
-    return dataclasses.replace(creq, body={**creq.body, _IDS: True})
+    """``creq`` asking its engines for token ids (``return_token_ids``); a non-streamed one
+    streamed, with its usage, for the router to assemble (:meth:`Progress.whole`)."""
+    body = {**creq.body, _IDS: True}
+    if creq.stream:
+        return dataclasses.replace(creq, body=body)
+    body.update(stream=True, stream_options={"include_usage": True})
+    return dataclasses.replace(creq, body=body, stream=True)
 
 
 @dataclass(slots=True)
@@ -129,12 +148,18 @@ class Progress:
     usage_sent: bool = False
     usable: bool = True
     legs: int = 1
+    # A non-streamed request's answer, assembled from every leg's events (see whole()).
+    collect: bool = False
+    texts: list[str] = field(default_factory=list)
+    stop_reason: Any = None
+    engine_usage: dict[str, Any] | None = None  # the first leg's, as D counted it
 
     @classmethod
     def of(cls, creq: ClientRequest) -> Progress:
         options = creq.body.get("stream_options")
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return cls(creq.endpoint is Endpoint.CHAT, bool(creq.body.get(_IDS)), usage)
+        chat, ids = creq.endpoint is Endpoint.CHAT, bool(creq.body.get(_IDS))
+        return cls(chat, ids, usage, collect=not creq.stream)
 
     @property
     def resumable(self) -> bool:
@@ -173,6 +198,8 @@ class Progress:
         if doc.get("usage") is None or doc.get("choices"):
             return False
         self.usage_sent = True
+        if self.legs == 1:
+            self.engine_usage = doc["usage"]
         return True
 
     def _record(self, choice: dict[str, Any]) -> None:
@@ -183,6 +210,35 @@ class Progress:
             self.usable = False  # text without ids: the cut could not be placed
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
+        if self.collect:
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if text:
+                self.texts.append(text)
+
+    def whole(self) -> dict[str, Any]:
+        """A non-streamed request's answer as vLLM 0.32 answers it, from what the legs sent."""
+        text = "".join(self.texts)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {**_CHAT_MESSAGE, "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choice["finish_reason"] = self.finish_reason or "length"
+        choice["stop_reason"] = self.stop_reason
+        choice["token_ids"] = self.generated if self.client_ids else None
+        prompt = self.prompt_ids if self.client_ids else None
+        if not self.chat:
+            choice.update(prompt_logprobs=None, prompt_token_ids=prompt)
+        usage = self.engine_usage if self.legs == 1 and self.engine_usage else self.usage()
+        doc: dict[str, Any] = {**self.identity, "object": _WHOLE_OBJECT[self.chat]}
+        doc.update(choices=[choice], service_tier=None, system_fingerprint=None, usage=usage)
+        if self.chat:
+            doc.update(prompt_logprobs=None, prompt_token_ids=prompt)
+        doc["kv_transfer_params"] = None
+        return doc
 
     def _choice(self, choice: dict[str, Any]) -> dict[str, Any]:
         text = choice.get("text") or ""

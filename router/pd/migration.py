@@ -81,6 +81,9 @@ class RelayHooks(Protocol):
     async def end(self, send: Send, body: bytes) -> None:
         """Send the last body message."""
 
+    async def whole(self, send: Send, body: bytes, request_id: str) -> None:
+        """Answer a non-streamed request with its assembled JSON body (status 200)."""
+
 
 @dataclass(slots=True)
 class Cut:
@@ -111,6 +114,9 @@ class Migration:
         self._client_id = client_id
         self._config, self._metrics, self._tracing = config, metrics, tracing
         self._progress = Progress.of(creq)
+        self._whole = not creq.stream  # assembled here from D's stream (non_streamed)
+        self._dispatched = with_token_ids(creq)  # what the first leg is asked
+        self._request_id = "-"  # the first dispatch's, echoed when the client sent none
         self._sent = False  # a body message sent to the client
         self._failed = False  # ended with an error event
         self.count = 0
@@ -118,12 +124,14 @@ class Migration:
     async def run(self, send: Send, hooks: RelayHooks) -> Outcome:
         """Relay the request to its end. Raises :class:`RouterError` only if its first
         dispatch could not open (nothing sent: the caller answers with the error)."""
-        creq = with_token_ids(self._creq)
+        creq = self._dispatched
         async with self._dispatcher.dispatch(self._pool, creq, self._client_id) as d:
             hooks.opened(d)
             if d.leg.rest is None:
                 return await hooks.as_is(d, send)
-            await hooks.start(send, d.leg, d.request_id)
+            self._request_id = d.request_id
+            if not self._whole:
+                await hooks.start(send, d.leg, d.request_id)
             cut = await self._relay(d, send, hooks)
             avoid = {d.leg.instance}
         while cut is not None:
@@ -152,10 +160,10 @@ class Migration:
         self.count += 1
         self._metrics.migrations.labels(self._pool.name, self._pool.mode.value, cut.cause).inc()
         if fresh:
-            creq = with_token_ids(self._creq)
+            creq = self._dispatched
         else:
             progress.legs += 1
-            creq = continuation(self._creq, progress)
+            creq = continuation(self._dispatched, progress)
         attributes = {"pdrouter.migration": self.count, "pdrouter.cause": cut.cause}
         try:
             with self._tracing.span("migration", attributes):
@@ -274,6 +282,8 @@ class Migration:
         return b"".join(out), False, None
 
     async def _send(self, send: Send, hooks: RelayHooks, body: bytes) -> None:
+        if self._whole:
+            return  # the events are in Progress, assembled at the end
         if not self._sent:
             self._sent = True
             hooks.first_byte()
@@ -296,6 +306,12 @@ class Migration:
                 pass
         d.leg.read_ended(count, worst, None)
         d.ended_cleanly()
+        if self._whole:
+            body = orjson.dumps(self._progress.whole())
+            if d.usage_patch is not None and MARKER in body:
+                body = await d.usage_patch(body)
+            await hooks.whole(send, body, self._request_id)
+            return
         if not self._sent:
             hooks.first_byte()
         await hooks.end(send, out + SSE_DONE)
@@ -303,13 +319,20 @@ class Migration:
     async def _close(self, send: Send, hooks: RelayHooks) -> None:
         """End an answer whose last token the client has: its final chunk and usage, if
         they were not read before the cut, then ``[DONE]``."""
+        if self._whole:
+            await hooks.whole(send, orjson.dumps(self._progress.whole()), self._request_id)
+            return
         events = self._progress.closing_events()
         body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
         await hooks.end(send, body + SSE_DONE)
 
     async def _fail(self, send: Send, hooks: RelayHooks, cut: Cut) -> None:
+        """End the answer with the cut's error: an SSE error event, or for a non-streamed
+        request (nothing sent yet) the error raised, answered as a whole error response."""
         err = cut.error
         self._failed = True
+        if self._whole:
+            raise err
         if cut.event is not None:
             await hooks.end(send, cut.event + SSE_DONE)
             return

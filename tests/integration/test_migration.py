@@ -355,3 +355,57 @@ async def test_the_failed_d_is_judged_and_the_access_log_counts_the_migration(
     ]
     [line] = [r.getMessage() for r in caplog.records if r.name == ACCESS_LOGGER]
     assert " migrations=1" in line and " outcome=success " in line
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("fault", ["drop", "error_event", "stall"])
+@pytest.mark.parametrize("mode", ["aggregated", "pull", "push"])
+async def test_a_non_streamed_answer_is_assembled_across_the_cut(
+    cluster2: Cluster,
+    client: httpx.AsyncClient,
+    stall: asyncio.Event,
+    mode: str,
+    fault: str,
+    endpoint: str,
+) -> None:
+    """With ``migration.non_streamed``, D's leg is streamed to the router, which continues it
+    past the cut and answers with the whole body, the uninterrupted answer's text and usage."""
+    deterministic(cluster2)
+    path, body = PATHS[endpoint]
+    body = {**body, "stream": False}
+    url, ctx = await router(cluster2, mode, migration={"non_streamed": True})
+    arm(cluster2, fault, stall)
+    r = await client.post(url + path, json=body)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    doc = r.json()
+    choice = doc["choices"][0]
+    text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    assert text == reference(body) and choice["finish_reason"] == "length"
+    assert doc["object"] == ("chat.completion" if endpoint == "chat" else "text_completion")
+    assert doc["usage"]["completion_tokens"] == N
+    assert doc["usage"]["prompt_tokens"] == len(prompt_ids(body))
+    assert choice["token_ids"] is None and doc.get("kv_transfer_params") is None
+    cause = "stall" if fault == "stall" else CAUSES[fault]
+    assert metric(ctx, "pdrouter_migrations_total", cause=cause) == 1
+
+
+async def test_a_non_streamed_answer_that_cannot_continue_is_an_error_response(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    deterministic(cluster)
+    url, ctx = await router(cluster, "aggregated", migration={"non_streamed": True})
+    arm(cluster, "drop", stall)
+    r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": False})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "decode_unreachable"
+    assert metric(ctx, "pdrouter_requests_total", outcome="upstream_error") == 1
+
+
+async def test_non_streamed_answers_are_the_engines_own_unless_asked(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    """By default a non-streamed request is not migrated: D answers it whole, as before."""
+    deterministic(cluster2)
+    url, _ = await router(cluster2, "aggregated")
+    r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": False})
+    assert r.json()["choices"][0]["text"] == reference(COMPLETION)
+    assert all(not rec.body.get("stream") for d in cluster2.decode for rec in d.received)

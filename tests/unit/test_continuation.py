@@ -54,6 +54,16 @@ def test_refusals(extra: dict[str, Any], reason: str | None) -> None:
     assert refusal(creq({**COMPLETION, **extra}), kept_turns=False) == reason
 
 
+def test_non_streamed_requests_only_when_asked() -> None:
+    whole = creq({**COMPLETION, "stream": False})
+    assert refusal(whole, kept_turns=False) == "not_streamed"
+    assert refusal(whole, kept_turns=False, non_streamed=True) is None
+    asked = with_token_ids(whole)  # streamed to the router, with its usage
+    assert asked.stream and asked.body["stream"] is True
+    assert asked.body["stream_options"] == {"include_usage": True}
+    assert MigrationConfig().non_streamed is False
+
+
 def test_kept_turns_and_other_endpoints_are_refused() -> None:
     assert refusal(creq(COMPLETION), kept_turns=True) == "kept_turns"
     assert refusal(creq(CHAT, Endpoint.CHAT), kept_turns=False) is None
