@@ -34,6 +34,7 @@ class AccessRecord:
     decode: str = "-"
     ttft_ms: float | None = None
     priority_class: str = "-"
+    migrations: int = 0  # continuations on another engine after D failed mid-stream
 
 
 class AccessLog:

@@ -54,6 +54,7 @@ __all__ = [
     "KvEventsConfig",
     "LimitsConfig",
     "ListenConfig",
+    "MigrationConfig",
     "Mode",
     "ModelConfig",
     "PolicyName",
@@ -525,6 +526,27 @@ class RetryConfig(_Strict):
         return v
 
 
+class MigrationConfig(_Strict):
+    """Mid-stream migration (docs/operations.md#migration): a streamed completion or chat
+    completion whose D leg fails after the client's first byte is continued on another
+    engine, with the tokens generated so far as the prompt's tail.
+
+    ``max_attempts`` continuations per request (0: off, D's failure ends the stream with an
+    SSE error event as before). ``stall_timeout``: seconds without a byte from D, once its
+    stream has started, after which D counts as stalled and the request moves on."""
+
+    max_attempts: int = Field(default=2, ge=0, le=100)
+    stall_timeout: PositiveFloat = 30.0
+    # Non-streamed requests too: D's leg is streamed to the router and the answer assembled
+    # there (vLLM's fields, the router's bytes). Off: a non-streamed answer is D's own, and a
+    # D failing before it is whole is retried from the start (``retries``).
+    non_streamed: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_attempts > 0
+
+
 class BreakerConfig(_Strict):
     """Outlier detection per instance (rules in router/engines/breaker.py and docs/operations.md).
 
@@ -756,6 +778,7 @@ class RouterConfig(_Strict):
     timeouts: TimeoutConfig = TimeoutConfig()
     admission: AdmissionConfig = AdmissionConfig()
     retries: RetryConfig = RetryConfig()
+    migration: MigrationConfig = MigrationConfig()
     breaker: BreakerConfig = BreakerConfig()
     health: HealthConfig = HealthConfig()
     auth: AuthConfig = AuthConfig()

@@ -247,6 +247,7 @@ async def handle(
         ctx.access,
         on_end=done,
         load_report=_load_report(ctx, request, creq),
+        migration=ctx.config.migration,
     )
 
 

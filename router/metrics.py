@@ -37,13 +37,16 @@ if TYPE_CHECKING:
     from router.kvindex.stream import Stream
     from router.registry import ModelPool
 
-__all__ = ["KEY_RESULTS", "ROUTE_CHOICES", "WORKER_STATE_INTERVAL", "Metrics"]
+__all__ = ["KEY_RESULTS", "MIGRATION_CAUSES", "ROUTE_CHOICES", "WORKER_STATE_INTERVAL", "Metrics"]
 
 # What became of a key's requests: pdrouter_key_requests_total{result}.
 KEY_RESULTS = ("admitted", "rate_limited", "concurrency_limited", "queue_share_exceeded")
 # The adaptive rule's choices (router/pd/adaptive.py's Choice, which lies above this module):
 # pdrouter_route_choice_total{choice}.
 ROUTE_CHOICES = ("pd", "decode_alone", "prefill_alone")
+# Why a stream was cut and continued elsewhere (router/pd/migration.py):
+# pdrouter_migrations_total{cause}.
+MIGRATION_CAUSES = ("disconnect", "error_event", "stall")
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0
@@ -641,6 +644,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Mid-stream migrations (router/pd/migration.py), by MIGRATION_CAUSES.
+        self.migrations = _Counter(
+            "pdrouter_migrations",
+            "Streams continued on another engine after D's failure mid-stream, by cause",
+            ["model", "mode", "cause"],
+            registry=r,
+        )
 
     def attach_keys(self, names: Iterable[str]) -> None:
         """Create every key's series at 0 (and the slow-client ones), so that a rate or a
@@ -708,6 +718,8 @@ class Metrics:
             self.push_fallbacks.labels(pool.name)
             for phase in ("before_first_byte", "streaming"):
                 self.disconnects.labels(pool.name, phase)
+            for cause in MIGRATION_CAUSES:
+                self.migrations.labels(pool.name, pool.mode.value, cause)
             for p in pool.prefill:
                 self.kv_params_missing.labels(pool.name, p.url)
 

@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from router.access_log import AccessLog, AccessRecord
 from router.client_request import ClientRequest
-from router.config import TracingConfig
+from router.config import MigrationConfig, TracingConfig
 from router.engines.instance import Instance
 from router.errors import (
     FairShareExceeded,
@@ -33,8 +33,10 @@ from router.errors import (
     sse_error_event,
 )
 from router.metrics import Metrics
+from router.pd.continuation import refusal
 from router.pd.dispatch import Dispatcher
 from router.pd.legs import DecodeLeg
+from router.pd.migration import Migration
 from router.pd.opened import Dispatch
 from router.pd.sse import ends_answer
 from router.registry import ModelPool
@@ -107,11 +109,13 @@ class RelayResponse(Response):
         access: AccessLog | None = None,
         on_end: Callable[[], None] | None = None,
         load_report: LoadReport | None = None,
+        migration: MigrationConfig | None = None,
     ) -> None:
         """``client_id``: the client's X-Request-Id, echoed back and logged. ``on_end`` is
         called once when the exchange is over, however it ended (the key's lease).
         ``load_report``: the ORCA header of D's load, for a non-streamed answer that D
-        answered 200 (router/orca.py)."""
+        answered 200 (router/orca.py). ``migration``: the router's, for a request that may
+        continue on another engine if D fails mid-stream (router/pd/migration.py)."""
         self.background = None
         self._load_report = load_report
         self._on_end = on_end
@@ -133,6 +137,13 @@ class RelayResponse(Response):
         self._status = 0  # of the response head sent, if any
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
         self._conn: Connection | None = None  # the server's, if it offers it
+        self._migration: Migration | None = None
+        if migration is not None and migration.enabled:
+            refused = refusal(creq, pool.config.kept_turns.enabled, migration.non_streamed)
+            if refused is None:
+                self._migration = Migration(
+                    dispatcher, pool, creq, self._client_id, migration, metrics, self._tracing
+                )
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
         # A plain function that returns the exchange to await, and the span only when traced:
@@ -228,6 +239,7 @@ class RelayResponse(Response):
             client_id=self._client_id,
             ttft_ms=None if self._ttft is None else self._ttft * 1000,
             priority_class=self._creq.priority_class or "-",
+            migrations=0 if self._migration is None else self._migration.count,
         )
         d = self._dispatch
         if d is not None:
@@ -239,6 +251,8 @@ class RelayResponse(Response):
         """Dispatch, send D's status and bytes; a broken stream ends with an SSE error event.
         The stream is forwarded here, not in a helper: every relayed chunk resumes each
         coroutine frame between the server and the relay loop."""
+        if self._migration is not None:
+            return await self._run_migrating(self._migration, send)
         try:
             async with self._dispatcher.dispatch(
                 self._pool, self._creq, self._client_id
@@ -260,6 +274,45 @@ class RelayResponse(Response):
         except RouterError as exc:
             return await self._refuse(send, exc)
         return Outcome.SUCCESS if dispatch.verdict is None else Outcome.UPSTREAM_ERROR
+
+    async def _run_migrating(self, migration: Migration, send: Send) -> Outcome:
+        """The request relayed event by event, continued on another engine if D fails
+        mid-stream; this response is its :class:`~router.pd.migration.RelayHooks`."""
+        try:
+            return await migration.run(send, self)
+        except RouterError as exc:
+            return await self._refuse(send, exc)
+
+    # -- RelayHooks (router/pd/migration.py) -----------------------------------
+
+    def opened(self, dispatch: Dispatch) -> None:
+        self._dispatch = dispatch
+
+    async def as_is(self, dispatch: Dispatch, send: Send) -> Outcome:
+        await self._answer_head(dispatch, send)  # a whole body: nothing left to relay
+        return Outcome.SUCCESS if dispatch.verdict is None else Outcome.UPSTREAM_ERROR
+
+    async def start(self, send: Send, leg: DecodeLeg, request_id: str) -> None:
+        await self._start(send, leg, request_id)
+
+    def first_byte(self) -> None:
+        self._ttft = self._clock() - self._t0
+
+    def stream_stats(self, dispatch: Dispatch) -> None:
+        self._stream_stats(dispatch)
+
+    async def end(self, send: Send, body: bytes) -> None:
+        await self._end(send, body)
+
+    async def whole(self, send: Send, body: bytes, request_id: str) -> None:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", self._echo or request_id.encode("latin-1")),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        self._started, self._status = True, 200
+        self.first_byte()
+        await self._end(send, body)
 
     async def _refuse(self, send: Send, exc: RouterError) -> Outcome:
         """Answer a dispatch that could not open with its error (logged and counted)."""

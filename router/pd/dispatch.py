@@ -83,7 +83,11 @@ class Dispatcher:
         )
 
     def dispatch(
-        self, pool: ModelPool, creq: ClientRequest, client_id: str = "-"
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        client_id: str = "-",
+        avoid: frozenset[Instance] = frozenset(),
     ) -> AbstractAsyncContextManager[Dispatch]:
         """Reserve, dispatch and enter once D's first bytes are in; retries inside.
 
@@ -92,11 +96,19 @@ class Dispatcher:
         timeout or refusal is never retried on the same, only engine). Raises a
         :class:`~router.errors.RouterError` when no attempt succeeded; nothing is
         held then. The exit releases everything (see module doc).
-        ``client_id`` (the client's X-Request-Id) appears in log lines only.
+        ``client_id`` (the client's X-Request-Id) appears in log lines only. ``avoid``:
+        engines to keep away from from the first attempt on, where others can serve (a
+        migrated request's failed D, router/pd/migration.py).
         """
-        return _Dispatching(self, pool, creq, client_id)
+        return _Dispatching(self, pool, creq, client_id, avoid)
 
-    async def _open(self, pool: ModelPool, creq: ClientRequest, client_id: str) -> Dispatch:
+    async def _open(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        client_id: str,
+        avoid: frozenset[Instance] = frozenset(),
+    ) -> Dispatch:
         cfg = pool.config
         decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
         decision = self._adapt(pool, creq, decision)
@@ -107,7 +119,6 @@ class Dispatcher:
         key = routing_key(creq) if pool.key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
         route = Route(key, session, await self._cache_route(pool, creq))
-        avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -576,17 +587,23 @@ class _Dispatching:
     """:meth:`Dispatcher.dispatch`: a class, not an ``asynccontextmanager``, whose async
     generator costs every request about ten calls more."""
 
-    __slots__ = ("_client_id", "_creq", "_dispatcher", "_opened", "_pool")
+    __slots__ = ("_avoid", "_client_id", "_creq", "_dispatcher", "_opened", "_pool")
 
     def __init__(
-        self, dispatcher: Dispatcher, pool: ModelPool, creq: ClientRequest, client_id: str
+        self,
+        dispatcher: Dispatcher,
+        pool: ModelPool,
+        creq: ClientRequest,
+        client_id: str,
+        avoid: frozenset[Instance],
     ) -> None:
         self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
-        self._client_id = client_id
+        self._client_id, self._avoid = client_id, avoid
         self._opened: Dispatch | None = None
 
     async def __aenter__(self) -> Dispatch:
-        opened = await self._dispatcher._open(self._pool, self._creq, self._client_id)
+        d, pool = self._dispatcher, self._pool
+        opened = await d._open(pool, self._creq, self._client_id, self._avoid)
         self._opened = opened
         return opened
 

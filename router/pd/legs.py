@@ -173,6 +173,19 @@ class DecodeLeg:
         before_last()
         await send({"type": "http.response.body", "body": last, "more_body": False})
 
+    def scrubbed(self, chunk: bytes) -> bytes:
+        """A chunk of the rest, read by another reader than :meth:`forward` (a migrating
+        relay, router/pd/migration.py), as the client may see it (router/pd/scrub.py)."""
+        assert self._scrub is not None, "a complete body has no rest"
+        return self._scrub.feed(chunk)
+
+    def read_ended(self, chunks: int, worst_gap: float, verdict: Fault | None) -> None:
+        """That other reader is done with the stream: what :meth:`forward` records when it
+        is, ``verdict`` included (a cut stream's fault, None for a clean end)."""
+        self.chunks, self.worst_gap, self.ended_at = chunks, worst_gap, self._clock()
+        self.verdict = verdict
+        self._mark_ended()
+
     @property
     def closed(self) -> bool:
         return self._closed

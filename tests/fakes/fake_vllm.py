@@ -102,6 +102,32 @@ class Behaviour:
     # 0.33 wire: the params this engine answers with where it keeps no turn (another
     # connector's, whatever it was asked; None: null)
     own_params: dict[str, Any] | None = None
+    # Streams as a deterministic model: each token id is a function of the whole sequence so
+    # far, prompt ids then generated ids (:func:`next_token`), so a request continued from
+    # any cut reproduces the uninterrupted answer; each token's text is one letter. Its length
+    # is the request's max_tokens (``tokens`` without one); it streams token ids with
+    # return_token_ids as vLLM 0.32 does. ``drop_after``, ``error_event_after``, ``end_after``
+    # and ``stall_after`` cut it after exactly that many tokens, on the requests ``shot`` lets
+    # through (all without one).
+    deterministic: bool = False
+    end_after: int | None = None  # D: after N tokens, end the response cleanly, no [DONE]
+    stall_after: int | None = None  # D: after N tokens, send nothing until stall_gate is set
+    stall_gate: asyncio.Event | None = None
+    shot: Shot | None = None
+
+
+@dataclass
+class Shot:
+    """How many streams the faults of the engines sharing it still hit (the first ones to come,
+    whichever engine they reach)."""
+
+    left: int = 1
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
 
 
 @dataclass
@@ -149,6 +175,7 @@ class FakeEngine:
         self.health_checks = 0
         self.gets: list[str] = []  # paths of every GET but /health
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
+        self.stalled = asyncio.Event()  # set when a stream stalls (Behaviour.stall_after)
         self.cache: PrefixCache | None = None  # see start_kv_events
         self._computing = asyncio.Lock()
         self.publisher: Publisher | None = None
@@ -331,6 +358,9 @@ class FakeEngine:
             await self._compute(rec, prompt, b.receive_token_delay)
         else:
             await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
+        if b.deterministic:
+            await self._deterministic(rec, send, b)
+            return
         if rec.body.get("stream"):
             await self._stream(rec, send, b, prompt)
             return
@@ -442,6 +472,59 @@ class FakeEngine:
             await b.end_gate.wait()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _deterministic(self, rec: Received, send: Send, b: Behaviour) -> None:
+        """An answer of the deterministic model (``Behaviour.deterministic``)."""
+        prompt = prompt_ids(rec.body)
+        asked = rec.body.get("max_tokens") or rec.body.get("max_completion_tokens")
+        reply = deterministic_reply(prompt, asked if isinstance(asked, int) else b.tokens)
+        created = 1_700_000_000 + len(self.received)  # differs per request: a leg's own
+        if not rec.body.get("stream"):
+            doc = _full(rec, 0)
+            doc["created"] = created
+            choice = doc["choices"][0]
+            text = "".join(map(chr, reply))
+            choice["message" if _is_chat(rec) else "text"] = (
+                {"role": "assistant", "content": text} if _is_chat(rec) else text
+            )
+            doc["usage"] = _usage(len(reply), None, len(prompt))
+            await _respond(send, 200, json.dumps(doc).encode())
+            return
+        start = {"type": "http.response.start", "status": 200}
+        await send({**start, "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        events = _DeterministicEvents(rec, created, prompt, len(reply))
+        if _is_chat(rec):
+            await _chunk(send, events.role())
+        faulty = b.shot is None or b.shot.take()
+        for i, token in enumerate(reply):
+            if faulty and await self._cut(send, b, i):
+                return
+            await _chunk(send, events.token(i, token))
+        if faulty and await self._cut(send, b, len(reply)):  # its last token sent
+            return
+        if (rec.body.get("stream_options") or {}).get("include_usage"):
+            await _chunk(send, events.usage())
+        await _chunk(send, b"data: [DONE]\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _cut(self, send: Send, b: Behaviour, sent: int) -> bool:
+        """Cut a deterministic stream after ``sent`` tokens if a fault says so (True: the
+        stream is over)."""
+        if b.drop_after == sent:
+            raise RuntimeError("fake engine drops the stream")  # uvicorn aborts the conn
+        if b.error_event_after == sent:
+            event = {"error": {"message": "engine died", "type": "x", "code": 500}}
+            await _chunk(send, b"data: " + json.dumps(event).encode() + b"\n\n")
+            await _chunk(send, b"data: [DONE]\n\n")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
+        if b.end_after == sent:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return True
+        if b.stall_after == sent:
+            self.stalled.set()
+            await (b.stall_gate or asyncio.Event()).wait()
+        return False
+
     def _params_at_end(
         self, rec: Received, b: Behaviour, reply: list[str], last: dict[str, Any]
     ) -> dict[str, Any] | None:
@@ -518,9 +601,9 @@ def _is_chat(rec: Received) -> bool:
     return rec.path.endswith("/chat/completions")
 
 
-def _usage(tokens: int, cached: int | None) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": 5, "completion_tokens": tokens}
-    usage["total_tokens"] = 5 + tokens
+def _usage(tokens: int, cached: int | None, prompt: int = 5) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": tokens}
+    usage["total_tokens"] = prompt + tokens
     if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
     return usage
@@ -646,6 +729,76 @@ def _token_ids(body: dict[str, Any]) -> list[int]:
             text += "<assistant>"
         return list(text.encode())
     return list(str(body.get("prompt", "")).encode())
+
+
+def prompt_ids(body: dict[str, Any]) -> list[int]:
+    """The prompt's ids as this fake runs them: a prompt of token ids as given, else
+    :func:`_token_ids`."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return _token_ids(body)
+
+
+def next_token(sequence: list[int]) -> int:
+    """The deterministic model's next token after ``sequence`` (prompt then generated ids):
+    a letter's code, a hash of the whole sequence."""
+    h = 0
+    for token in sequence:
+        h = (h * 131 + token) % 1_000_003
+    return ord("a") + h % 26
+
+
+def deterministic_reply(prompt: list[int], n: int) -> list[int]:
+    """The deterministic model's ``n`` tokens after ``prompt``."""
+    sequence = list(prompt)
+    for _ in range(n):
+        sequence.append(next_token(sequence))
+    return sequence[len(prompt) :]
+
+
+class _DeterministicEvents:
+    """The SSE events of a deterministic stream, shaped as vLLM 0.32's."""
+
+    def __init__(self, rec: Received, created: int, prompt: list[int], length: int) -> None:
+        self._rec, self._prompt, self._length = rec, prompt, length
+        self._ids = bool(rec.body.get("return_token_ids"))
+        chat = _is_chat(rec)
+        self._head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{rec.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": rec.body.get("model"),
+        }
+
+    def _event(self, doc: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps({**self._head, **doc}).encode() + b"\n\n"
+
+    def role(self) -> bytes:
+        """A chat's first event: the role (and the prompt's ids, when asked)."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        doc: dict[str, Any] = {"choices": [choice]}
+        if self._ids:
+            doc["prompt_token_ids"] = self._prompt
+        return self._event(doc)
+
+    def token(self, i: int, token: int) -> bytes:
+        last = i == self._length - 1
+        choice: dict[str, Any] = {"index": 0}
+        if _is_chat(self._rec):
+            choice["delta"] = {"content": chr(token)}
+        else:
+            choice["text"] = chr(token)
+        choice.update({"logprobs": None, "finish_reason": "length" if last else None})
+        if self._ids:
+            if i == 0 and not _is_chat(self._rec):
+                choice["prompt_token_ids"] = self._prompt
+            choice["token_ids"] = [token]
+        return self._event({"choices": [choice]})
+
+    def usage(self) -> bytes:
+        return self._event({"choices": [], "usage": _usage(self._length, None, len(self._prompt))})
 
 
 def _tokenizer(path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,388 @@
+"""Mid-stream migration: a streamed answer whose D breaks continues on another engine.
+
+Without migration, D's failure after the client's first byte ends the client's stream with an
+SSE error event. With ``migration.max_attempts`` above 0, a request that may be migrated
+(:func:`router.pd.continuation.refusal`) is relayed event by event instead of byte by byte:
+
+1. Its first dispatch asks the engines for token ids (``return_token_ids``). Each SSE event is
+   parsed, the ids recorded and made null in what the client gets unless it asked for them
+   (:class:`~router.pd.continuation.Progress`), then sent on whole.
+2. D's stream is *cut* when its connection breaks or closes before ``[DONE]`` (cause
+   ``disconnect``), when it sends an error event (``error_event``), or when it has been
+   waited on for ``migration.stall_timeout`` seconds without a byte (``stall``: the stream is
+   closed). Nothing of a cut event is sent: the client has exactly the events read whole
+   before the cut.
+3. The cut leg's dispatch is left first, as any ended dispatch is (its slot released once, D
+   judged by the cut's fault, its connection closed: vLLM aborts there). Then the
+   continuation (:func:`~router.pd.continuation.continuation`) is dispatched as a new request
+   by the model's rules (decode slot first), preferring a D that has not failed this
+   request, and its events are relayed as the first leg's (same id, created, model, index;
+   a chat's re-wrapped as chat chunks; usage counting every token the client received). A
+   cut before any event reached the client sends the request again as it came.
+4. At most ``max_attempts`` continuations; none once the client has left (its disconnect
+   cancels the whole exchange), none without another D in rotation, none where an engine
+   returned no token ids. Then the stream ends with the error event, as without migration.
+   An answer cut after its last token (its final chunk or usage not yet read) is closed by
+   the router itself: there is nothing left to generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from router.client_request import ClientRequest
+from router.config import MigrationConfig
+from router.engines.instance import Instance, Role
+from router.errors import (
+    Fault,
+    Outcome,
+    RouterError,
+    UpstreamError,
+    UpstreamTimeout,
+    sse_error_event,
+)
+from router.metrics import Metrics
+from router.pd.continuation import Progress, continuation, remaining, with_token_ids
+from router.pd.dispatch import Dispatcher
+from router.pd.legs import DecodeLeg, Send
+from router.pd.opened import Dispatch
+from router.pd.sse import SSE_DONE
+from router.pd.usage import MARKER
+from router.registry import ModelPool
+from router.tracing import Tracing
+
+__all__ = ["Migration", "RelayHooks"]
+
+
+class RelayHooks(Protocol):
+    """What the client's response (router/relay.py) does for a migrating relay."""
+
+    def opened(self, dispatch: Dispatch) -> None:
+        """The request's first dispatch is open (the access log names its engines)."""
+
+    async def as_is(self, dispatch: Dispatch, send: Send) -> Outcome:
+        """Relay a dispatch whose answer cannot be migrated (a whole body) as usual."""
+
+    async def start(self, send: Send, leg: DecodeLeg, request_id: str) -> None:
+        """Send the response head from D's status and content type."""
+
+    def first_byte(self) -> None:
+        """The first body bytes are about to be sent (TTFT)."""
+
+    def stream_stats(self, dispatch: Dispatch) -> None:
+        """Count a leg's chunks once it is read."""
+
+    async def end(self, send: Send, body: bytes) -> None:
+        """Send the last body message."""
+
+    async def whole(self, send: Send, body: bytes, request_id: str) -> None:
+        """Answer a non-streamed request with its assembled JSON body (status 200)."""
+
+
+@dataclass(slots=True)
+class Cut:
+    """Why and how a leg's stream was cut: the error the client gets if it is not continued,
+    and the fault D is judged by."""
+
+    cause: str  # one of router.metrics.MIGRATION_CAUSES
+    error: UpstreamError
+    fault: Fault
+    event: bytes | None = None  # D's own error event, relayed as is if not continued
+
+
+class Migration:
+    """One client request relayed with migration (its ``count`` of continuations is read
+    for the access log). Created per request by the relay, used once."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        pool: ModelPool,
+        creq: ClientRequest,
+        client_id: str,
+        config: MigrationConfig,
+        metrics: Metrics,
+        tracing: Tracing,
+    ) -> None:
+        self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
+        self._client_id = client_id
+        self._config, self._metrics, self._tracing = config, metrics, tracing
+        self._progress = Progress.of(creq)
+        self._whole = not creq.stream  # assembled here from D's stream (non_streamed)
+        self._dispatched = with_token_ids(creq)  # what the first leg is asked
+        self._request_id = "-"  # the first dispatch's, echoed when the client sent none
+        self._sent = False  # a body message sent to the client
+        self._failed = False  # ended with an error event
+        self.count = 0
+
+    async def run(self, send: Send, hooks: RelayHooks) -> Outcome:
+        """Relay the request to its end. Raises :class:`RouterError` only if its first
+        dispatch could not open (nothing sent: the caller answers with the error)."""
+        creq = self._dispatched
+        async with self._dispatcher.dispatch(self._pool, creq, self._client_id) as d:
+            hooks.opened(d)
+            if d.leg.rest is None:
+                return await hooks.as_is(d, send)
+            self._request_id = d.request_id
+            if not self._whole:
+                await hooks.start(send, d.leg, d.request_id)
+            cut = await self._relay(d, send, hooks)
+            avoid = {d.leg.instance}
+        while cut is not None:
+            cut = await self._continue(cut, send, hooks, avoid)
+        return Outcome.UPSTREAM_ERROR if self._failed else Outcome.SUCCESS
+
+    async def _continue(
+        self, cut: Cut, send: Send, hooks: RelayHooks, avoid: set[Instance]
+    ) -> Cut | None:
+        """Continue after ``cut`` on another engine, or end the stream: closed by the router
+        if nothing is left to generate, with the cut's error where it cannot continue. A cut
+        before any event reached the client starts the request over (a completion's prompt
+        ids come with its first token: none came)."""
+        progress = self._progress
+        fresh = not progress.identity
+        if (
+            not fresh
+            and progress.resumable
+            and (progress.finish_reason is not None or remaining(self._creq, progress) == 0)
+        ):
+            await self._close(send, hooks)
+            return None
+        if not self._may_continue(avoid, fresh):
+            await self._fail(send, hooks, cut)
+            return None
+        self.count += 1
+        self._metrics.migrations.labels(self._pool.name, self._pool.mode.value, cut.cause).inc()
+        if fresh:
+            creq = self._dispatched
+        else:
+            progress.legs += 1
+            creq = continuation(self._dispatched, progress)
+        attributes = {"pdrouter.migration": self.count, "pdrouter.cause": cut.cause}
+        try:
+            with self._tracing.span("migration", attributes):
+                async with self._dispatcher.dispatch(
+                    self._pool, creq, self._client_id, frozenset(avoid)
+                ) as d:
+                    if d.leg.rest is None:  # cannot happen: the continuation streams
+                        raise cut.error
+                    next_cut = await self._relay(d, send, hooks)
+                    avoid.add(d.leg.instance)
+        except RouterError as exc:
+            error = exc if isinstance(exc, UpstreamError) else cut.error
+            await self._fail(send, hooks, Cut(cut.cause, error, cut.fault))
+            return None
+        return next_cut
+
+    def _may_continue(self, avoid: set[Instance], fresh: bool) -> bool:
+        return (
+            self.count < self._config.max_attempts
+            and (fresh or self._progress.resumable)
+            and self._pool.has_alternative(Role.DECODE.value, frozenset(avoid))
+        )
+
+    async def _relay(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+        """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
+        or a cut (returned; nothing of the cut event was sent)."""
+        with self._tracing.span("stream"):
+            cut = await self._relay_leg(d, send, hooks)
+            self._tracing.set(pdrouter__chunks=d.leg.chunks)
+            if cut is not None:
+                self._tracing.set(pdrouter__cut=cut.cause)
+            return cut
+
+    async def _relay_leg(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+        # The reads are inlined, not a generator, and the stall is watched by one timer per
+        # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
+        leg, events, rest = d.leg, _Events(), d.leg.rest
+        assert rest is not None
+        loop = asyncio.get_running_loop()
+        watch = _StallWatch(leg, self._config.stall_timeout, loop)
+        count, worst = 1, 0.0
+        data: bytes | None = leg.first
+        try:
+            while True:
+                if data is None:  # D's end without [DONE], or the stream closed on a stall
+                    return self._ended_early(leg, watch, count, worst)
+                out, done, error = self._client_bytes(events.feed(data))
+                if d.usage_patch is not None and MARKER in out:
+                    out = await d.usage_patch(out)
+                if done:
+                    watch.since = loop.time()  # D's end is read, but not forever
+                    await self._finish(d, send, hooks, out, rest, count, worst)
+                    return None
+                if out:  # the events before an error event in the same read too
+                    await self._send(send, hooks, out)
+                if error is not None:
+                    leg.read_ended(count, worst, Fault.ANSWER)
+                    return self._cut("error_event", leg, Fault.ANSWER, error)
+                watch.since = started = loop.time()
+                raw = await anext(rest, None)
+                watch.since = None
+                count, gap = count + 1, loop.time() - started
+                worst = gap if gap > worst else worst
+                data = None if raw is None else leg.scrubbed(raw)
+        except UpstreamError as exc:
+            if watch.fired:
+                return self._ended_early(leg, watch, count, worst)
+            stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
+            leg.read_ended(count, worst, exc.fault)
+            return Cut("stall" if stalled else "disconnect", d.prefill_error or exc, exc.fault)
+        finally:
+            watch.cancel()
+            hooks.stream_stats(d)
+
+    def _ended_early(self, leg: DecodeLeg, watch: _StallWatch, count: int, worst: float) -> Cut:
+        """D's stream ended before ``[DONE]``: closed by D, or by the stall watch."""
+        leg.read_ended(count, worst, Fault.ENGINE)
+        if not watch.fired:
+            return self._cut("disconnect", leg, Fault.ENGINE)
+        inst = leg.instance
+        error = UpstreamTimeout(
+            f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
+            role=str(inst.role),
+            instance=inst.url,
+            code="decode_stalled",
+        )
+        return Cut("stall", error, Fault.ENGINE)
+
+    def _cut(self, cause: str, leg: DecodeLeg, fault: Fault, event: bytes | None = None) -> Cut:
+        inst = leg.instance
+        message = {
+            "disconnect": f"{inst.role} engine closed its stream before the end",
+            "error_event": f"{inst.role} engine sent an error event",
+        }[cause]
+        error = UpstreamError(message, role=str(inst.role), instance=inst.url, fault=fault)
+        return Cut(cause, error, fault, event)
+
+    def _client_bytes(self, events: list[bytes]) -> tuple[bytes, bool, bytes | None]:
+        """The client's bytes for complete events: (bytes, ``[DONE]`` seen, D's error event
+        if one came: the events after it are not the client's)."""
+        out: list[bytes] = []
+        for event in events:
+            payload = event.removeprefix(b"data: ").strip()
+            if payload == b"[DONE]":
+                return b"".join(out), True, None
+            doc = _json(payload)
+            if doc is None:
+                out.append(event + b"\n\n")  # not a chunk (an SSE comment): as it came
+            elif "error" in doc:
+                return b"".join(out), False, event + b"\n\n"
+            elif self._progress.legs == 1:
+                out.append(self._progress.first_leg(event, doc) + b"\n\n")
+            else:
+                doc = self._progress.continued(doc)
+                out.append(b"data: " + orjson.dumps(doc) + b"\n\n")
+        return b"".join(out), False, None
+
+    async def _send(self, send: Send, hooks: RelayHooks, body: bytes) -> None:
+        if self._whole:
+            return  # the events are in Progress, assembled at the end
+        if not self._sent:
+            self._sent = True
+            hooks.first_byte()
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def _finish(
+        self,
+        d: Dispatch,
+        send: Send,
+        hooks: RelayHooks,
+        out: bytes,
+        rest: AsyncIterator[bytes],
+        count: int,
+        worst: float,
+    ) -> None:
+        """``[DONE]`` came: D's HTTP end is read (its connection reused) before the client
+        gets the end, as a plain relay does; a failure there breaks no answer."""
+        with contextlib.suppress(UpstreamError):
+            async for _ in rest:
+                pass
+        d.leg.read_ended(count, worst, None)
+        d.ended_cleanly()
+        if self._whole:
+            body = orjson.dumps(self._progress.whole())
+            if d.usage_patch is not None and MARKER in body:
+                body = await d.usage_patch(body)
+            await hooks.whole(send, body, self._request_id)
+            return
+        if not self._sent:
+            hooks.first_byte()
+        await hooks.end(send, out + SSE_DONE)
+
+    async def _close(self, send: Send, hooks: RelayHooks) -> None:
+        """End an answer whose last token the client has: its final chunk and usage, if
+        they were not read before the cut, then ``[DONE]``."""
+        if self._whole:
+            await hooks.whole(send, orjson.dumps(self._progress.whole()), self._request_id)
+            return
+        events = self._progress.closing_events()
+        body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
+        await hooks.end(send, body + SSE_DONE)
+
+    async def _fail(self, send: Send, hooks: RelayHooks, cut: Cut) -> None:
+        """End the answer with the cut's error: an SSE error event, or for a non-streamed
+        request (nothing sent yet) the error raised, answered as a whole error response."""
+        err = cut.error
+        self._failed = True
+        if self._whole:
+            raise err
+        if cut.event is not None:
+            await hooks.end(send, cut.event + SSE_DONE)
+            return
+        await hooks.end(send, sse_error_event(err.message, err.type, err.code))
+
+
+class _Events:
+    """SSE events from a stream read in pieces (each without its ``\\n\\n``)."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        *events, self._held = (self._held + data).split(b"\n\n")
+        return [e for e in events if e]
+
+
+class _StallWatch:
+    """Closes a leg's stream (its pending read then ends) once it has been waited on for
+    ``seconds`` without a byte; ``fired`` says it did. The reader sets ``since`` when it starts
+    waiting for D and None once a read returns (a slow client's time is not D's). One timer
+    per stream, re-armed only when it fires."""
+
+    __slots__ = ("_handle", "_leg", "_loop", "fired", "seconds", "since")
+
+    def __init__(self, leg: DecodeLeg, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
+        self._leg, self._loop, self.seconds = leg, loop, seconds
+        self.since: float | None = None
+        self.fired = False
+        self._handle = loop.call_later(seconds, self._check)
+
+    def _check(self) -> None:
+        now, since = self._loop.time(), self.since
+        if since is not None and now - since >= self.seconds:
+            self.fired = True
+            self._leg.stream.close()
+            return
+        self._handle = self._loop.call_at(
+            (now if since is None else since) + self.seconds, self._check
+        )
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _json(payload: bytes) -> dict[str, Any] | None:
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
