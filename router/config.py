@@ -54,6 +54,7 @@ __all__ = [
     "KvEventsConfig",
     "LimitsConfig",
     "ListenConfig",
+    "LoraConfig",
     "Mode",
     "ModelConfig",
     "PolicyName",
@@ -300,6 +301,25 @@ class AutoscalingConfig(_Strict):
     tpot_ms: PositiveFloat | None = None
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters served on this model's engines (``router/engines/adapters.py``,
+    ``docs/operations.md#lora-adapters``). Off by default: a request naming anything but the
+    model is then an unknown model (404), and no engine is asked for its adapters.
+
+    With ``enabled``, every engine's ``GET /v1/models`` is read when it answers its first
+    health check, when it comes back, and then at the first health check at least
+    ``refresh_interval`` seconds after the last read (never on a request's path); an
+    adapter is a card whose ``parent`` is set. A request naming an adapter goes to a P and
+    a D that both hold it (D alone: a D that holds it); none: vLLM's 404.
+    ``max_adapter_labels``: adapters with a label of their own in
+    ``pdrouter_lora_requests_total``, the first seen first; the rest count as ``other``
+    (a bounded label set, whatever the clients send)."""
+
+    enabled: bool = False
+    refresh_interval: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+    max_adapter_labels: int = Field(default=32, ge=0, le=1000)
+
+
 class AdaptiveConfig(_Strict):
     """The per-request choice between P/D, D alone and P alone (``router/pd/adaptive.py``;
     the rule in ``docs/policy.md``). Off by default: every request is then served as the
@@ -344,6 +364,7 @@ class ModelConfig(_Strict):
     kv_events: KvEventsConfig = KvEventsConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     autoscaling: AutoscalingConfig = AutoscalingConfig()
+    lora: LoraConfig = LoraConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,9 +15,10 @@ import httpx
 from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
-from router.config import RouterConfig
+from router.config import LoraConfig, RouterConfig
 from router.engines.facts import FactsReader
 from router.engines.health import HealthMonitor
+from router.engines.instance import Instance
 from router.engines.load import LoadWatcher
 from router.engines.reported import EngineLoads, own_load
 from router.guard import ClientEvents
@@ -89,7 +91,7 @@ def build_context(
         legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
     )
 
-    facts = FactsReader(upstream, config.health.timeout)
+    facts = FactsReader(upstream, config.health.timeout, clock, functools.partial(_lora, registry))
     health = HealthMonitor(registry.instances, upstream, config.health, facts, registry.check_pairs)
     load = None
     if config.admission.replicas > 1:
@@ -129,3 +131,9 @@ def build_context(
         engine_loads,
         LoadReports(side_calls),
     )
+
+
+def _lora(registry: Registry, inst: Instance) -> LoraConfig | None:
+    """The LoRA settings of ``inst``'s model (read at each check: a reload may change them)."""
+    pool = registry.get(inst.model)
+    return pool.config.lora if pool is not None else None

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.address import NixlAddress
+from router.engines.adapters import Adapter
 from router.engines.breaker import Breaker, BreakerState
 from router.engines.pairing import EngineFacts
 from router.errors import NoHealthyEngine
@@ -124,6 +125,7 @@ class Instance:
         self.kv_host: str | None = None
         self._block_size: int | None = None
         self._version: str | None = None
+        self._adapters: Mapping[str, Adapter] = {}
         self._unpaired: str | None = None
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
@@ -241,6 +243,22 @@ class Instance:
     def learn_version(self, version: str | None) -> None:
         """The engine's ``/version`` (the health monitor's, when it joins or comes back)."""
         self._version = version
+
+    @property
+    def adapters(self) -> Mapping[str, Adapter]:
+        """The LoRA adapters the engine holds, by name, as last read from its ``/v1/models``
+        (router/engines/adapters.py); empty until read, or for a model with ``lora`` off.
+        Kept while the engine is out: read again when it comes back."""
+        return self._adapters
+
+    def learn_adapters(self, adapters: Mapping[str, Adapter]) -> bool:
+        """Set by the facts reader; True when they changed. A change may make a waiter fit
+        (a D that now holds its adapter), so the ledger is told."""
+        if adapters == self._adapters:
+            return False
+        self._adapters = dict(adapters)
+        self._changed()
+        return True
 
     @property
     def unpaired(self) -> str | None:
