@@ -25,6 +25,7 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import RetryConfig, TracingConfig
+from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
@@ -106,7 +107,15 @@ class Dispatcher:
         # The key is built at most once, and only if the policy or the session fallback needs it.
         key = routing_key(creq) if pool.key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
-        route = Route(key, session, await self._cache_route(pool, creq))
+        # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
+        adapter = requested_adapter(pool.name, creq.body)
+        route = Route(
+            key,
+            session,
+            await self._cache_route(pool, creq),
+            pool.adapter_filter(adapter, Role.PREFILL, paired=True),
+            pool.adapter_filter(adapter, Role.DECODE, paired=decision.uses_prefill),
+        )
         avoid: frozenset[Instance] = frozenset()
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
@@ -220,7 +229,9 @@ class Dispatcher:
     ) -> Dispatch:
         """P serves the whole request as an aggregated engine (the client's body, no
         ``kv_transfer_params``); no decode slot is taken, D does no work for it."""
-        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
+        lease = pool.select_prefill(
+            route.key, avoid, route.session, route.cache, allowed=route.prefill_ok
+        )
         if lease is None:
             raise self._no_prefill(pool)
         p = lease.instance
@@ -252,6 +263,7 @@ class Dispatcher:
                     route.cache,
                     creq.priority_level,
                     _deadline(pool, creq),
+                    route.decode_ok,
                 )
             except (NoCapacity, QueueFull) as exc:
                 self._count_refusal(pool, creq, exc)
@@ -284,7 +296,9 @@ class Dispatcher:
         """A disaggregated attempt, its decode slot held: select a P that can pair with its
         D, run the plan."""
         d = reservation.instance
-        lease = pool.select_prefill(route.key, avoid, route.session, route.cache, decode=d)
+        lease = pool.select_prefill(
+            route.key, avoid, route.session, route.cache, decode=d, allowed=route.prefill_ok
+        )
         if lease is None:  # left rotation while this request waited for its slot
             raise self._no_prefill(pool, d)
         p = lease.instance
