@@ -102,6 +102,11 @@ class Behaviour:
     # 0.33 wire: the params this engine answers with where it keeps no turn (another
     # connector's, whatever it was asked; None: null)
     own_params: dict[str, Any] | None = None
+    # LoRA adapters held, name -> path, as `vllm serve --enable-lora --lora-modules
+    # name=path` (or /v1/load_lora_adapter) gives them: each listed in /v1/models with its
+    # parent, and a request naming a model that is neither "tiny" nor one of them gets vLLM's
+    # 404. None: an engine without LoRA that answers whatever model is named (the default).
+    adapters: dict[str, str] | None = None
 
 
 @dataclass
@@ -175,17 +180,29 @@ class FakeEngine:
         self.cache = PrefixCache(self.cache.block_size, self.cache.capacity)
         self.publisher.restart()
 
+    def _serves(self, rec: Received) -> bool:
+        """Whether the model the request names is served here (see ``Behaviour.adapters``)."""
+        adapters = self.behaviour.adapters
+        model = rec.body.get("model")
+        return adapters is None or model in (None, "tiny") or model in adapters
+
+    def lora(self, rec: Received) -> str | None:
+        """The adapter a request ran with (None: the base model)."""
+        model = rec.body.get("model")
+        held = self.behaviour.adapters or {}
+        return model if isinstance(model, str) and model in held else None
+
     def _cache_lookup(self, rec: Received) -> list[int]:
         """The request's prompt ids (none without a cache); records what the cache holds."""
         if self.cache is None:
             return []
         tokens = _token_ids(rec.body)
-        rec.cached = self.cache.hit(tokens)
+        rec.cached = self.cache.hit(tokens, self.lora(rec))
         return tokens
 
-    def _cache_store(self, tokens: list[int]) -> None:
+    def _cache_store(self, tokens: list[int], lora: str | None = None) -> None:
         if self.cache is not None and self.publisher is not None:
-            events = self.cache.store(tokens)
+            events = self.cache.store(tokens, lora)
             if events:
                 self.publisher.publish(events)
 
@@ -244,7 +261,11 @@ class FakeEngine:
             card: dict[str, Any] = {"id": "tiny", "object": "model"}
             if b.max_model_len is not None:
                 card["max_model_len"] = b.max_model_len
-            await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+            cards = [card] + [
+                {"id": name, "object": "model", "root": root, "parent": "tiny"}
+                for name, root in (b.adapters or {}).items()
+            ]
+            await _respond(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         elif path == "/metrics":
             text = (
                 f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
@@ -300,6 +321,9 @@ class FakeEngine:
             )
             await _respond(send, status, body)
             return
+        if not self._serves(rec):
+            await _respond(send, 404, _unknown_model(rec))
+            return
         if b.paused and rec.path not in ("/tokenize", "/detokenize"):
             await self._refuse_paused(rec, send)
             return
@@ -319,7 +343,7 @@ class FakeEngine:
         if kv.get("do_remote_decode"):
             await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
             await self._prefill(rec, send, b)
-            self._cache_store(prompt)
+            self._cache_store(prompt, self.lora(rec))
             return
         if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
             # Push-style D: wait for "the KV" from the P leg with the same request id.
@@ -341,7 +365,7 @@ class FakeEngine:
             _keep_turn(self.name, rec, doc)
         elif rec.body.get("return_token_ids"):
             _add_token_ids(rec, doc)
-        self._cache_store(prompt + _reply_ids(doc, rec))
+        self._cache_store(prompt + _reply_ids(doc, rec), self.lora(rec))
         await _respond(send, 200, json.dumps(doc).encode())
 
     async def _refuse_paused(self, rec: Received, send: Send) -> None:
@@ -432,7 +456,7 @@ class FakeEngine:
             }
             await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
         if prompt is not None:
-            self._cache_store(prompt + list("".join(reply).encode()))
+            self._cache_store(prompt + list("".join(reply).encode()), self.lora(rec))
         held = self.hold_done(rec) if self.hold_done is not None else None
         if held is not None:
             await held.wait()
@@ -512,6 +536,14 @@ async def _respond(
 
 async def _chunk(send: Send, data: bytes) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _unknown_model(rec: Received) -> bytes:
+    """vLLM 0.32's 404 for a model it does not serve (``vllm/entrypoints/serve/engine/
+    serving.py``, ``_check_model``: its base model names are the valid aliases)."""
+    message = f"The model `{rec.body.get('model')}` does not exist. Valid aliases: tiny."
+    error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
+    return json.dumps({"error": error}).encode()
 
 
 def _is_chat(rec: Received) -> bool:
