@@ -313,11 +313,34 @@ class LoraConfig(_Strict):
     a D that both hold it (D alone: a D that holds it); none: vLLM's 404.
     ``max_adapter_labels``: adapters with a label of their own in
     ``pdrouter_lora_requests_total``, the first seen first; the rest count as ``other``
-    (a bounded label set, whatever the clients send)."""
+    (a bounded label set, whatever the clients send).
+
+    ``modules``: adapters the router may load itself, name to path as the engines see it
+    (``router/engines/adapter_loads.py``). A request for one goes to engines that hold it
+    where a P and a D do, else to the usual engines, and each chosen engine that lacks it
+    is first asked to load it (``POST /v1/load_lora_adapter``; the engines run with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), once per engine however many requests wait,
+    within ``load_timeout`` seconds; a failed load answers a 502 ``adapter_load_failed``."""
 
     enabled: bool = False
     refresh_interval: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
     max_adapter_labels: int = Field(default=32, ge=0, le=1000)
+    modules: dict[str, str] = Field(default_factory=dict)
+    load_timeout: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)
+
+    @field_validator("modules")
+    @classmethod
+    def _named_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not name.strip() or not path.strip():
+                raise ValueError(f"an adapter needs a name and a path, got {name!r}: {path!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _modules_need_enabled(self) -> LoraConfig:
+        if self.modules and not self.enabled:
+            raise ValueError("modules needs enabled: true (the router must know who holds what)")
+        return self
 
 
 class AdaptiveConfig(_Strict):
@@ -417,6 +440,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
+        if self.name in self.lora.modules:
+            raise ValueError(
+                f"lora.modules: {self.name!r} is the model's own name (vLLM refuses an adapter "
+                "named as its base model)"
+            )
         if self.kept_turns.enabled and self.mode not in (Mode.PULL, Mode.PIPELINED):
             raise ValueError(
                 f"kept_turns needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "

@@ -16,6 +16,7 @@ from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
 from router.config import LoraConfig, RouterConfig
+from router.engines.adapter_loads import AdapterLoader
 from router.engines.facts import FactsReader
 from router.engines.health import HealthMonitor
 from router.engines.instance import Instance
@@ -88,7 +89,15 @@ def build_context(
     turns = KeptTurns(side_calls, metrics)
     scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
-        legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
+        legs,
+        turns,
+        metrics,
+        config.retries,
+        clock,
+        config.health.interval,
+        tracing,
+        scorer,
+        AdapterLoader(upstream),
     )
 
     facts = FactsReader(upstream, config.health.timeout, clock, functools.partial(_lora, registry))

@@ -152,9 +152,11 @@ class ModelPool:
         """Whether an adapter request may be routed here at all: some D holds it and, in a
         disaggregated mode, some P holding it can pair with such a D (health aside: an
         engine out for now refuses with a 503, not a 404). Off (``lora.enabled`` false):
-        never."""
+        never. An adapter the router may load itself (``lora.modules``) always may."""
         if not self.config.lora.enabled:
             return False
+        if adapter in self.config.lora.modules:
+            return True
         decode = [d for d in self.decode if adapter in d.adapters]
         if not self.mode.uses_prefill:
             return bool(decode)
@@ -170,6 +172,27 @@ class ModelPool:
         is never taken where no P could serve the prompt."""
         if adapter is None:
             return None
+        if adapter in self.config.lora.modules:
+            return self._loadable_filter(adapter, role, paired)
+        return self._held_filter(adapter, role, paired)
+
+    def _loadable_filter(
+        self, adapter: str, role: Role, paired: bool
+    ) -> Callable[[Instance], bool]:
+        """For an adapter the router loads itself: the engines that hold it while they can
+        serve the request (for D with ``paired``: while one pairs with a P that holds it),
+        else any (the chosen ones load it first: router/engines/adapter_loads.py)."""
+        held = self._held_filter(adapter, role, paired)
+
+        def allowed(inst: Instance) -> bool:
+            routable = candidates(self.of_role(role))
+            return held(inst) or not any(held(i) for i in routable)
+
+        return allowed
+
+    def _held_filter(self, adapter: str, role: Role, paired: bool) -> Callable[[Instance], bool]:
+        """The engines of ``role`` that hold ``adapter`` (for D with ``paired``: and pair
+        with a routable P that holds it)."""
         if role is Role.PREFILL or not paired:
             return lambda inst: adapter in inst.adapters
 
@@ -190,6 +213,8 @@ class ModelPool:
         for inst in (*self.prefill, *self.decode):
             for name, adapter in inst.adapters.items():
                 found.setdefault(name, adapter)
+        for name, path in self.config.lora.modules.items():
+            found.setdefault(name, Adapter(name, self.name, path))
         return [found[name].card(self.name) for name in sorted(found) if self.serves_adapter(name)]
 
     # -- pairing ---------------------------------------------------------------

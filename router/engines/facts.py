@@ -119,13 +119,14 @@ class FactsReader:
         return changed
 
     async def _read_adapters(self, inst: Instance) -> None:
+        since = inst.adapters_changes  # a load that ends during the GET wins over its answer
         body = await self._get(inst, "/v1/models")
         adapters = parse_adapters(body) if body else None
         if adapters is None:
             return
         self._adapters_due.discard(inst)
         self._adapters_at[inst] = self._clock()
-        if inst.learn_adapters(adapters):
+        if inst.learn_adapters(adapters, since):
             log.info(
                 "event=engine_adapters role=%s engine=%s adapters=%s",
                 inst.role,

@@ -126,6 +126,7 @@ class Instance:
         self._block_size: int | None = None
         self._version: str | None = None
         self._adapters: Mapping[str, Adapter] = {}
+        self._adapters_changes = 0  # how many times they changed (see learn_adapters)
         self._unpaired: str | None = None
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
@@ -251,12 +252,22 @@ class Instance:
         Kept while the engine is out: read again when it comes back."""
         return self._adapters
 
-    def learn_adapters(self, adapters: Mapping[str, Adapter]) -> bool:
-        """Set by the facts reader; True when they changed. A change may make a waiter fit
-        (a D that now holds its adapter), so the ledger is told."""
-        if adapters == self._adapters:
+    @property
+    def adapters_changes(self) -> int:
+        """How many times :attr:`adapters` changed: a reader notes it before it asks."""
+        return self._adapters_changes
+
+    def learn_adapters(self, adapters: Mapping[str, Adapter], since: int | None = None) -> bool:
+        """Set by the facts reader (what the engine lists), and by the adapter loader once a
+        load succeeded (router/engines/adapter_loads.py: the next read confirms it); True
+        when they changed. ``since``: the reader's :attr:`adapters_changes` when it asked; a
+        list asked for before a later change (a load that ended meanwhile) is older than
+        what is known, and ignored. A change may make a waiter fit (a D that now holds its
+        adapter), so the ledger is told."""
+        if adapters == self._adapters or (since is not None and since != self._adapters_changes):
             return False
         self._adapters = dict(adapters)
+        self._adapters_changes += 1
         self._changed()
         return True
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import RetryConfig, TracingConfig
+from router.engines.adapter_loads import AdapterLoader
 from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
@@ -67,9 +68,12 @@ class Dispatcher:
         probe_interval: float = 5.0,
         tracing: Tracing | None = None,
         scorer: CacheScorer | None = None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         """``probe_interval``: the health-check interval (Retry-After of a refusal).
-        ``scorer``: cache-aware routing for models with ``kv_events`` on."""
+        ``scorer``: cache-aware routing for models with ``kv_events`` on. ``adapters``:
+        loads a model's ``lora.modules`` on the chosen engines that lack them."""
+        self._adapters = adapters
         self._tracing = tracing or Tracing(TracingConfig())
         self._scorer = scorer
         self._probe_interval = probe_interval
@@ -184,6 +188,17 @@ class Dispatcher:
             return NoHealthyEngine(Role.PREFILL.value, pool.name, self._probe_interval, why)
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
 
+    async def _load_adapter(self, pool: ModelPool, creq: ClientRequest, *engines: Instance) -> None:
+        """The request's LoRA adapter, where the router loads it itself (``lora.modules``),
+        loaded on those of the chosen ``engines`` that lack it (router/engines/
+        adapter_loads.py); raises :class:`~router.errors.AdapterLoadFailed`."""
+        adapter = requested_adapter(pool.name, creq.body)
+        lora = pool.config.lora
+        path = lora.modules.get(adapter) if adapter is not None else None
+        if adapter is None or path is None or self._adapters is None:
+            return
+        await self._adapters.ensure(pool.name, adapter, path, engines, lora.load_timeout)
+
     def _backoff(self, attempt: int) -> float:
         r = self._retries
         base = min(r.backoff_max, r.backoff_initial * (2.0 ** (attempt - 1)))
@@ -214,6 +229,7 @@ class Dispatcher:
         try:
             if decision.uses_prefill:
                 return await self._split(pool, creq, decision, route, avoid, reservation, ids)
+            await self._load_adapter(pool, creq, reservation.instance)
             body = kp.aggregated_body(creq.body)
             leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
             return Dispatch(reservation, leg, decision, ids.request_id)
@@ -241,6 +257,7 @@ class Dispatcher:
         if self._tracing.enabled:
             self._tracing.set(pdrouter__prefill=p.url, pdrouter__request_id=ids.request_id)
         try:
+            await self._load_adapter(pool, creq, p)
             body = kp.aggregated_body(creq.body)
             leg = await self._decode(pool, p, creq, body, ids, alone=True)
         except UpstreamError as exc:
@@ -304,6 +321,7 @@ class Dispatcher:
         p = lease.instance
         self._count_placement(pool, Role.PREFILL, lease.placement)
         self._count_choice(pool, Role.PREFILL, route.cache)
+        await self._load_adapter(pool, creq, p, d)
         pair = Pair(creq, ids, p, reservation.instance)
         self._tracing.set(pdrouter__prefill=p.url)
         plan = self._plans[decision]

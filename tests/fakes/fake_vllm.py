@@ -107,6 +107,9 @@ class Behaviour:
     # parent, and a request naming a model that is neither "tiny" nor one of them gets vLLM's
     # 404. None: an engine without LoRA that answers whatever model is named (the default).
     adapters: dict[str, str] | None = None
+    # POST /v1/load_lora_adapter: answered after this delay, with this status (200: loaded)
+    lora_load_delay: float = 0.0
+    lora_load_status: int = 200
 
 
 @dataclass
@@ -153,6 +156,7 @@ class FakeEngine:
         self.peak = 0  # most generate requests open at once
         self.health_checks = 0
         self.gets: list[str] = []  # paths of every GET but /health
+        self.lora_loads: list[str] = []  # the adapters /v1/load_lora_adapter was asked for
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
         self.cache: PrefixCache | None = None  # see start_kv_events
         self._computing = asyncio.Lock()
@@ -237,6 +241,9 @@ class FakeEngine:
             body=json.loads(body or b"{}"),
             started=time.monotonic(),
         )
+        if path == "/v1/load_lora_adapter":
+            await self._load_lora(rec, send)
+            return
         self.received.append(rec)
         self.active += 1
         self.peak = max(self.peak, self.active)
@@ -281,6 +288,29 @@ class FakeEngine:
             await _respond(send, 200, json.dumps({"version": b.version}).encode())
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
+
+    async def _load_lora(self, rec: Received, send: Send) -> None:
+        """vLLM 0.32's ``/v1/load_lora_adapter`` (``vllm/entrypoints/openai/models/
+        serving.py``, ``load_lora_adapter``): 200 with a text once loaded; 400 for one it
+        holds already; ``lora_load_status`` otherwise (a wrong path, say)."""
+        b = self.behaviour
+        name, path = rec.body.get("lora_name"), rec.body.get("lora_path")
+        self.lora_loads.append(str(name))
+        if b.lora_load_delay:
+            await asyncio.sleep(b.lora_load_delay)
+        held = b.adapters if b.adapters is not None else {}
+        if name in held:
+            message = f"The lora adapter '{name}' has already been loaded."
+            error = {"message": message, "type": "InvalidUserInput", "param": None, "code": 400}
+            await _respond(send, 400, json.dumps({"error": error}).encode())
+        elif b.lora_load_status != 200:
+            message = f"Loading lora {name} failed: No adapter found for {path}"
+            error = {"message": message, "type": "NotFoundError", "param": None, "code": 404}
+            await _respond(send, b.lora_load_status, json.dumps({"error": error}).encode())
+        else:
+            b.adapters = {**held, str(name): str(path)}
+            text = f"Success: LoRA adapter '{name}' added successfully."
+            await _respond(send, 200, text.encode(), b"text/plain")
 
     # -- generation ----------------------------------------------------------
 

@@ -7,6 +7,7 @@ its index, and counts adapter requests under a bounded label set."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -231,11 +232,89 @@ async def test_the_adapter_label_set_is_bounded(
 
 
 def test_lora_settings_are_validated() -> None:
-    cfg = {"models": [{"name": "m", "mode": "aggregated", "decode": [{"url": "http://d:1"}]}]}
-    for bad in ({"refresh_interval": 0}, {"max_adapter_labels": -1}, {"enable": True}):
+    cfg: dict[str, Any] = {
+        "models": [{"name": "m", "mode": "aggregated", "decode": [{"url": "http://d:1"}]}]
+    }
+    for bad in (
+        {"refresh_interval": 0},
+        {"max_adapter_labels": -1},
+        {"enable": True},
+        {"load_timeout": 0},
+        {"modules": {"sql": "/a"}},  # without enabled
+        {"enabled": True, "modules": {"sql": " "}},
+        {"enabled": True, "modules": {"m": "/a"}},  # the model's own name
+    ):
         cfg["models"][0]["lora"] = bad
         with pytest.raises(ConfigError, match="lora"):
             parse_config(cfg)
+
+
+# -- adapters the router loads itself (lora.modules) ---------------------------------------
+
+MODULES = {"modules": {"sql": "/adapters/sql"}}
+
+
+async def test_a_configured_adapter_is_loaded_once_on_the_chosen_engines_before_its_legs(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """No engine holds `sql`; three requests at once while P's load takes a while: P and D
+    are each asked once, every request is served after the loads (a fake engine answers an
+    adapter it lacks with a 404), and the router then counts them as holders."""
+    _hold(cluster, {})
+    cluster.prefill[0].behaviour.lora_load_delay = 0.3
+    url, ctx = await _router(cluster, "pull", lora=MODULES)
+    answers = await asyncio.gather(
+        *(client.post(url + "/v1/completions", json=_body("sql", f"a{i}")) for i in range(3))
+    )
+    assert [r.status_code for r in answers] == [200, 200, 200], [r.text for r in answers]
+    assert [e.lora_loads for e in cluster.engines] == [["sql"], ["sql"]]
+    assert all(r.body["model"] == "sql" for e in cluster.engines for r in _legs(e))
+    assert all("sql" in i.adapters for i in ctx.registry.instances())
+    ids = [c["id"] for c in (await client.get(url + "/v1/models")).json()["data"]]
+    assert ids == ["tiny", "sql"]
+
+
+async def test_engines_that_hold_a_configured_adapter_are_preferred_to_loading_it(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    _hold(cluster2, {"p1": {"sql": "/adapters/sql"}, "d1": {"sql": "/adapters/sql"}})
+    url, _ = await _router(cluster2, "pull", lora=MODULES)
+    for i in range(4):
+        r = await client.post(url + "/v1/completions", json=_body("sql", f"a{i}"))
+        assert r.status_code == 200, r.text
+    assert _pairs(cluster2, "sql") == [("p1", "d1")] * 4
+    assert all(e.lora_loads == [] for e in cluster2.engines)
+
+
+async def test_a_failed_load_answers_502_in_words_and_runs_no_leg(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """D cannot load `sql` (a wrong path): a 502 `adapter_load_failed` naming the adapter,
+    the role and the engine's reason; no generate leg anywhere, the slot given back."""
+    _hold(cluster, {})
+    cluster.decode[0].behaviour.lora_load_status = 404
+    url, ctx = await _router(cluster, "pull", lora=MODULES)
+    r = await client.post(url + "/v1/completions", json=_body("sql", "x"))
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]
+    assert error["code"] == "adapter_load_failed"
+    assert "'sql'" in error["message"] and "decode engine" in error["message"]
+    assert "No adapter found for /adapters/sql" in error["message"]
+    assert all(_legs(e) == [] for e in cluster.engines)
+    assert metric(ctx, "pdrouter_upstream_errors_total", code="adapter_load_failed") == 1
+
+
+async def test_a_load_past_load_timeout_answers_502(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    _hold(cluster, {})
+    cluster.decode[0].behaviour.lora_load_delay = 5
+    url, _ = await _router(cluster, "aggregated", lora={**MODULES, "load_timeout": 0.2})
+    r = await client.post(url + "/v1/completions", json=_body("sql", "x"))
+    assert r.status_code == 502, r.text
+    error = r.json()["error"]  # the wait's bound or the call's own timeout: both 0.2 s
+    assert error["code"] == "adapter_load_failed" and "'sql'" in error["message"]
+    assert _legs(cluster.decode[0]) == []
 
 
 # -- the KV index --------------------------------------------------------------------------
