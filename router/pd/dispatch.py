@@ -213,8 +213,10 @@ class Dispatcher:
         route: Route,
         avoid: frozenset[Instance],
     ) -> Dispatch:
-        if decision.uses_prefill and not candidates(pool.prefill):
-            # Refused before a decode slot is taken: no queue wait can end well.
+        usable = candidates(pool.prefill) if decision.uses_prefill else []
+        if decision.uses_prefill and not [p for p in usable if _ok(route.prefill_ok, p)]:
+            # Refused before a decode slot is taken: no queue wait can end well. (An adapter
+            # whose holders are all out: no P for it, whatever the other Ps.)
             raise self._no_prefill(pool)
         if decision is Decision.PREFILL_ALONE:
             return await self._prefill_alone(pool, creq, route, avoid)
@@ -626,6 +628,10 @@ class _Dispatching:
         opened, self._opened = self._opened, None
         assert opened is not None
         await self._dispatcher._finish(self._pool, opened)
+
+
+def _ok(allowed: Callable[[Instance], bool] | None, inst: Instance) -> bool:
+    return allowed is None or allowed(inst)
 
 
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:

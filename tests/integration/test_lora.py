@@ -160,6 +160,27 @@ async def test_an_adapter_no_pair_holds_gets_vllm_s_404_and_reaches_no_engine(
     assert metric(ctx, "pdrouter_lora_requests_total") == 0
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_an_adapter_whose_holders_are_out_gets_a_503_not_a_404(
+    cluster2: Cluster, client: httpx.AsyncClient, role: str
+) -> None:
+    """p1 and d1 hold `sql`; the one of ``role`` fails its health checks: the adapter still
+    exists, so the answer is the usual 503 for that role, with Retry-After, and no leg runs;
+    the base model is still served by the others."""
+    _hold(cluster2, {"p1": {"sql": "/a"}, "d1": {"sql": "/a"}})
+    url, ctx = await _router(cluster2, "pull")
+    down = cluster2.prefill[1] if role == "prefill" else cluster2.decode[1]
+    down.behaviour.health_status = 500
+    await eventually(lambda: any(i.healthy is False for i in ctx.registry.instances()))
+    r = await client.post(url + "/v1/completions", json=_body("sql", "x"))
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == f"no_healthy_{role}"
+    assert "retry-after" in r.headers
+    assert _pairs(cluster2, "sql") == []
+    r = await client.post(url + "/v1/completions", json=_body("tiny", "y"))
+    assert r.status_code == 200, r.text
+
+
 async def test_with_lora_off_an_adapter_name_is_an_unknown_model(
     cluster2: Cluster, client: httpx.AsyncClient
 ) -> None:
