@@ -62,7 +62,8 @@ def parse_block_size(text: str) -> int | None:
 class FactsReader:
     """Reads an engine's facts when the health monitor sees it answer: the first time, after
     it was out for health (a restart may have changed them), and every ``REREAD_EVERY``
-    checks. Writes them to the instance (its only writer).
+    checks. Writes them to the instance (the only writer of its facts; its adapters are
+    also written by the adapter loader, router/engines/adapter_loads.py).
 
     ``lora``: the LoRA settings of an instance's model (None, or ``enabled`` false: its
     adapters are never read). Adapters are read on the same occasions as the facts (first
