@@ -238,6 +238,19 @@ async def test_an_adapter_loaded_later_is_routed_once_the_router_read_it_again(
     assert r.status_code == 404
 
 
+async def test_a_tokenize_call_naming_an_adapter_goes_to_an_engine_that_holds_it(
+    cluster2: Cluster, client: httpx.AsyncClient
+) -> None:
+    """Forwarded endpoints pick their engine among the adapter's holders (here d1 only:
+    decode engines first), never one that would answer it with a 404."""
+    _hold(cluster2, {"p1": {"sql": "/a"}, "d1": {"sql": "/a"}})
+    url, _ = await _router(cluster2, "pull")
+    for _ in range(3):
+        r = await client.post(url + "/tokenize", json={"model": "sql", "prompt": "hi"})
+        assert r.status_code == 200, r.text
+    assert [len(e.received) for e in cluster2.engines] == [0, 0, 0, 3]
+
+
 async def test_the_adapter_label_set_is_bounded(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:
