@@ -75,6 +75,13 @@ class Engine:
         self.engine_id = f"fake-{os.getpid()}"
         self.kv_port: int = args.port + 1000
         self.batch = Batch(self.itl)
+        # /v1/models as vLLM lists it: the base model, then each LoRA adapter with its parent.
+        cards = [{"id": "fake", "object": "model"}] + [
+            {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": "fake"}
+            for name in args.adapters.split(",")
+            if name
+        ]
+        self.models = _json_response({"object": "list", "data": cards})
 
     def prefill_answer(self, chat: bool, body: dict[str, Any]) -> bytes:
         rid = next(_ids)
@@ -183,6 +190,9 @@ class Conn(asyncio.Protocol):
         method = self.parser.get_method()
         url, body = self.url, b"".join(self.body)
         if method == b"GET":
+            if url == b"/v1/models":
+                self._write(self.engine.models)
+                return
             self._write(_HEALTH if url.startswith(b"/health") else _NOT_FOUND)
             return
         if url not in (b"/v1/completions", b"/v1/chat/completions"):
@@ -293,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-us-per-token", type=float, default=20.0)
     p.add_argument("--kv-transfer-ms", type=float, default=1.0)
     p.add_argument("--transfer-mode", choices=["pull", "push"], default="pull")
+    p.add_argument(
+        "--adapters", default="", help="LoRA adapters /v1/models lists (comma-separated)"
+    )
     args = p.parse_args(argv)
     if args.tokens < 2:
         p.error("--tokens must be at least 2")

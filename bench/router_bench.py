@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 ROUTER_MODES = ("pull", "push", "aggregated")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+ADAPTER = "fake-lora"  # the LoRA adapter both fake engines list (the +lora targets' model)
 
 
 @dataclass
@@ -192,6 +193,7 @@ def _router_config(
     log_level: str,
     otlp: str | None = None,
     access_log: bool = False,
+    lora: bool = False,
 ) -> str:
     prefill = f'[{{url: "{p_url}", engine_id: "fake-p", kv_host: 127.0.0.1, kv_port: 12000}}]'
     tracing = f'tracing: {{endpoint: "{otlp}"}}\n' if otlp else ""
@@ -201,7 +203,8 @@ def _router_config(
         f"log_level: {log_level}\n"
         "models:\n"
         f"  - name: fake\n    mode: {mode}\n"
-        f"    prefill: {prefill}\n"
+        + ("    lora: {enabled: true}\n" if lora else "")
+        + f"    prefill: {prefill}\n"
         f'    decode: [{{url: "{d_url}", slots: 16384}}]\n'
         "admission: {queue_size: 16384}\n" + tracing
     )
@@ -229,8 +232,11 @@ def _otlp_sink(port: int) -> str:
 def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
     suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
-    into the target's log file) or ``+httpx`` (engine calls through httpx instead of the
-    router's HTTP/1.1 client: ``bench/httpx_router.py``) is not part of the mode."""
+    into the target's log file), ``+httpx`` (engine calls through httpx instead of the
+    router's HTTP/1.1 client: ``bench/httpx_router.py``) or ``+lora`` (LoRA routing on, every
+    request naming the adapter both fake engines list: :data:`ADAPTER`) is not part of the
+    mode."""
+    spec = spec.removesuffix("+lora")
     spec = spec.removesuffix("+traced").removesuffix("+logged").removesuffix("+httpx")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
@@ -255,7 +261,10 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
                 sink = sink or _otlp_sink(args.port_base + 9)
                 otlp = sink
             logged = name.endswith("+logged")
-            cfg.write_text(_router_config(mode, port, p_url, d_url, args.log_level, otlp, logged))
+            lora = name.endswith("+lora")
+            cfg.write_text(
+                _router_config(mode, port, p_url, d_url, args.log_level, otlp, logged, lora)
+            )
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if spec.endswith("+httpx"):
                 argv = [sys.executable, str(HERE / "httpx_router.py"), "--config", str(cfg)]
@@ -351,6 +360,8 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
         "--prompt-chars",
         str(args.prompt_chars),
     ]
+    if target.name.endswith("+lora"):
+        lg += ["--model", ADAPTER]
     if args.client_cpus:
         lg = ["taskset", "-c", args.client_cpus, *lg]
     spy = _profiler(args, target, conc, proc)
@@ -429,6 +440,8 @@ def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Po
         str(args.prefill_us_per_token),
         "--kv-transfer-ms",
         str(args.kv_transfer_ms),
+        "--adapters",
+        ADAPTER,
     ]
     procs = []
     for i, role in ((1, "prefill"), (2, "decode")):

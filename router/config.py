@@ -54,6 +54,7 @@ __all__ = [
     "KvEventsConfig",
     "LimitsConfig",
     "ListenConfig",
+    "LoraConfig",
     "MigrationConfig",
     "Mode",
     "ModelConfig",
@@ -301,6 +302,48 @@ class AutoscalingConfig(_Strict):
     tpot_ms: PositiveFloat | None = None
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters served on this model's engines (``router/engines/adapters.py``,
+    ``docs/operations.md#lora-adapters``). Off by default: a request naming anything but the
+    model is then an unknown model (404), and no engine is asked for its adapters.
+
+    With ``enabled``, every engine's ``GET /v1/models`` is read when it answers its first
+    health check, when it comes back, and then at the first health check at least
+    ``refresh_interval`` seconds after the last read (never on a request's path); an
+    adapter is a card whose ``parent`` is set. A request naming an adapter goes to a P and
+    a D that both hold it (D alone: a D that holds it); none: vLLM's 404.
+    ``max_adapter_labels``: adapters with a label of their own in
+    ``pdrouter_lora_requests_total``, the first seen first; the rest count as ``other``
+    (a bounded label set, whatever the clients send).
+
+    ``modules``: adapters the router may load itself, name to path as the engines see it
+    (``router/engines/adapter_loads.py``). A request for one goes to engines that hold it
+    where a P and a D do, else to the usual engines, and each chosen engine that lacks it
+    is first asked to load it (``POST /v1/load_lora_adapter``; the engines run with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``), once per engine however many requests wait,
+    within ``load_timeout`` seconds; a failed load answers a 502 ``adapter_load_failed``."""
+
+    enabled: bool = False
+    refresh_interval: float = Field(default=10.0, gt=0, le=3600, allow_inf_nan=False)
+    max_adapter_labels: int = Field(default=32, ge=0, le=1000)
+    modules: dict[str, str] = Field(default_factory=dict)
+    load_timeout: float = Field(default=60.0, gt=0, le=3600, allow_inf_nan=False)
+
+    @field_validator("modules")
+    @classmethod
+    def _named_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, path in v.items():
+            if not name.strip() or not path.strip():
+                raise ValueError(f"an adapter needs a name and a path, got {name!r}: {path!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _modules_need_enabled(self) -> LoraConfig:
+        if self.modules and not self.enabled:
+            raise ValueError("modules needs enabled: true (the router must know who holds what)")
+        return self
+
+
 class AdaptiveConfig(_Strict):
     """The per-request choice between P/D, D alone and P alone (``router/pd/adaptive.py``;
     the rule in ``docs/policy.md``). Off by default: every request is then served as the
@@ -345,6 +388,7 @@ class ModelConfig(_Strict):
     kv_events: KvEventsConfig = KvEventsConfig()
     adaptive: AdaptiveConfig = AdaptiveConfig()
     autoscaling: AutoscalingConfig = AutoscalingConfig()
+    lora: LoraConfig = LoraConfig()
     # Prompts estimated shorter than this go to D alone: a prefill that small costs
     # less than the handoff. 0 disables conditional disaggregation.
     disagg_min_prompt_tokens: int = Field(default=0, ge=0)
@@ -398,6 +442,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_roles(self) -> ModelConfig:
+        if self.name in self.lora.modules:
+            raise ValueError(
+                f"lora.modules: {self.name!r} is the model's own name (vLLM refuses an adapter "
+                "named as its base model)"
+            )
         if self.kept_turns.enabled and self.mode not in (Mode.PULL, Mode.PIPELINED):
             raise ValueError(
                 f"kept_turns needs mode 'pull' or 'pipelined', not {self.mode.value!r}: "

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,9 +15,11 @@ import httpx
 from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
-from router.config import RouterConfig
+from router.config import LoraConfig, RouterConfig
+from router.engines.adapter_loads import AdapterLoader
 from router.engines.facts import FactsReader
 from router.engines.health import HealthMonitor
+from router.engines.instance import Instance
 from router.engines.load import LoadWatcher
 from router.engines.reported import EngineLoads, own_load
 from router.guard import ClientEvents
@@ -86,10 +89,18 @@ def build_context(
     turns = KeptTurns(side_calls, metrics)
     scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
-        legs, turns, metrics, config.retries, clock, config.health.interval, tracing, scorer
+        legs,
+        turns,
+        metrics,
+        config.retries,
+        clock,
+        config.health.interval,
+        tracing,
+        scorer,
+        AdapterLoader(upstream),
     )
 
-    facts = FactsReader(upstream, config.health.timeout)
+    facts = FactsReader(upstream, config.health.timeout, clock, functools.partial(_lora, registry))
     health = HealthMonitor(registry.instances, upstream, config.health, facts, registry.check_pairs)
     load = None
     if config.admission.replicas > 1:
@@ -129,3 +140,9 @@ def build_context(
         engine_loads,
         LoadReports(side_calls),
     )
+
+
+def _lora(registry: Registry, inst: Instance) -> LoraConfig | None:
+    """The LoRA settings of ``inst``'s model (read at each check: a reload may change them)."""
+    pool = registry.get(inst.model)
+    return pool.config.lora if pool is not None else None

@@ -22,6 +22,7 @@
     │   └── ShuttingDown         503     service_unavailable / shutting_down      shutdown
     ├── TotalTimeout             504     timeout / total_timeout                  timeout
     └── UpstreamError            502     upstream_error / <kind>                  upstream_error
+        ├── AdapterLoadFailed    502     upstream_error / adapter_load_failed     upstream_error
         ├── UpstreamTimeout      504     timeout / <role>_timeout                 timeout
         └── UpstreamStatus       4xx     the engine's status and body as is       client_error
                                  503     a paused engine's, as is (load)          no_capacity
@@ -45,6 +46,7 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "AdapterLoadFailed",
     "BodyTooLarge",
     "BoundExceeded",
     "DeadlineExceeded",
@@ -384,6 +386,34 @@ class UpstreamError(RouterError):
     @property
     def retryable(self) -> bool:
         return True
+
+
+class AdapterLoadFailed(UpstreamError):
+    """A LoRA adapter the router was configured to load (``lora.modules``) could not be
+    loaded on a chosen engine: its answer's message (the engine's words: a wrong path, runtime
+    loading off), or its silence past ``lora.load_timeout``. Retried on another engine only
+    where that may help (no answer, or a 5xx); an engine's 4xx would be the same elsewhere."""
+
+    def __init__(self, adapter: str, role: str, instance: str, why: str, retryable: bool) -> None:
+        super().__init__(
+            f"loading LoRA adapter {adapter!r} on the {role} engine failed: {why}",
+            role=role,
+            instance=instance,
+            code="adapter_load_failed",
+            fault=Fault.ANSWER,
+        )
+        self.adapter = adapter
+        self.why = why
+        self._retryable = retryable
+
+    def again(self) -> AdapterLoadFailed:
+        """The same failure as a new exception, for another request that waited on the same
+        load (each request's error carries its own attempt's id)."""
+        return AdapterLoadFailed(self.adapter, self.role, self.instance, self.why, self.retryable)
+
+    @property
+    def retryable(self) -> bool:
+        return self._retryable
 
 
 class UpstreamTimeout(UpstreamError):

@@ -26,6 +26,7 @@ from router.client_request import (
     with_session,
 )
 from router.context import AppContext
+from router.engines.adapters import requested_adapter
 from router.errors import (
     BodyTooLarge,
     BoundExceeded,
@@ -183,6 +184,7 @@ async def handle(
         else:
             creq = parse_client_request(raw, endpoint, key)
         pool = pool_for(ctx, creq.model)
+        _count_adapter(ctx, pool, creq)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
         creq = with_priority(
             creq,
@@ -282,11 +284,23 @@ def _refused_record(
     )
 
 
+def _count_adapter(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> None:
+    """Count a LoRA adapter's request by adapter (a bounded label set)."""
+    adapter = requested_adapter(pool.name, creq.body)
+    if adapter is not None:
+        label = ctx.metrics.adapter_labels.label(
+            pool.name, adapter, pool.config.lora.max_adapter_labels
+        )
+        ctx.metrics.lora_requests.labels(pool.name, label).inc()
+
+
 def pool_for(ctx: AppContext, model: str | None) -> ModelPool:
-    """The pool serving ``model``; without a model, the only one (as vLLM serves its
-    one model to requests that name none)."""
+    """The pool serving ``model``: the model of that name, else the one whose engines hold
+    a LoRA adapter of that name (``ModelPool.serves_adapter``: a P and a D that hold it,
+    or a D alone in aggregated mode); without a model, the only one (as vLLM serves its one
+    model to requests that name none). Neither: vLLM's 404 for an unknown model."""
     if model is not None:
-        pool = ctx.registry.get(model)
+        pool = ctx.registry.get(model) or ctx.registry.adapter_pool(model)
         if pool is None:
             raise ModelNotFound(model, sorted(p.name for p in ctx.registry.pools()))
         return pool

@@ -27,6 +27,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.demand import demands, desired_or_nan
+from router.engines.adapters import AdapterLabels
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role
 from router.engines.kept_turns import KeptTurnResult
@@ -554,6 +555,16 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # LoRA adapter requests by adapter, a bounded label set (router/engines/adapters.py);
+        # every other family counts them under their base model's name.
+        self.lora_requests = _Counter(
+            "pdrouter_lora_requests",
+            "Requests naming a LoRA adapter, by base model and adapter (past the model's "
+            "lora.max_adapter_labels: other)",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.adapter_labels = AdapterLabels()
         self.push_fallbacks = _Counter(
             "pdrouter_push_sequential_dispatches",
             "Push requests sent sequentially because P's identity was not yet known",

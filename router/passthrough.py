@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi.responses import Response
 
+from router.engines.adapters import requested_adapter
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.errors import UpstreamError
 from router.registry import ModelPool
@@ -41,10 +42,13 @@ class PassThrough:
         self._probe_interval = probe_interval
         self._clock = clock
 
-    def engine(self, pool: ModelPool) -> Instance:
-        """The least busy engine of ``pool`` in rotation (decode engines first)."""
+    def engine(self, pool: ModelPool, adapter: str | None = None) -> Instance:
+        """The least busy engine of ``pool`` in rotation (decode engines first); for a LoRA
+        ``adapter``'s call (``/tokenize`` naming it), one that holds it."""
         for role in (Role.DECODE, Role.PREFILL):
             usable = candidates(pool.of_role(role))
+            if adapter is not None:
+                usable = [i for i in usable if adapter in i.adapters]
             if usable:
                 return min(usable, key=lambda i: i.load)
         raise refusal(Role.DECODE, pool.name, pool.decode, self._clock(), self._probe_interval)
@@ -67,7 +71,8 @@ class PassThrough:
         """The engine's status, body and content type for ``path`` (GET when ``body`` is
         None), within ``timeout`` (default: the whole exchange's). Raises
         :class:`UpstreamError` for a 5xx or an engine that cannot be reached in time."""
-        inst = self.engine(pool)
+        adapter = requested_adapter(pool.name, body) if body is not None else None
+        inst = self.engine(pool, adapter)
         limit = self._timeout if timeout is None else timeout
         async with self._upstream.within(inst, limit):
             if body is None:

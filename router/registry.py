@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from connector.address import NixlAddress
 from router.config import (
@@ -22,6 +23,7 @@ from router.config import (
     PrefillInstanceConfig,
     RouterConfig,
 )
+from router.engines.adapters import Adapter
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
 from router.engines.choice import Chooser
@@ -82,12 +84,17 @@ class ModelPool:
         session: str | None = None,
         choose: Chooser | None = None,
         decode: Instance | None = None,
+        allowed: Callable[[Instance], bool] | None = None,
     ) -> PrefillLease | None:
         """A prefill instance from the best tier of :func:`candidates` that can pair with
-        ``decode`` (when given), preferring those not in ``avoid``: the one ``choose`` picks,
-        if it picks one; else with a ``session`` key the one its affinity picks, and how;
-        else the policy's. None if there is none (P has no queue to wait in)."""
+        ``decode`` (when given) and that ``allowed`` admits (when given: an adapter
+        request's holders, :meth:`adapter_filter`), preferring those not in ``avoid``: the
+        one ``choose`` picks, if it picks one; else with a ``session`` key the one its
+        affinity picks, and how; else the policy's. None if there is none (P has no queue
+        to wait in)."""
         usable = candidates(self.prefill)
+        if allowed is not None:
+            usable = [p for p in usable if allowed(p)]
         if decode is not None:
             usable = [p for p in usable if self.pair_mismatch(p, decode) is None]
         if not usable:
@@ -138,6 +145,77 @@ class ModelPool:
             return bool(decode)
         prefill = [p for p in self.prefill if p.healthy is True]
         return any(self.pair_mismatch(p, d) is None for d in decode for p in prefill)
+
+    # -- LoRA adapters (router/engines/adapters.py) ------------------------------
+
+    def serves_adapter(self, adapter: str) -> bool:
+        """Whether an adapter request may be routed here at all: some D holds it and, in a
+        disaggregated mode, some P holding it can pair with such a D (health aside: an
+        engine out for now refuses with a 503, not a 404). Off (``lora.enabled`` false):
+        never. An adapter the router may load itself (``lora.modules``) always may."""
+        if not self.config.lora.enabled:
+            return False
+        if adapter in self.config.lora.modules:
+            return True
+        decode = [d for d in self.decode if adapter in d.adapters]
+        if not self.mode.uses_prefill:
+            return bool(decode)
+        prefill = [p for p in self.prefill if adapter in p.adapters]
+        return any(self.pair_mismatch(p, d) is None for d in decode for p in prefill)
+
+    def adapter_filter(
+        self, adapter: str | None, role: Role, paired: bool
+    ) -> Callable[[Instance], bool] | None:
+        """Which engines of ``role`` an ``adapter`` request may go to (None: any, a base
+        model request): those that hold it; for D with ``paired`` (the request runs a P
+        leg), only those some routable P holding it can pair with, so that a decode slot
+        is never taken where no P could serve the prompt."""
+        if adapter is None:
+            return None
+        if adapter in self.config.lora.modules:
+            return self._loadable_filter(adapter, role, paired)
+        return self._held_filter(adapter, role, paired)
+
+    def _loadable_filter(
+        self, adapter: str, role: Role, paired: bool
+    ) -> Callable[[Instance], bool]:
+        """For an adapter the router loads itself: the engines that hold it while they can
+        serve the request (for D with ``paired``: while one pairs with a P that holds it),
+        else any (the chosen ones load it first: router/engines/adapter_loads.py)."""
+        held = self._held_filter(adapter, role, paired)
+
+        def allowed(inst: Instance) -> bool:
+            routable = candidates(self.of_role(role))
+            return held(inst) or not any(held(i) for i in routable)
+
+        return allowed
+
+    def _held_filter(self, adapter: str, role: Role, paired: bool) -> Callable[[Instance], bool]:
+        """The engines of ``role`` that hold ``adapter`` (for D with ``paired``: and pair
+        with a routable P that holds it)."""
+        if role is Role.PREFILL or not paired:
+            return lambda inst: adapter in inst.adapters
+
+        def allowed(d: Instance) -> bool:
+            # Read at each call: a request may wait in the queue while Ps come and go.
+            return adapter in d.adapters and any(
+                adapter in p.adapters and self.pair_mismatch(p, d) is None
+                for p in candidates(self.prefill)
+            )
+
+        return allowed
+
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        """The ``/v1/models`` cards of the adapters this pool serves (:meth:`serves_adapter`),
+        as ``vllm serve`` lists them, by name; each card's ``root`` as the first engine that
+        holds it reports it (P before D, in config order)."""
+        found: dict[str, Adapter] = {}
+        for inst in (*self.prefill, *self.decode):
+            for name, adapter in inst.adapters.items():
+                found.setdefault(name, adapter)
+        for name, path in self.config.lora.modules.items():
+            found.setdefault(name, Adapter(name, self.name, path))
+        return [found[name].card(self.name) for name in sorted(found) if self.serves_adapter(name)]
 
     # -- pairing ---------------------------------------------------------------
 
@@ -216,6 +294,12 @@ class Registry:
 
     def get(self, model: str) -> ModelPool | None:
         return self._pools.get(model)
+
+    def adapter_pool(self, adapter: str) -> ModelPool | None:
+        """The pool that serves the LoRA adapter named ``adapter``
+        (:meth:`ModelPool.serves_adapter`), the first in config order if several do; None
+        if none does (a model of that name is :meth:`get`'s, never an adapter)."""
+        return next((p for p in self._pools.values() if p.serves_adapter(adapter)), None)
 
     def pools(self) -> Iterator[ModelPool]:
         return iter(list(self._pools.values()))

@@ -92,6 +92,9 @@ def register_routes(app: FastAPI, ctx: AppContext) -> None:
             context = ctx.bounds.known_context(pool) if pool is not None else None
             if context is not None:
                 card["max_model_len"] = context
+        for card in list(data):  # then its LoRA adapters, as vLLM lists them after its model
+            pool = ctx.registry.get(card["id"])
+            data += pool.adapter_cards() if pool is not None else []
         return JSONResponse({"object": "list", "data": data})
 
     _register_passthrough(app, ctx)

@@ -1,15 +1,21 @@
 """What an engine runs, read from the engine itself: its vLLM version (``GET /version``) and
 its KV block size (``vllm:cache_config_info`` on ``/metrics``), for pairing
-(router/engines/pairing.py), kept turns and the operator (``/ready``, metrics, the log)."""
+(router/engines/pairing.py), kept turns and the operator (``/ready``, metrics, the log); and,
+for a model with ``lora`` on, the LoRA adapters it holds (``GET /v1/models``,
+router/engines/adapters.py), for routing adapter requests."""
 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
+from collections.abc import Callable
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.config import LoraConfig
+from router.engines.adapters import parse_adapters
 from router.engines.instance import Instance
 from router.errors import UpstreamError
 from router.upstream import UpstreamClient
@@ -23,6 +29,10 @@ _BLOCK_SIZE_INFO = "vllm:cache_config_info"
 # checks (a rolling upgrade that answers every probe) is seen within a minute at the default
 # 5 s interval, and a reader costs two small GETs a minute per engine.
 REREAD_EVERY = 12
+
+
+def _no_lora(inst: Instance) -> LoraConfig | None:
+    return None
 
 
 def parse_version(body: bytes) -> str | None:
@@ -52,16 +62,46 @@ def parse_block_size(text: str) -> int | None:
 class FactsReader:
     """Reads an engine's facts when the health monitor sees it answer: the first time, after
     it was out for health (a restart may have changed them), and every ``REREAD_EVERY``
-    checks. Writes them to the instance (its only writer)."""
+    checks. Writes them to the instance (the only writer of its facts; its adapters are
+    also written by the adapter loader, router/engines/adapter_loads.py).
 
-    def __init__(self, upstream: UpstreamClient, timeout: float) -> None:
+    ``lora``: the LoRA settings of an instance's model (None, or ``enabled`` false: its
+    adapters are never read). Adapters are read on the same occasions as the facts (first
+    answer, back from out), and at the first healthy check ``refresh_interval`` seconds or
+    more after their last read: adapters come and go at run time, a vLLM version does not."""
+
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        lora: Callable[[Instance], LoraConfig | None] = _no_lora,
+    ) -> None:
         self._upstream = upstream
         self._timeout = timeout
+        self._clock = clock
+        self._lora = lora
         # Checks since the last read, per engine; dropped engines fall out with their instance.
         self._since: weakref.WeakKeyDictionary[Instance, int] = weakref.WeakKeyDictionary()
+        # When each engine's adapters were last read (the clock's time).
+        self._adapters_at: weakref.WeakKeyDictionary[Instance, float] = weakref.WeakKeyDictionary()
+        self._facts_due: weakref.WeakSet[Instance] = weakref.WeakSet()
+        self._adapters_due: weakref.WeakSet[Instance] = weakref.WeakSet()
 
     def due(self, inst: Instance, was_healthy: bool | None) -> bool:
-        """Whether this healthy check should read ``inst``'s facts (counts the check)."""
+        """Whether this healthy check should read ``inst``'s facts or adapters (counts the
+        check); :meth:`read` then reads what is due."""
+        if self._due_facts(inst, was_healthy):
+            self._facts_due.add(inst)
+        lora = self._lora(inst)
+        if lora is not None and lora.enabled:
+            at = self._adapters_at.get(inst)
+            now = self._clock()
+            if at is None or was_healthy is not True or now - at >= lora.refresh_interval:
+                self._adapters_due.add(inst)
+        return inst in self._facts_due or inst in self._adapters_due
+
+    def _due_facts(self, inst: Instance, was_healthy: bool | None) -> bool:
         since = self._since.get(inst)
         if since is None or was_healthy is not True or since + 1 >= REREAD_EVERY:
             return True
@@ -69,12 +109,38 @@ class FactsReader:
         return False
 
     async def read(self, inst: Instance) -> bool:
-        """Read and store ``inst``'s facts; True when they changed. A page that cannot be
-        read keeps what was known, and is tried again at the next check."""
+        """Read and store what is due of ``inst`` (:meth:`due`); True when its facts changed
+        (a change of adapters is the instance's to announce). A page that cannot be read
+        keeps what was known, and is tried again at the next check."""
+        changed = False
+        if inst in self._facts_due:
+            changed = await self._read_facts(inst)
+        if inst in self._adapters_due:
+            await self._read_adapters(inst)
+        return changed
+
+    async def _read_adapters(self, inst: Instance) -> None:
+        since = inst.adapters_changes  # a load that ends during the GET wins over its answer
+        body = await self._get(inst, "/v1/models")
+        adapters = parse_adapters(body) if body else None
+        if adapters is None:
+            return
+        self._adapters_due.discard(inst)
+        self._adapters_at[inst] = self._clock()
+        if inst.learn_adapters(adapters, since):
+            log.info(
+                "event=engine_adapters role=%s engine=%s adapters=%s",
+                inst.role,
+                inst.url,
+                ",".join(sorted(adapters)) or "-",
+            )
+
+    async def _read_facts(self, inst: Instance) -> bool:
         version = await self._get(inst, "/version")
         metrics = await self._get(inst, "/metrics")
         if version is None or metrics is None:
             return False
+        self._facts_due.discard(inst)
         self._since[inst] = 0
         before = inst.facts
         inst.learn_version(parse_version(version))

@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import enum
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.address import NixlAddress
+from router.engines.adapters import Adapter
 from router.engines.breaker import Breaker, BreakerState
 from router.engines.pairing import EngineFacts
 from router.errors import NoHealthyEngine
@@ -124,6 +125,8 @@ class Instance:
         self.kv_host: str | None = None
         self._block_size: int | None = None
         self._version: str | None = None
+        self._adapters: Mapping[str, Adapter] = {}
+        self._adapters_changes = 0  # how many times they changed (see learn_adapters)
         self._unpaired: str | None = None
         self._nixl_configured: NixlAddress | None = None
         self._nixl_learned: NixlAddress | None = None
@@ -241,6 +244,32 @@ class Instance:
     def learn_version(self, version: str | None) -> None:
         """The engine's ``/version`` (the health monitor's, when it joins or comes back)."""
         self._version = version
+
+    @property
+    def adapters(self) -> Mapping[str, Adapter]:
+        """The LoRA adapters the engine holds, by name, as last read from its ``/v1/models``
+        (router/engines/adapters.py); empty until read, or for a model with ``lora`` off.
+        Kept while the engine is out: read again when it comes back."""
+        return self._adapters
+
+    @property
+    def adapters_changes(self) -> int:
+        """How many times :attr:`adapters` changed: a reader notes it before it asks."""
+        return self._adapters_changes
+
+    def learn_adapters(self, adapters: Mapping[str, Adapter], since: int | None = None) -> bool:
+        """Set by the facts reader (what the engine lists), and by the adapter loader once a
+        load succeeded (router/engines/adapter_loads.py: the next read confirms it); True
+        when they changed. ``since``: the reader's :attr:`adapters_changes` when it asked; a
+        list asked for before a later change (a load that ended meanwhile) is older than
+        what is known, and ignored. A change may make a waiter fit (a D that now holds its
+        adapter), so the ledger is told."""
+        if adapters == self._adapters or (since is not None and since != self._adapters_changes):
+            return False
+        self._adapters = dict(adapters)
+        self._adapters_changes += 1
+        self._changed()
+        return True
 
     @property
     def unpaired(self) -> str | None:

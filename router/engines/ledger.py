@@ -88,6 +88,7 @@ class _Waiter:
     choose: Chooser | None = field(default=None)  # the request's own choice (engines/choice.py)
     level: int = field(default=0)  # the priority class's level: 0 most urgent (router/priority.py)
     deadline_at: float = field(default=math.inf)  # its TTFT deadline on the clock (inf: none)
+    allowed: Callable[[Instance], bool] | None = field(default=None)  # see reserve
 
 
 class SlotLedger:
@@ -183,8 +184,10 @@ class SlotLedger:
         choose: Chooser | None = None,
         level: int = 0,
         deadline: Deadline | None = None,
+        allowed: Callable[[Instance], bool] | None = None,
     ) -> Reservation:
-        """A slot on a routable decode instance, preferring ones not in ``avoid``: the one
+        """A slot on a routable decode instance that ``allowed`` admits (when given: an
+        adapter request's holders), preferring ones not in ``avoid``: the one
         ``choose`` picks among those with a free slot, if it picks one; else with a
         ``session`` key the one its affinity picks, else the policy's.
         ``tenant`` (the API key's name) and ``level`` (its priority class's level, 0 most
@@ -196,6 +199,8 @@ class SlotLedger:
         """
         self.poke()  # waiters refused if none is in rotation, else served first
         usable = candidates(self._instances)
+        if allowed is not None:
+            usable = [i for i in usable if allowed(i)]
         if not usable:
             raise self._refusal()
         wait = self._max_wait
@@ -205,14 +210,14 @@ class SlotLedger:
                 raise self._missed(deadline)
             self._check_attainable(deadline, level)
         if not self._waiters:
-            got = self._take(usable, avoid, key, session, tenant, choose)
+            got = self._take(usable, avoid, key, session, tenant, choose, allowed)
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
             self._make_room(tenant)
         fut = asyncio.get_running_loop().create_future()
         at = math.inf if deadline is None else deadline.at
-        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level, at)
+        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level, at, allowed)
         self._waiters.push(tenant, waiter, level, at)
         self._schedule_poll()
         self._arm_reopen()
@@ -359,7 +364,9 @@ class SlotLedger:
             if not usable:
                 self._refuse_all()
                 return
-            got = self._take(usable, head.avoid, head.key, head.session, head.tenant, head.choose)
+            got = self._take(
+                usable, head.avoid, head.key, head.session, head.tenant, head.choose, head.allowed
+            )
             if got is None:
                 return
             # By identity: taking the slot changed what the queue would pick next.
@@ -380,8 +387,9 @@ class SlotLedger:
         session: str | None,
         tenant: str,
         choose: Chooser | None = None,
+        allowed: Callable[[Instance], bool] | None = None,
     ) -> Reservation | None:
-        free = [i for i in usable if i.free_slots > 0]
+        free = [i for i in usable if i.free_slots > 0 and (allowed is None or allowed(i))]
         while free:
             preferred = [i for i in free if i not in avoid] or free
             placement = None

@@ -9,6 +9,11 @@ whichever engine computed them, so a request's keys, computed from its token ids
 the blocks an engine's prefix cache would match. BLAKE2b with an 8-byte digest: a collision
 between two of a router's few million live blocks has a chance of about 1e-7.
 
+A LoRA adapter's blocks chain from a root of their own (:func:`adapter_root`, from its name):
+vLLM's block hash covers the adapter (``("lora", name, path)`` in its extra keys), so an
+engine never matches an adapter's prompt with the base model's blocks or another adapter's,
+and neither do the router's keys.
+
 Token ids are hashed packed (:func:`pack`: 8 bytes each, little-endian), packed once per
 event or request, so a key costs one hash call over a slice of bytes.
 """
@@ -19,7 +24,15 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-__all__ = ["ROOT", "TOKEN_BYTES", "block_key", "chain_keys", "pack", "prefix_keys"]
+__all__ = [
+    "ROOT",
+    "TOKEN_BYTES",
+    "adapter_root",
+    "block_key",
+    "chain_keys",
+    "pack",
+    "prefix_keys",
+]
 
 ROOT = 0
 TOKEN_BYTES = 8
@@ -37,6 +50,15 @@ def pack(token_ids: Sequence[int]) -> bytes:
 def _swapped(packed: array[int]) -> bytes:  # pragma: no cover (big-endian hosts)
     packed.byteswap()
     return packed.tobytes()
+
+
+def adapter_root(adapter: str | None) -> int:
+    """The key a prompt's first block chains to: :data:`ROOT` for the base model, a hash of
+    the name for a LoRA adapter (the same on every engine and replica)."""
+    if adapter is None:
+        return ROOT
+    digest = hashlib.blake2b(b"lora\0" + adapter.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def block_key(parent: int, block: bytes | memoryview) -> int:
@@ -58,6 +80,6 @@ def chain_keys(parent: int, packed: bytes, block_size: int) -> list[int]:
     return keys
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Keys of a prompt's full blocks, from its first token."""
-    return chain_keys(ROOT, pack(token_ids), block_size)
+def prefix_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """Keys of a prompt's full blocks, from its first token (as ``adapter``'s, if given)."""
+    return chain_keys(adapter_root(adapter), pack(token_ids), block_size)

@@ -11,8 +11,11 @@ with a count: two blocks with one hash (computed by two requests in the same ste
 stores and two removals in vLLM. Each maps to the router's key (``router/kvindex/blocks.py``),
 computed from the event's token ids chained to its parent's key; a block whose parent the
 index does not hold (evicted by the bound, or stored before a gap) gets no key and is counted
-as ``unkeyed``, as are blocks whose hash covers more than token ids (LoRA, multimodal input,
-cache salt, a second KV cache group) and partial blocks (smaller than the engine's block).
+as ``unkeyed``, as are blocks whose hash covers more than token ids and their LoRA adapter
+(multimodal input, cache salt, a second KV cache group) and partial blocks (smaller than the
+engine's block). A LoRA adapter's first block chains to the adapter's own root
+(``router/kvindex/blocks.py``), so its keys never equal the base model's or another
+adapter's.
 
 Memory is bounded: past ``max_blocks`` engine blocks, the least recently stored are dropped
 (``evicted``): an engine would evict its least recently used first too, and a dropped block
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.kvindex.blocks import ROOT, chain_keys
+from router.kvindex.blocks import adapter_root, chain_keys
 from router.kvindex.wire import Batch, BlockHash, Cleared, Removed, Stored
 
 __all__ = ["EngineIndex", "StreamStats"]
@@ -116,7 +119,7 @@ class EngineIndex:
             if size is not None:  # what was indexed were partial blocks
                 self.clear()
             self.block_size = size = ev.block_size
-        parent = ROOT
+        parent = adapter_root(ev.lora)
         if ev.parent is not None:
             entry = self._entries.get((ev.medium, ev.parent))
             if entry is None:

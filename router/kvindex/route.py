@@ -34,8 +34,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from router.client_request import ClientRequest
+from router.engines.adapters import requested_adapter
 from router.engines.instance import Instance, Role, candidates
-from router.kvindex.blocks import ROOT, TOKEN_BYTES, block_key, pack
+from router.kvindex.blocks import ROOT, TOKEN_BYTES, adapter_root, block_key, pack
 from router.kvindex.engine import EngineIndex
 from router.kvindex.index import KvIndex
 from router.kvindex.tokens import tokenize_query
@@ -72,8 +73,12 @@ class CacheRoute:
         load: Callable[[Instance], int],
         load_factor: float,
         load_cost: int,
+        root: int = ROOT,
     ) -> None:
+        """``root``: what the prompt's first block chains to (a LoRA adapter's request:
+        its adapter's root, ``router/kvindex/blocks.py``)."""
         self.tokens = tokens
+        self._root = root
         self._packed = memoryview(pack(tokens))
         self._tie = tie
         self._view = view
@@ -118,7 +123,7 @@ class CacheRoute:
         found = 0
         while found < limit:
             if found == len(keys):
-                parent = keys[-1] if keys else ROOT
+                parent = keys[-1] if keys else self._root
                 keys.append(block_key(parent, self._packed[found * step : (found + 1) * step]))
             if not index.holds(keys[found]):
                 break
@@ -162,7 +167,9 @@ class CacheScorer:
             return None
         tie = creq.session or str(block_key(ROOT, pack(tokens[:_TIE_TOKENS])))
         factor = pool.config.sessions.load_factor
-        return CacheRoute(tokens, tie, self.index.view, self._load, factor, events.load_cost_tokens)
+        root = adapter_root(requested_adapter(pool.name, creq.body))
+        cost = events.load_cost_tokens
+        return CacheRoute(tokens, tie, self.index.view, self._load, factor, cost, root)
 
     async def _tokens(
         self, pool: ModelPool, creq: ClientRequest, timeout: float
@@ -170,8 +177,12 @@ class CacheScorer:
         query = tokenize_query(creq)
         if query is None or isinstance(query, list):
             return query
-        # P's API server first: D's streams every token of every request.
-        usable = candidates(pool.prefill) or candidates(pool.decode)
+        # P's API server first: D's streams every token of every request. An adapter's
+        # query names the adapter: only an engine that holds it answers.
+        adapter = requested_adapter(pool.name, creq.body)
+        usable = _holding(candidates(pool.prefill), adapter) or _holding(
+            candidates(pool.decode), adapter
+        )
         if not usable:
             return None
         engine = min(usable, key=lambda i: i.load)
@@ -180,3 +191,7 @@ class CacheScorer:
                 return await self._tokenize(engine, query)
         except TimeoutError:
             return None
+
+
+def _holding(instances: list[Instance], adapter: str | None) -> list[Instance]:
+    return instances if adapter is None else [i for i in instances if adapter in i.adapters]

@@ -71,9 +71,11 @@ class EventError(ValueError):
 class Stored:
     """``BlockStored``: full blocks now in the engine's prefix cache, each chained to the one
     before (the first to ``parent``, None for a prompt's first block). ``plain`` is False for
-    blocks whose hash also covers something besides token ids (a LoRA, multimodal input, a
-    cache salt) or that belong to another KV cache group than the first: the router cannot
-    reproduce their key from token ids."""
+    blocks whose hash also covers something besides token ids and their LoRA adapter
+    (multimodal input, a cache salt, an adapter known only by the engine's own number) or
+    that belong to another KV cache group than the first: the router cannot reproduce their
+    key. ``lora``: the adapter the blocks were computed with (``lora_name``; None: the base
+    model), whose blocks an engine matches only for that adapter's requests."""
 
     hashes: tuple[BlockHash, ...]
     parent: BlockHash | None
@@ -81,6 +83,7 @@ class Stored:
     block_size: int
     medium: str | None
     plain: bool
+    lora: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,15 +192,26 @@ def _stored(f: dict[str, Any]) -> Stored:
     size = f.get("block_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise EventError("block_size must be a positive integer")
+    lora = f.get("lora_name")
+    if lora is not None and not isinstance(lora, str):
+        raise EventError("lora_name must be a string or nil")
     extra = f.get("extra_keys")
     plain = (
-        f.get("lora_id") is None
-        and f.get("lora_name") is None
+        # ``lora_id`` is the engine's own counter (vLLM's OpenAIServingModels numbers
+        # adapters as they load): only the name is the same on every engine.
+        (lora is not None or f.get("lora_id") is None)
         and _group(f) in (None, 0)
-        and (extra is None or all(e is None for e in _seq(extra)))
+        and (extra is None or all(_lora_only(e, lora) for e in _seq(extra)))
         and len(packed) == size * len(hashes) * TOKEN_BYTES
     )
-    return Stored(hashes, parent, packed, size, _medium(f), plain)
+    return Stored(hashes, parent, packed, size, _medium(f), plain, lora)
+
+
+def _lora_only(keys: Any, lora: str | None) -> bool:
+    """Whether a block's published extra keys name nothing but its adapter: vLLM 0.32
+    publishes a LoRA block's as ``[lora_name]`` (untagged; ``to_event_extra_keys`` in
+    ``vllm/v1/core/kv_cache_utils.py``), a base model block's as None."""
+    return keys is None or (lora is not None and isinstance(keys, list) and keys == [lora])
 
 
 def _hashes(value: Any) -> tuple[BlockHash, ...]:

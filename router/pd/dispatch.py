@@ -25,6 +25,8 @@ from typing import Any
 
 from router.client_request import ClientRequest
 from router.config import RetryConfig, TracingConfig
+from router.engines.adapter_loads import AdapterLoader
+from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role, candidates, refusal
@@ -66,9 +68,12 @@ class Dispatcher:
         probe_interval: float = 5.0,
         tracing: Tracing | None = None,
         scorer: CacheScorer | None = None,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         """``probe_interval``: the health-check interval (Retry-After of a refusal).
-        ``scorer``: cache-aware routing for models with ``kv_events`` on."""
+        ``scorer``: cache-aware routing for models with ``kv_events`` on. ``adapters``:
+        loads a model's ``lora.modules`` on the chosen engines that lack them."""
+        self._adapters = adapters
         self._tracing = tracing or Tracing(TracingConfig())
         self._scorer = scorer
         self._probe_interval = probe_interval
@@ -118,7 +123,15 @@ class Dispatcher:
         # The key is built at most once, and only if the policy or the session fallback needs it.
         key = routing_key(creq) if pool.key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
-        route = Route(key, session, await self._cache_route(pool, creq))
+        # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
+        adapter = requested_adapter(pool.name, creq.body)
+        route = Route(
+            key,
+            session,
+            await self._cache_route(pool, creq),
+            pool.adapter_filter(adapter, Role.PREFILL, paired=True),
+            pool.adapter_filter(adapter, Role.DECODE, paired=decision.uses_prefill),
+        )
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -186,6 +199,17 @@ class Dispatcher:
             return NoHealthyEngine(Role.PREFILL.value, pool.name, self._probe_interval, why)
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
 
+    async def _load_adapter(self, pool: ModelPool, creq: ClientRequest, *engines: Instance) -> None:
+        """The request's LoRA adapter, where the router loads it itself (``lora.modules``),
+        loaded on those of the chosen ``engines`` that lack it (router/engines/
+        adapter_loads.py); raises :class:`~router.errors.AdapterLoadFailed`."""
+        adapter = requested_adapter(pool.name, creq.body)
+        lora = pool.config.lora
+        path = lora.modules.get(adapter) if adapter is not None else None
+        if adapter is None or path is None or self._adapters is None:
+            return
+        await self._adapters.ensure(pool.name, adapter, path, engines, lora.load_timeout)
+
     def _backoff(self, attempt: int) -> float:
         r = self._retries
         base = min(r.backoff_max, r.backoff_initial * (2.0 ** (attempt - 1)))
@@ -200,8 +224,10 @@ class Dispatcher:
         route: Route,
         avoid: frozenset[Instance],
     ) -> Dispatch:
-        if decision.uses_prefill and not candidates(pool.prefill):
-            # Refused before a decode slot is taken: no queue wait can end well.
+        usable = candidates(pool.prefill) if decision.uses_prefill else []
+        if decision.uses_prefill and not [p for p in usable if _ok(route.prefill_ok, p)]:
+            # Refused before a decode slot is taken: no queue wait can end well. (An adapter
+            # whose holders are all out: no P for it, whatever the other Ps.)
             raise self._no_prefill(pool)
         if decision is Decision.PREFILL_ALONE:
             return await self._prefill_alone(pool, creq, route, avoid)
@@ -216,6 +242,7 @@ class Dispatcher:
         try:
             if decision.uses_prefill:
                 return await self._split(pool, creq, decision, route, avoid, reservation, ids)
+            await self._load_adapter(pool, creq, reservation.instance)
             body = kp.aggregated_body(creq.body)
             leg = await self._decode(pool, reservation.instance, creq, body, ids, alone=True)
             return Dispatch(reservation, leg, decision, ids.request_id)
@@ -231,7 +258,9 @@ class Dispatcher:
     ) -> Dispatch:
         """P serves the whole request as an aggregated engine (the client's body, no
         ``kv_transfer_params``); no decode slot is taken, D does no work for it."""
-        lease = pool.select_prefill(route.key, avoid, route.session, route.cache)
+        lease = pool.select_prefill(
+            route.key, avoid, route.session, route.cache, allowed=route.prefill_ok
+        )
         if lease is None:
             raise self._no_prefill(pool)
         p = lease.instance
@@ -241,6 +270,7 @@ class Dispatcher:
         if self._tracing.enabled:
             self._tracing.set(pdrouter__prefill=p.url, pdrouter__request_id=ids.request_id)
         try:
+            await self._load_adapter(pool, creq, p)
             body = kp.aggregated_body(creq.body)
             leg = await self._decode(pool, p, creq, body, ids, alone=True)
         except UpstreamError as exc:
@@ -263,6 +293,7 @@ class Dispatcher:
                     route.cache,
                     creq.priority_level,
                     _deadline(pool, creq),
+                    route.decode_ok,
                 )
             except (NoCapacity, QueueFull) as exc:
                 self._count_refusal(pool, creq, exc)
@@ -295,12 +326,15 @@ class Dispatcher:
         """A disaggregated attempt, its decode slot held: select a P that can pair with its
         D, run the plan."""
         d = reservation.instance
-        lease = pool.select_prefill(route.key, avoid, route.session, route.cache, decode=d)
+        lease = pool.select_prefill(
+            route.key, avoid, route.session, route.cache, decode=d, allowed=route.prefill_ok
+        )
         if lease is None:  # left rotation while this request waited for its slot
             raise self._no_prefill(pool, d)
         p = lease.instance
         self._count_placement(pool, Role.PREFILL, lease.placement)
         self._count_choice(pool, Role.PREFILL, route.cache)
+        await self._load_adapter(pool, creq, p, d)
         pair = Pair(creq, ids, p, reservation.instance)
         self._tracing.set(pdrouter__prefill=p.url)
         plan = self._plans[decision]
@@ -611,6 +645,10 @@ class _Dispatching:
         opened, self._opened = self._opened, None
         assert opened is not None
         await self._dispatcher._finish(self._pool, opened)
+
+
+def _ok(allowed: Callable[[Instance], bool] | None, inst: Instance) -> bool:
+    return allowed is None or allowed(inst)
 
 
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from router.client_request import ClientRequest, Endpoint, client_prompt_ids
 from router.config import Mode
+from router.engines.adapters import requested_adapter
 from router.engines.facts import parse_block_size
 from router.engines.instance import Instance
 from router.engines.kept_turns import KeptTurn, KeptTurnResult
@@ -105,6 +106,10 @@ class KeptTurns:
             return None
         if client_prompt_ids(creq.body) is not None:
             return None  # the engines may run ids the router cannot check against a kept turn
+        if requested_adapter(pool.name, creq.body) is not None:
+            # A kept turn is checked by token ids only, not by the adapter that computed it:
+            # a conversation that switches adapters would read KV of the wrong weights.
+            return None
         if pool.mode is not Mode.PIPELINED:
             # A streamed turn is kept where D ends its streams with its params (vLLM 0.33+).
             if not creq.stream:

@@ -4,10 +4,11 @@ on load)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.client_request import ClientRequest
-from router.engines.instance import candidates
+from router.engines.instance import Instance, candidates
 from router.kvindex.route import CacheRoute
 from router.registry import ModelPool
 
@@ -40,11 +41,15 @@ def routing_key(creq: ClientRequest) -> str:
 @dataclass(frozen=True, slots=True)
 class Route:
     """What instance selection goes by: ``key`` for the prefix-hash policy, ``session``
-    for session affinity, ``cache`` for cache-aware routing (each may be None)."""
+    for session affinity, ``cache`` for cache-aware routing, ``prefill_ok`` and
+    ``decode_ok`` the engines of each role a LoRA adapter's request may go to
+    (``ModelPool.adapter_filter``; None: any). Each may be None."""
 
     key: str | None
     session: str | None
     cache: CacheRoute | None = None
+    prefill_ok: Callable[[Instance], bool] | None = None
+    decode_ok: Callable[[Instance], bool] | None = None
 
 
 def prefill_busy(pool: ModelPool) -> bool:

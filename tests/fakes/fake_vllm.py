@@ -114,6 +114,14 @@ class Behaviour:
     stall_after: int | None = None  # D: after N tokens, send nothing until stall_gate is set
     stall_gate: asyncio.Event | None = None
     shot: Shot | None = None
+    # LoRA adapters held, name -> path, as `vllm serve --enable-lora --lora-modules
+    # name=path` (or /v1/load_lora_adapter) gives them: each listed in /v1/models with its
+    # parent, and a request naming a model that is neither "tiny" nor one of them gets vLLM's
+    # 404. None: an engine without LoRA that answers whatever model is named (the default).
+    adapters: dict[str, str] | None = None
+    # POST /v1/load_lora_adapter: answered after this delay, with this status (200: loaded)
+    lora_load_delay: float = 0.0
+    lora_load_status: int = 200
 
 
 @dataclass
@@ -174,6 +182,7 @@ class FakeEngine:
         self.peak = 0  # most generate requests open at once
         self.health_checks = 0
         self.gets: list[str] = []  # paths of every GET but /health
+        self.lora_loads: list[str] = []  # the adapters /v1/load_lora_adapter was asked for
         self.holding_end = asyncio.Event()  # see Behaviour.end_gate
         self.stalled = asyncio.Event()  # set when a stream stalls (Behaviour.stall_after)
         self.cache: PrefixCache | None = None  # see start_kv_events
@@ -202,17 +211,29 @@ class FakeEngine:
         self.cache = PrefixCache(self.cache.block_size, self.cache.capacity)
         self.publisher.restart()
 
+    def _serves(self, rec: Received) -> bool:
+        """Whether the model the request names is served here (see ``Behaviour.adapters``)."""
+        adapters = self.behaviour.adapters
+        model = rec.body.get("model")
+        return adapters is None or model in (None, "tiny") or model in adapters
+
+    def lora(self, rec: Received) -> str | None:
+        """The adapter a request ran with (None: the base model)."""
+        model = rec.body.get("model")
+        held = self.behaviour.adapters or {}
+        return model if isinstance(model, str) and model in held else None
+
     def _cache_lookup(self, rec: Received) -> list[int]:
         """The request's prompt ids (none without a cache); records what the cache holds."""
         if self.cache is None:
             return []
         tokens = _token_ids(rec.body)
-        rec.cached = self.cache.hit(tokens)
+        rec.cached = self.cache.hit(tokens, self.lora(rec))
         return tokens
 
-    def _cache_store(self, tokens: list[int]) -> None:
+    def _cache_store(self, tokens: list[int], lora: str | None = None) -> None:
         if self.cache is not None and self.publisher is not None:
-            events = self.cache.store(tokens)
+            events = self.cache.store(tokens, lora)
             if events:
                 self.publisher.publish(events)
 
@@ -247,6 +268,9 @@ class FakeEngine:
             body=json.loads(body or b"{}"),
             started=time.monotonic(),
         )
+        if path == "/v1/load_lora_adapter":
+            await self._load_lora(rec, send)
+            return
         self.received.append(rec)
         self.active += 1
         self.peak = max(self.peak, self.active)
@@ -271,7 +295,11 @@ class FakeEngine:
             card: dict[str, Any] = {"id": "tiny", "object": "model"}
             if b.max_model_len is not None:
                 card["max_model_len"] = b.max_model_len
-            await _respond(send, 200, json.dumps({"object": "list", "data": [card]}).encode())
+            cards = [card] + [
+                {"id": name, "object": "model", "root": root, "parent": "tiny"}
+                for name, root in (b.adapters or {}).items()
+            ]
+            await _respond(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         elif path == "/metrics":
             text = (
                 f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
@@ -287,6 +315,29 @@ class FakeEngine:
             await _respond(send, 200, json.dumps({"version": b.version}).encode())
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
+
+    async def _load_lora(self, rec: Received, send: Send) -> None:
+        """vLLM 0.32's ``/v1/load_lora_adapter`` (``vllm/entrypoints/openai/models/
+        serving.py``, ``load_lora_adapter``): 200 with a text once loaded; 400 for one it
+        holds already; ``lora_load_status`` otherwise (a wrong path, say)."""
+        b = self.behaviour
+        name, path = rec.body.get("lora_name"), rec.body.get("lora_path")
+        self.lora_loads.append(str(name))
+        if b.lora_load_delay:
+            await asyncio.sleep(b.lora_load_delay)
+        held = b.adapters if b.adapters is not None else {}
+        if name in held:
+            message = f"The lora adapter '{name}' has already been loaded."
+            error = {"message": message, "type": "InvalidUserInput", "param": None, "code": 400}
+            await _respond(send, 400, json.dumps({"error": error}).encode())
+        elif b.lora_load_status != 200:
+            message = f"Loading lora {name} failed: No adapter found for {path}"
+            error = {"message": message, "type": "NotFoundError", "param": None, "code": 404}
+            await _respond(send, b.lora_load_status, json.dumps({"error": error}).encode())
+        else:
+            b.adapters = {**held, str(name): str(path)}
+            text = f"Success: LoRA adapter '{name}' added successfully."
+            await _respond(send, 200, text.encode(), b"text/plain")
 
     # -- generation ----------------------------------------------------------
 
@@ -327,6 +378,9 @@ class FakeEngine:
             )
             await _respond(send, status, body)
             return
+        if not self._serves(rec):
+            await _respond(send, 404, _unknown_model(rec))
+            return
         if b.paused and rec.path not in ("/tokenize", "/detokenize"):
             await self._refuse_paused(rec, send)
             return
@@ -346,7 +400,7 @@ class FakeEngine:
         if kv.get("do_remote_decode"):
             await self._compute(rec, prompt, b.compute_token_delay, b.compute_one_at_a_time)
             await self._prefill(rec, send, b)
-            self._cache_store(prompt)
+            self._cache_store(prompt, self.lora(rec))
             return
         if kv.get("do_remote_prefill") and not kv.get("remote_block_ids"):
             # Push-style D: wait for "the KV" from the P leg with the same request id.
@@ -371,7 +425,7 @@ class FakeEngine:
             _keep_turn(self.name, rec, doc)
         elif rec.body.get("return_token_ids"):
             _add_token_ids(rec, doc)
-        self._cache_store(prompt + _reply_ids(doc, rec))
+        self._cache_store(prompt + _reply_ids(doc, rec), self.lora(rec))
         await _respond(send, 200, json.dumps(doc).encode())
 
     async def _refuse_paused(self, rec: Received, send: Send) -> None:
@@ -462,7 +516,7 @@ class FakeEngine:
             }
             await _chunk(send, b"data: " + json.dumps(usage).encode() + b"\n\n")
         if prompt is not None:
-            self._cache_store(prompt + list("".join(reply).encode()))
+            self._cache_store(prompt + list("".join(reply).encode()), self.lora(rec))
         held = self.hold_done(rec) if self.hold_done is not None else None
         if held is not None:
             await held.wait()
@@ -595,6 +649,14 @@ async def _respond(
 
 async def _chunk(send: Send, data: bytes) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _unknown_model(rec: Received) -> bytes:
+    """vLLM 0.32's 404 for a model it does not serve (``vllm/entrypoints/serve/engine/
+    serving.py``, ``_check_model``: its base model names are the valid aliases)."""
+    message = f"The model `{rec.body.get('model')}` does not exist. Valid aliases: tiny."
+    error = {"message": message, "type": "NotFoundError", "param": "model", "code": 404}
+    return json.dumps({"error": error}).encode()
 
 
 def _is_chat(rec: Received) -> bool:

@@ -41,6 +41,7 @@ class Stored:
     parent: int | None
     token_ids: list[int]
     block_size: int
+    lora: str | None = None  # the LoRA adapter the blocks were computed with
 
 
 @dataclass(frozen=True)
@@ -57,28 +58,37 @@ Event = Stored | Removed | Cleared
 
 
 def event_doc(event: Event, encoding: Encoding) -> Any:
-    """One event as vLLM encodes it (``medium`` "GPU", no LoRA, defaults left out)."""
+    """One event as vLLM encodes it (``medium`` "GPU", defaults left out). A LoRA block
+    carries ``lora_id`` (the engine's own number for the adapter), ``lora_name`` and, per
+    block, the untagged extra keys vLLM 0.32 publishes for it: ``[lora_name]``
+    (``vllm/v1/core/kv_cache_utils.py``, ``to_event_extra_keys``)."""
     if isinstance(event, Stored):
+        lora_id = None if event.lora is None else 7
+        extra = None if event.lora is None else [[event.lora] for _ in event.hashes]
         if encoding == "array":
-            return [
+            doc: list[Any] = [
                 "BlockStored",
                 event.hashes,
                 event.parent,
                 event.token_ids,
                 event.block_size,
-                None,
+                lora_id,
                 "GPU",
             ]
-        return {
+            return doc if event.lora is None else [*doc, event.lora, extra]
+        out = {
             "type": "BlockStored",
             "block_hashes": event.hashes,
             "parent_block_hash": event.parent,
             "token_ids": event.token_ids,
             "block_size": event.block_size,
-            "lora_id": None,
+            "lora_id": lora_id,
             "medium": "GPU",
-            "lora_name": None,
+            "lora_name": event.lora,
         }
+        if extra is not None:
+            out["extra_keys"] = extra
+        return out
     if isinstance(event, Removed):
         if encoding == "array":
             return ["BlockRemoved", event.hashes, "GPU"]
@@ -179,8 +189,10 @@ class Publisher:
         self._ctx.destroy(linger=0)
 
 
-def _block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+def _block_hash(parent: int | None, tokens: Sequence[int], lora: str | None = None) -> int:
+    # As vLLM's, a LoRA block's hash covers the adapter: no prefix is shared across adapters.
     data = (parent or 0).to_bytes(8, "big") + b"".join(t.to_bytes(4, "big") for t in tokens)
+    data += b"" if lora is None else b"lora:" + lora.encode()
     return int.from_bytes(hashlib.sha256(b"fake-engine" + data).digest()[:8], "big")
 
 
@@ -195,29 +207,31 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def hashes(self, tokens: Sequence[int]) -> list[int]:
+    def hashes(self, tokens: Sequence[int], lora: str | None = None) -> list[int]:
         out: list[int] = []
         parent = None
         bs = self.block_size
         for start in range(0, len(tokens) - bs + 1, bs):
-            parent = _block_hash(parent, tokens[start : start + bs])
+            parent = _block_hash(parent, tokens[start : start + bs], lora)
             out.append(parent)
         return out
 
-    def hit(self, tokens: Sequence[int]) -> int:
+    def hit(self, tokens: Sequence[int], lora: str | None = None) -> int:
         """Prompt tokens found in the cache, as vLLM counts them (whole blocks, at most
-        ``(len - 1) // block_size``); the blocks found become most recently used."""
+        ``(len - 1) // block_size``), with ``lora``'s blocks only; the blocks found become
+        most recently used."""
         found = 0
-        for h in self.hashes(tokens)[: max(0, len(tokens) - 1) // self.block_size]:
+        for h in self.hashes(tokens, lora)[: max(0, len(tokens) - 1) // self.block_size]:
             if h not in self._blocks:
                 break
             self._blocks.move_to_end(h)
             found += 1
         return found * self.block_size
 
-    def store(self, tokens: Sequence[int]) -> list[Event]:
-        """Cache the full blocks of ``tokens``; the events that say so."""
-        hashes = self.hashes(tokens)
+    def store(self, tokens: Sequence[int], lora: str | None = None) -> list[Event]:
+        """Cache the full blocks of ``tokens`` (computed with the adapter ``lora``); the
+        events that say so."""
+        hashes = self.hashes(tokens, lora)
         first = next((i for i, h in enumerate(hashes) if h not in self._blocks), len(hashes))
         for h in hashes[:first]:
             self._blocks.move_to_end(h)
@@ -231,6 +245,7 @@ class PrefixCache:
                 hashes[first - 1] if first else None,
                 list(tokens[first * bs : len(hashes) * bs]),
                 bs,
+                lora,
             )
         ]
         for h in new:

@@ -95,7 +95,12 @@ def test_a_batch_without_rank_and_with_bytes_hashes_and_a_new_event_kind() -> No
 
 @pytest.mark.parametrize(
     "extra",
-    [{"lora_name": "adapter"}, {"lora_id": 3}, {"group_idx": 1}, {"extra_keys": [["salt"]]}],
+    [
+        {"lora_id": 3},
+        {"lora_name": "a", "extra_keys": [["a", "salt"]]},
+        {"group_idx": 1},
+        {"extra_keys": [["salt"]]},
+    ],
 )
 def test_blocks_keyed_by_more_than_token_ids_are_not_plain(extra: dict[str, object]) -> None:
     event = {
@@ -111,6 +116,24 @@ def test_blocks_keyed_by_more_than_token_ids_are_not_plain(extra: dict[str, obje
     }
     (stored,) = decode_batch(msgspec.msgpack.encode([1.0, [event], 0])).events
     assert isinstance(stored, Stored) and not stored.plain
+
+
+def test_a_lora_block_is_keyed_with_its_adapter_name() -> None:
+    """vLLM 0.32 publishes a LoRA block with its engine-local ``lora_id``, its
+    ``lora_name`` and, per block, ``[lora_name]`` as extra keys: plain, tagged with the name."""
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": 3,
+        "medium": "GPU",
+        "lora_name": "sql",
+        "extra_keys": [["sql"]],
+    }
+    (stored,) = decode_batch(msgspec.msgpack.encode([1.0, [event], 0])).events
+    assert isinstance(stored, Stored) and stored.plain and stored.lora == "sql"
 
 
 @pytest.mark.parametrize(
