@@ -154,7 +154,7 @@ def _engine_body(
     it, no ``priority`` for the others; ``body`` itself when that is what it already is (no
     copy on the way of every request)."""
     if engine_priority and config.priority_classes:
-        if body.get("priority") == prio.value and "priority" in body:
+        if body.get("priority") == prio.value:  # an int: never None
             return body
         return {**body, "priority": prio.value}
     if not engine_priority and "priority" in body:

@@ -18,8 +18,8 @@ waiter's effective level drops by one for every ``aging`` seconds it has waited,
 
 When the queue is full, the key with the most waiters gives up its last one (latest
 deadline, else newest) of its least urgent level for a key with fewer (longest queue
-drop, :meth:`FairQueue.overflow`),
-so a flood cannot crowd the others out of the queue either.
+drop, :meth:`FairQueue.overflow`), so a flood cannot crowd the others out of the queue
+either.
 """
 
 from __future__ import annotations
@@ -119,9 +119,8 @@ class FairQueue(Generic[T]):
     def overflow(self, key: str) -> T | None:
         """The queue is full and ``key`` wants a place: the last waiter (latest deadline,
         else newest) of the least urgent level of the key with the most waiters, taken
-        out, if that key has more
-        than ``key`` would have after joining (else None: ``key`` itself is the one over
-        its share)."""
+        out, if that key has more than ``key`` would have after joining (else None: ``key``
+        itself is the one over its share)."""
         if not self._per_key:
             return None
         longest = max(self._per_key, key=self._per_key.__getitem__)

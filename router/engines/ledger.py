@@ -208,9 +208,9 @@ class SlotLedger:
             wait = min(wait, deadline.at - self._clock())
             if wait <= 0:
                 raise self._missed(deadline)
-            self._check_attainable(deadline, level)
+            self._check_attainable(deadline, level, usable)
         if not self._waiters:
-            got = self._take(usable, avoid, key, session, tenant, choose, allowed)
+            got = self._take(usable, avoid, key, session, tenant, choose)  # usable: allowed
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
@@ -260,7 +260,12 @@ class SlotLedger:
         before the first): the queue's turnover, for predicted waits."""
         return self._hold_s
 
-    def predicted_wait(self, level: int, deadline_at: float = math.inf) -> tuple[float, int]:
+    def predicted_wait(
+        self,
+        level: int,
+        deadline_at: float = math.inf,
+        usable: list[Instance] | None = None,
+    ) -> tuple[float, int]:
         """A new waiter's predicted wait for a slot and how many wait before it: those of a
         more urgent level, and those of its level whose deadline is not later (the
         queue's order, aging aside).
@@ -270,7 +275,8 @@ class SlotLedger:
         those times, plus ``hold`` for every full round of the slots before it. 0 s while a
         slot is free and none waits, or before any hold time is known (nothing to predict
         from). Slots another worker holds (``--workers``) count as free: optimistic, so a
-        refusal is never the price of not seeing them."""
+        refusal is never the price of not seeing them. ``usable``: the decode instances the
+        request may take a slot on (default: every routable one)."""
         ahead = sum(
             1
             for w in self._waiters
@@ -278,7 +284,8 @@ class SlotLedger:
             and (w.level < level or (w.level == level and w.deadline_at <= deadline_at))
         )
         hold = self._hold_s
-        usable = candidates(self._instances)
+        if usable is None:
+            usable = candidates(self._instances)
         capacity = sum(i.limit for i in usable)
         free = any(i.free_slots > 0 for i in usable)
         if hold is None or capacity == 0 or (free and ahead == 0):
@@ -291,11 +298,11 @@ class SlotLedger:
         rounds, place = divmod(ahead, capacity)
         return back[place] + rounds * hold, ahead
 
-    def _check_attainable(self, deadline: Deadline, level: int) -> None:
+    def _check_attainable(self, deadline: Deadline, level: int, usable: list[Instance]) -> None:
         """Refuse at once a request whose predicted TTFT (:meth:`predicted_wait` plus
         ``deadline.service_s``) ends past its deadline: it would only take a place, then
         a slot, a prefill and a decode, for an answer its client no longer wants."""
-        wait, ahead = self.predicted_wait(level, deadline.at)
+        wait, ahead = self.predicted_wait(level, deadline.at, usable)
         predicted = wait + deadline.service_s
         if self._clock() + predicted > deadline.at:
             raise DeadlineUnattainable(
