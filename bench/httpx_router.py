@@ -21,6 +21,7 @@ import uvicorn
 
 from router.access_log import configure_logging
 from router.app import create_app
+from router.carrier import KEEPALIVE_EXPIRY_S
 from router.cli import (
     _BACKLOG,
     _load_or_exit,
@@ -29,7 +30,6 @@ from router.cli import (
     _tune_gc,
 )
 from router.server_options import uvicorn_options
-from router.upstream import KEEPALIVE_EXPIRY_S
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import httpx
 from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
+from router.carrier import Carrier, Http1Carrier
 from router.config import LoraConfig, RouterConfig
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.facts import FactsReader
@@ -23,6 +24,7 @@ from router.engines.instance import Instance
 from router.engines.load import LoadWatcher
 from router.engines.reported import EngineLoads, own_load
 from router.guard import ClientEvents
+from router.httpx_carrier import HttpxCarrier
 from router.kvindex.index import KvIndex
 from router.kvindex.route import CacheScorer
 from router.limits import Limiter
@@ -63,16 +65,24 @@ class AppContext:
     load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
 
 
+def _carrier(config: RouterConfig, transport: httpx.AsyncBaseTransport | None) -> Carrier:
+    """The engine calls' carrier: the router's own HTTP/1.1 client, or httpx over a
+    transport a test or benchmark injected."""
+    key = config.auth.upstream_api_key
+    secret = key.get_secret_value() if key else None
+    timeouts = config.timeouts
+    if transport is not None:
+        return HttpxCarrier(transport, timeouts.connect, timeouts.idle, secret)
+    return Http1Carrier(timeouts.connect, secret)
+
+
 def build_context(
     config: RouterConfig,
     transport: httpx.AsyncBaseTransport | None,
     clock: Callable[[], float],
     shared_slots: WorkerSlots | None = None,
 ) -> AppContext:
-    key = config.auth.upstream_api_key
-    upstream = UpstreamClient(
-        config.timeouts, key.get_secret_value() if key else None, transport=transport
-    )
+    upstream = UpstreamClient(config.timeouts, _carrier(config, transport))
     # Several replicas judge load from the engines' reports, so that they place alike.
     engine_loads = None
     if config.admission.replicas > 1:

@@ -13,9 +13,11 @@ import uvicorn
 
 
 @contextlib.asynccontextmanager
-async def serve(app: Any, *, lifespan: str = "on", http: Any = "h11") -> AsyncIterator[str]:
+async def serve(app: Any, *, lifespan: str = "on", http: Any = None) -> AsyncIterator[str]:
     """Serve ``app`` on 127.0.0.1 with a free port; yields its base URL. ``http``: uvicorn's
-    protocol (the router's own guarded one: ``RouterApp.http_protocol``)."""
+    protocol; by default the app's own (the router's guarded httptools protocol,
+    ``RouterApp.http_protocol``, which is what users get: its disconnect hook and held head
+    are what the integration suite exercises), else h11 (fake engines)."""
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on accepted sockets whose protocol
     # says TCP, and without it a response written in two parts waits 40 ms for the
     # client's delayed ACK (Nagle), every request.
@@ -28,7 +30,7 @@ async def serve(app: Any, *, lifespan: str = "on", http: Any = "h11") -> AsyncIt
         log_level="critical",
         lifespan=lifespan,
         loop="asyncio",
-        http=http,
+        http=http if http is not None else getattr(app, "http_protocol", "h11"),
         timeout_graceful_shutdown=1,
         timeout_keep_alive=30,
     )

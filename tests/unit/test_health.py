@@ -9,6 +9,7 @@ from router.config import HealthConfig, TimeoutConfig
 from router.engines.breaker import Breaker
 from router.engines.health import HealthMonitor
 from router.engines.instance import Instance, Role
+from router.httpx_carrier import HttpxCarrier
 from router.upstream import UpstreamClient
 
 URL = "http://p:8000"
@@ -32,7 +33,8 @@ class Engine:
 
 def _monitor(config: HealthConfig) -> tuple[HealthMonitor, Instance, Engine]:
     engine = Engine()
-    upstream = UpstreamClient(TimeoutConfig(), transport=httpx.MockTransport(engine.handle))
+    carrier = HttpxCarrier(httpx.MockTransport(engine.handle), 5.0, 30.0)
+    upstream = UpstreamClient(TimeoutConfig(), carrier)
     inst = Instance(URL, Role.PREFILL, "tiny", Breaker(5, 10.0))
     return HealthMonitor(lambda: [inst], upstream, config), inst, engine
 

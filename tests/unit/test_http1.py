@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
+from router.carrier import Http1Carrier
 from router.config import TimeoutConfig
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
@@ -222,7 +223,7 @@ async def test_upstream_client_heads_carry_target_host_auth_id_and_length(
     serve: Callable[[Script], Awaitable[ScriptedServer]],
 ) -> None:
     server = await serve(echo)
-    client = UpstreamClient(TimeoutConfig(), upstream_key="sekrit")
+    client = UpstreamClient(TimeoutConfig(), Http1Carrier(WAIT, upstream_key="sekrit"))
     base = f"http://127.0.0.1:{server.origin.port}"
     try:
         engine = Instance(base, Role.DECODE, "tiny", Breaker(5, 10.0))
