@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import resource
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from router import __version__
 from router.config import ConfigError, RouterConfig, load_config
+
+if TYPE_CHECKING:
+    import router.plan as plan_module
 
 __all__ = ["main"]
 
@@ -156,6 +161,90 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """``pd-router plan``: the fewest P:D and aggregated engines for an SLO (router/plan.py)."""
+    from router import plan
+
+    try:
+        load = _plan_load(args)
+        with open(args.timings, encoding="utf-8") as f:
+            timings = plan.timings_from_json(f.read())
+        slo = plan.Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.quantile)
+        result = plan.plan(load, timings, slo, args.max_engines)
+        at = [_plan_at(load, timings, shape, args.quantile) for shape in args.at]
+    except (OSError, plan.PlanError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = result.to_json(load, timings)
+        doc["at"] = [plan.prediction_json(p) for p in at]
+        print(json.dumps(doc, indent=2))
+    else:
+        print(plan.render_text(result, load, timings))
+        for p in at:
+            print(f"at {plan.describe(p, args.quantile)}")
+    return 0
+
+
+def _plan_load(args: argparse.Namespace) -> plan_module.Load:
+    from router import plan
+
+    if args.trace:
+        with open(args.trace, encoding="utf-8") as f:
+            return plan.load_from_trace(f)
+    if args.prompt_tokens is None or args.output_tokens is None:
+        raise plan.PlanError("without --trace: --prompt-tokens and --output-tokens")
+    rate = args.rate
+    if args.scrapes:
+        texts = []
+        for path in args.scrapes:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        rate = plan.rate_from_scrapes(texts[0], texts[1], args.seconds, args.model)
+    if rate is None:
+        raise plan.PlanError("give --trace, --rate or --scrapes")
+    return plan.steady_load(rate, args.prompt_tokens, args.output_tokens)
+
+
+def _plan_at(
+    load: plan_module.Load, timings: plan_module.Timings, shape: str, q: float
+) -> plan_module.Prediction:
+    from router import plan
+
+    text = shape.upper()
+    try:
+        if text.endswith("A"):
+            return plan.aggregated(load, timings, int(text[:-1]), q)
+        p, _, d = text.removesuffix("D").partition("P")
+        return plan.disaggregated(load, timings, int(p), int(d), q)
+    except ValueError:
+        raise plan.PlanError(f"--at {shape}: want e.g. 1P1D or 2A") from None
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan", help="recommend P:D counts and mode for a load and an SLO (docs/planning.md)"
+    )
+    p.add_argument("--trace", help="JSONL: arrival_s, prompt_tokens, output_tokens a line")
+    p.add_argument("--rate", type=float, help="requests a second (without --trace)")
+    p.add_argument(
+        "--scrapes", nargs=2, metavar=("BEFORE", "AFTER"), help="two scrapes of the router's "
+        "/metrics, --seconds apart: the request rate (without --trace)",
+    )  # fmt: skip
+    p.add_argument("--seconds", type=float, default=60.0, help="between the --scrapes")
+    p.add_argument("--model", help="the model's requests in --scrapes (default: all)")
+    p.add_argument("--prompt-tokens", type=int, help="mean prompt (without --trace)")
+    p.add_argument("--output-tokens", type=int, help="mean output (without --trace)")
+    p.add_argument("--timings", required=True, help="engine timings, JSON (docs/planning.md)")
+    p.add_argument("--ttft-ms", type=float, required=True, help="TTFT target")
+    p.add_argument("--tpot-ms", type=float, required=True, help="TPOT target")
+    p.add_argument("--quantile", type=float, default=0.9, help="TTFT quantile checked")
+    p.add_argument("--max-engines", type=int, default=1024, help="of a role, searched")
+    p.add_argument("--at", action="append", default=[], help="also predict this shape: 1P1D, 4A")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pd-router", description="Prefill/decode disaggregation router for vLLM"
@@ -190,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="YAML routing file")
     check.set_defaults(func=_cmd_check)
 
+    _add_plan(sub)
     demo = sub.add_parser("demo", help="start a local P/D stack on real vLLM engines")
     try:
         import router.stack.demo as demo_module

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""The planner's model (router/plan.py) against measured runs: one P/D stack at 1P1D, its engine
+timings measured, then loads run with ``vllm bench serve`` and each compared with what
+``pd-router plan`` predicts for the same requests (their own arrival times and lengths).
+
+1. **Timings** (on the stack, through the router, one request at a time unless said): P's
+   prefill time at each ``--calibrate-inputs`` length (P's own ``vllm:request_prefill_time``
+   histogram), fitted to ``fixed + per_token * L``; D's step time at ``--calibrate-streams``
+   concurrent streams (the client's mean TPOT with ``--max-concurrency B``, short prompts),
+   fitted to ``fixed + per_stream * B``; the handoff: the client's TTFT at one request a time
+   minus P's prefill and one step at one stream, averaged over the lengths.
+2. **Loads**: ``vllm bench serve`` at each ``--qps`` (``--input`` tokens, ``--output-len``,
+   Poisson arrivals, ``--prompts`` requests); each point's requests become a trace (their start
+   times and lengths) and the model predicts 1P1D for it.
+3. **Table**: predicted against measured mean and p90 TTFT, mean TPOT, and the error of each.
+
+    .venv/bin/python bench/plan_check.py --qps 0.3,0.7,1.0 --input 512 --prompts 32 --out DIR
+
+Not a test: it asserts nothing. The timings (``timings.json``), every trace and every
+``vllm bench serve`` result stay under ``--out``; the table goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import serve_bench as sb  # the stacks and the client of bench/serve_bench.py
+from serve_tables import Point, Slo
+
+from router import plan
+from router.stack import Stack
+from router.stack.model import ensure_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="plan-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    stack_args = sb._parse(
+        ["--inputs", args.calibrate_inputs, "--output-len", str(args.output_len)]
+    )
+    model_path = ensure_model(stack_args.variant, stack_args.cache_dir)
+    slo = Slo.parse(f"chat:{args.ttft_ms}:{args.tpot_ms}")
+    rows = []
+    with sb._stack("pull", stack_args, slo) as stack:
+        sb._warm_up(stack, model_path, stack_args, out / "warmup")
+        timings = _calibrate(stack, model_path, stack_args, args, out)
+        (out / "timings.json").write_text(json.dumps(_timings_doc(timings), indent=2))
+        sb._say(f"timings: {timings}")
+        for qps in [float(x) for x in args.qps.split(",")]:
+            point = Point(args.input, qps)
+            argv = sb._bench_argv(stack, model_path, point, stack_args, args.prompts, 0)
+            data = sb._run_bench(argv, out / f"load-qps{qps}.json")
+            rows.append(_compare(data, timings, args.quantile, out / f"trace-qps{qps}.jsonl"))
+            sb._say(f"qps {qps}: {rows[-1]}")
+    _print(rows, args)
+    print(f"\nraw results: {out}")
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--qps", default="0.3,0.7,1.0", help="the loads compared (Poisson)")
+    p.add_argument("--input", type=int, default=512, help="prompt tokens of the loads")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per answer")
+    p.add_argument("--prompts", type=int, default=32, help="requests per load")
+    p.add_argument("--calibrate-inputs", default="128,512,1024", help="prompt lengths timed")
+    p.add_argument("--calibrate-streams", default="1,4,8", help="D batch sizes timed")
+    p.add_argument("--ttft-ms", type=float, default=2500, help="for the stack's adaptive rule")
+    p.add_argument("--tpot-ms", type=float, default=75)
+    p.add_argument("--quantile", type=float, default=0.9, help="TTFT quantile compared")
+    p.add_argument("--out", default=None, help="folder for the results")
+    return p.parse_args(argv)
+
+
+def _calibrate(
+    stack: Stack,
+    model_path: Path,
+    stack_args: argparse.Namespace,
+    args: argparse.Namespace,
+    out: Path,
+) -> plan.Timings:
+    prefill: list[tuple[float, float]] = []
+    ttft: list[tuple[int, float]] = []
+    for n in [int(x) for x in args.calibrate_inputs.split(",")]:
+        before = sb._snapshot(stack)
+        argv = sb._bench_argv(stack, model_path, Point(n, 1000.0), stack_args, 4, 7)
+        data = sb._run_bench([*argv, "--max-concurrency", "1"], out / f"cal-prefill-{n}.json")
+        after = sb._snapshot(stack)
+        p_ms = sb._mean_ms(before, after, ["prefill-0"], "vllm:request_prefill_time_seconds")
+        prefill.append((n, p_ms / 1000))
+        ttft.append((n, data["mean_ttft_ms"] / 1000))
+    steps: list[tuple[float, float]] = []
+    for b in [int(x) for x in args.calibrate_streams.split(",")]:
+        argv = sb._bench_argv(stack, model_path, Point(32, 1000.0), stack_args, max(4, 2 * b), 8)
+        data = sb._run_bench([*argv, "--max-concurrency", str(b)], out / f"cal-step-{b}.json")
+        steps.append((b, data["mean_tpot_ms"] / 1000))
+    a, per_token = plan.fit_line(prefill)
+    s0, s1 = plan.fit_line(steps)
+    step1 = s0 + s1
+    handoff = statistics.mean(t - (a + per_token * n) - step1 for n, t in ttft)
+    return plan.Timings(a, per_token, s0, s1, max(0.0, handoff), mode="pull")
+
+
+def _timings_doc(t: plan.Timings) -> dict[str, Any]:
+    return {
+        "prefill_fixed_s": t.prefill_fixed_s,
+        "prefill_s_per_token": t.prefill_s_per_token,
+        "step_fixed_s": t.step_fixed_s,
+        "step_per_stream_s": t.step_per_stream_s,
+        "handoff_s": t.handoff_s,
+        "mode": t.mode,
+    }
+
+
+def _compare(data: dict[str, Any], t: plan.Timings, q: float, trace: Path) -> dict[str, float]:
+    ok = [i for i, e in enumerate(data["errors"]) if not e]
+    lines = [
+        json.dumps({
+            "arrival_s": data["start_times"][i],
+            "prompt_tokens": data["input_lens"][i],
+            "output_tokens": data["output_lens"][i],
+        })
+        for i in ok
+    ]  # fmt: skip
+    trace.write_text("\n".join(lines) + "\n")
+    load = plan.load_from_trace(lines)
+    predicted = plan.disaggregated(load, t, 1, 1, q)
+    ttfts = sorted(data["ttfts"][i] for i in ok)
+    measured_q = ttfts[min(len(ttfts) - 1, max(0, round(q * len(ttfts)) - 1))]
+    return {
+        "rate": load.rate,
+        "pred_ttft_mean": predicted.ttft_mean_s * 1000,
+        "meas_ttft_mean": data["mean_ttft_ms"],
+        "pred_ttft_q": predicted.ttft_quantile_s * 1000,
+        "meas_ttft_q": measured_q * 1000,
+        "pred_tpot": predicted.tpot_s * 1000,
+        "meas_tpot": data["mean_tpot_ms"],
+        "utilization": predicted.prefill_utilization,
+    }
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.0f}%"
+
+
+def _print(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
+    qp = f"p{args.quantile * 100:g}"
+    print(f"\n1P1D (pull), {args.input}-token prompts, {args.output_len} tokens out, "
+          f"{args.prompts} requests a load; times in ms, "
+          "error = (predicted - measured) / measured\n")  # fmt: skip
+    print(f"| req/s (trace) | P utilization | TTFT mean pred | meas | error | TTFT {qp} pred "
+          f"| meas | error | TPOT pred | meas | error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['rate']:.2f} | {r['utilization']:.2f} "
+            f"| {r['pred_ttft_mean']:.0f} | {r['meas_ttft_mean']:.0f} "
+            f"| {_err(r['pred_ttft_mean'], r['meas_ttft_mean'])} "
+            f"| {r['pred_ttft_q']:.0f} | {r['meas_ttft_q']:.0f} "
+            f"| {_err(r['pred_ttft_q'], r['meas_ttft_q'])} "
+            f"| {r['pred_tpot']:.1f} | {r['meas_tpot']:.1f} "
+            f"| {_err(r['pred_tpot'], r['meas_tpot'])} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
