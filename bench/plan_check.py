@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with sb._stack("pull", stack_args, slo) as stack:
         sb._warm_up(stack, model_path, stack_args, out / "warmup")
-        timings = _calibrate(stack, model_path, stack_args, args, out)
-        (out / "timings.json").write_text(json.dumps(_timings_doc(timings), indent=2))
+        doc = _calibrate(stack, model_path, stack_args, args, out)
+        (out / "timings.json").write_text(json.dumps(doc, indent=2))
+        timings = plan.timings_from_json(json.dumps(doc))
         sb._say(f"timings: {timings}")
         for qps in [float(x) for x in args.qps.split(",")]:
             point = Point(args.input, qps)
@@ -85,38 +86,30 @@ def _calibrate(
     stack_args: argparse.Namespace,
     args: argparse.Namespace,
     out: Path,
-) -> plan.Timings:
-    prefill: list[tuple[float, float]] = []
-    ttft: list[tuple[int, float]] = []
+) -> dict[str, Any]:
+    """The timings file ``pd-router plan --timings`` reads: the measured points themselves."""
+    prefill: dict[str, float] = {}
+    ttft: dict[int, float] = {}
     for n in [int(x) for x in args.calibrate_inputs.split(",")]:
         before = sb._snapshot(stack)
         argv = sb._bench_argv(stack, model_path, Point(n, 1000.0), stack_args, 4, 7)
         data = sb._run_bench([*argv, "--max-concurrency", "1"], out / f"cal-prefill-{n}.json")
         after = sb._snapshot(stack)
         p_ms = sb._mean_ms(before, after, ["prefill-0"], "vllm:request_prefill_time_seconds")
-        prefill.append((n, p_ms / 1000))
-        ttft.append((n, data["mean_ttft_ms"] / 1000))
-    steps: list[tuple[float, float]] = []
+        prefill[str(n)] = p_ms / 1000
+        ttft[n] = data["mean_ttft_ms"] / 1000
+    steps: dict[str, float] = {}
     for b in [int(x) for x in args.calibrate_streams.split(",")]:
         argv = sb._bench_argv(stack, model_path, Point(32, 1000.0), stack_args, max(4, 2 * b), 8)
         data = sb._run_bench([*argv, "--max-concurrency", str(b)], out / f"cal-step-{b}.json")
-        steps.append((b, data["mean_tpot_ms"] / 1000))
-    a, per_token = plan.fit_line(prefill)
-    s0, s1 = plan.fit_line(steps)
-    step1 = s0 + s1
-    handoff = statistics.mean(t - (a + per_token * n) - step1 for n, t in ttft)
-    return plan.Timings(a, per_token, s0, s1, max(0.0, handoff), mode="pull")
-
-
-def _timings_doc(t: plan.Timings) -> dict[str, Any]:
-    return {
-        "prefill_fixed_s": t.prefill_fixed_s,
-        "prefill_s_per_token": t.prefill_s_per_token,
-        "step_fixed_s": t.step_fixed_s,
-        "step_per_stream_s": t.step_per_stream_s,
-        "handoff_s": t.handoff_s,
-        "mode": t.mode,
-    }
+        steps[str(b)] = data["mean_tpot_ms"] / 1000
+    doc: dict[str, Any] = {"prefill_s_by_tokens": prefill, "step_s_by_streams": steps}
+    fitted = plan.timings_from_json(json.dumps(doc))
+    # The handoff: what a lone request's TTFT holds beyond P's prefill and D's first step.
+    lone = [t - fitted.prefill_s(n) - fitted.step_s(1) for n, t in ttft.items()]
+    doc |= {"handoff_s": max(0.0, statistics.mean(lone)), "mode": "pull"}
+    doc["measured_ttft_s_alone"] = {str(n): t for n, t in ttft.items()}  # for the record
+    return doc
 
 
 def _compare(data: dict[str, Any], t: plan.Timings, q: float, trace: Path) -> dict[str, float]:

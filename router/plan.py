@@ -4,15 +4,16 @@ engines, that meet a TTFT and a TPOT target, with the TTFT and TPOT each is pred
 
 The model (docs/planning.md), every engine alike, requests spread evenly:
 
-- **Prefill**: a prompt of ``L`` tokens takes ``S = prefill_fixed_s + prefill_s_per_token * L``
-  on P; P works on prompts one after another (a prompt's work is linear in its tokens, so
-  batching them in a step does not shorten the sum). The P engines are one queue with ``p``
-  servers, a GI/G/c queue, whose mean wait is Allen-Cunneen's approximation: the M/M/c wait
-  (Erlang C) times ``(ca² + cs²) / 2``, ``ca²`` the squared coefficient of variation of the
-  trace's gaps between arrivals (1 for Poisson arrivals, and without a trace), ``cs²`` that of
-  ``S``. For one server and Poisson arrivals it is exactly Pollaczek-Khinchine's M/G/1 wait.
-  The wait's tail is taken as exponential: ``P(W > t) = C exp(-t C / W)``, ``C`` the
-  probability of waiting at all (Erlang C).
+- **Prefill**: a prompt of ``L`` tokens takes ``S = prefill_fixed_s + prefill_s_per_token * L
+  + prefill_s_per_token2 * L²`` on P (the square: attention, which long prompts feel). P works
+  on prompts one after another (their work adds up whether or not a step batches several, so
+  batching does not shorten the sum: the prompts are the queue's jobs). The P engines are one
+  queue with ``p`` servers, a GI/G/c queue, whose mean wait is Allen-Cunneen's approximation:
+  the M/M/c wait (Erlang C) times ``(ca² + cs²) / 2``, ``ca²`` the squared coefficient of
+  variation of the trace's gaps between arrivals (1 for Poisson arrivals, and without a
+  trace), ``cs²`` that of ``S``. For one server and Poisson arrivals it is exactly
+  Pollaczek-Khinchine's M/G/1 wait. The wait's tail is taken as exponential:
+  ``P(W > t) = C exp(-t C / W)``, ``C`` the probability of waiting at all (Erlang C).
 - **Handoff**: ``handoff_s`` (the KV transfer and what the router adds, measured) and D's first
   step at its batch.
 - **Decode**: a D engine's step takes ``step_fixed_s + step_per_stream_s * B`` with ``B``
@@ -77,11 +78,16 @@ class Timings:
     step_fixed_s: float
     step_per_stream_s: float
     handoff_s: float = 0.0
+    prefill_s_per_token2: float = 0.0
     max_streams: int | None = None
     mode: str = "pull"
 
     def prefill_s(self, tokens: float) -> float:
-        return self.prefill_fixed_s + self.prefill_s_per_token * tokens
+        return (
+            self.prefill_fixed_s
+            + self.prefill_s_per_token * tokens
+            + self.prefill_s_per_token2 * tokens * tokens
+        )
 
     def step_s(self, streams: float) -> float:
         return self.step_fixed_s + self.step_per_stream_s * streams
@@ -236,20 +242,23 @@ def _requests(text: str, model: str | None) -> float:
 
 
 def timings_from_json(text: str) -> Timings:
-    """The timings file: ``prefill_fixed_s`` and ``prefill_s_per_token``, or
-    ``prefill_s_by_tokens`` (``{"tokens": seconds, ...}``, fitted by least squares);
+    """The timings file: ``prefill_fixed_s`` and ``prefill_s_per_token`` (and optionally
+    ``prefill_s_per_token2``), or ``prefill_s_by_tokens`` (``{"tokens": seconds, ...}``,
+    fitted by least squares: a line, with a square term from three lengths on where the
+    fit gives it a positive weight);
     ``step_fixed_s`` and ``step_per_stream_s``, or ``step_s_by_streams`` (likewise); optional
     ``handoff_s``, ``max_streams``, ``mode``."""
     try:
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise PlanError("timings: not a JSON object")
-        a, b = _line(doc, "prefill_fixed_s", "prefill_s_per_token", "prefill_s_by_tokens")
+        a, b, c = _prefill(doc)
         s0, s1 = _line(doc, "step_fixed_s", "step_per_stream_s", "step_s_by_streams")
         cap = doc.get("max_streams")
         timings = Timings(
             prefill_fixed_s=max(0.0, a),
             prefill_s_per_token=b,
+            prefill_s_per_token2=c,
             step_fixed_s=max(0.0, s0),
             step_per_stream_s=max(0.0, s1),
             handoff_s=float(doc.get("handoff_s", 0.0)),
@@ -263,6 +272,44 @@ def timings_from_json(text: str) -> Timings:
     if timings.step_s(1) <= 0:
         raise PlanError("timings: a decode step must take some time")
     return timings
+
+
+def _prefill(doc: Mapping[str, object]) -> tuple[float, float, float]:
+    raw = doc.get("prefill_s_by_tokens")
+    if isinstance(raw, dict) and len(raw) >= 3:
+        a, b, c = fit_quadratic([(float(x), float(y)) for x, y in raw.items()])
+        if c > 0:
+            return a, b, c
+    a, b = _line(doc, "prefill_fixed_s", "prefill_s_per_token", "prefill_s_by_tokens")
+    given = doc.get("prefill_s_per_token2", 0.0)
+    square = 0.0 if "prefill_s_by_tokens" in doc else float(given)  # type: ignore[arg-type]
+    return a, b, square
+
+
+def fit_quadratic(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least-squares ``y = a + b x + c x²``: ``(a, b, c)`` (the normal equations, by
+    Cramer's rule: three unknowns)."""
+    scale = max(abs(x) for x, _ in points) or 1.0  # x in [-1, 1]: the sums stay conditioned
+    scaled = [(x / scale, y) for x, y in points]
+    sums = [sum(x**k for x, _ in scaled) for k in range(5)]
+    rhs = [sum(y * x**k for x, y in scaled) for k in range(3)]
+    m = [[sums[i + j] for j in range(3)] for i in range(3)]
+    det = _det3(m)
+    if det == 0:
+        raise PlanError("need points at three different sizes to fit a square")
+    out = []
+    for col in range(3):
+        mc = [[rhs[i] if j == col else m[i][j] for j in range(3)] for i in range(3)]
+        out.append(_det3(mc) / det)
+    return out[0], out[1] / scale, out[2] / scale**2
+
+
+def _det3(m: Sequence[Sequence[float]]) -> float:
+    return (
+        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+        - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+        + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+    )
 
 
 def _line(doc: Mapping[str, object], fixed: str, slope: str, points: str) -> tuple[float, float]:

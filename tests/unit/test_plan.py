@@ -224,3 +224,21 @@ def test_the_command_refuses_bad_input_with_exit_2(
     assert cli.main([*base, *args]) == 2
     assert "1P1D" in capsys.readouterr().err
     assert cli.main([*base, "--trace", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_three_lengths_fit_attentions_square_and_long_prompts_feel_it() -> None:
+    def seconds(n: int) -> float:
+        return 0.05 + 0.001 * n + 2e-8 * n * n
+
+    points = {str(n): seconds(n) for n in (128, 512, 1024, 2048)}
+    got = plan.timings_from_json(json.dumps({"prefill_s_by_tokens": points, **STEP}))
+    assert got.prefill_s_per_token2 == pytest.approx(2e-8)
+    assert got.prefill_s(16_000) == pytest.approx(seconds(16_000))
+    # Points on a line: no square, the line itself.
+    line = {str(n): 0.05 + 0.001 * n for n in (128, 512, 1024)}
+    flat = plan.timings_from_json(json.dumps({"prefill_s_by_tokens": line, **STEP}))
+    assert flat.prefill_s_per_token2 == pytest.approx(0.0, abs=1e-12)
+    assert flat.prefill_s_per_token == pytest.approx(0.001)
+
+
+STEP = {"step_fixed_s": 0.03, "step_per_stream_s": 0.002}
