@@ -5,16 +5,18 @@ timings measured, then loads run with ``vllm bench serve`` and each compared wit
 
 1. **Timings** (on the stack, through the router, one request at a time unless said): P's
    prefill time at each ``--calibrate-inputs`` length (P's own ``vllm:request_prefill_time``
-   histogram), fitted to ``fixed + per_token * L``; D's step time at ``--calibrate-streams``
-   concurrent streams (the client's mean TPOT with ``--max-concurrency B``, short prompts),
-   fitted to ``fixed + per_stream * B``; the handoff: the client's TTFT at one request a time
-   minus P's prefill and one step at one stream, averaged over the lengths.
-2. **Loads**: ``vllm bench serve`` at each ``--qps`` (``--input`` tokens, ``--output-len``,
-   Poisson arrivals, ``--prompts`` requests); each point's requests become a trace (their start
-   times and lengths) and the model predicts 1P1D for it.
+   histogram), fitted to ``fixed + per_token * L (+ per_token2 * L²)``; D's step time at
+   ``--calibrate-streams`` concurrent streams (the client's mean TPOT with
+   ``--max-concurrency B``, short prompts), fitted to ``fixed + per_stream * B``; the handoff:
+   the client's TTFT at one request a time minus P's prefill and one step at one stream,
+   averaged over the lengths.
+2. **Loads**: ``vllm bench serve`` at each ``--loads`` (P's utilization: the rate is that
+   fraction of one over P's measured prefill time at ``--input`` tokens; or ``--qps``),
+   ``--output-len`` tokens, Poisson arrivals, ``--prompts`` requests; each load's requests
+   become a trace (their start times and lengths) and the model predicts 1P1D for it.
 3. **Table**: predicted against measured mean and p90 TTFT, mean TPOT, and the error of each.
 
-    .venv/bin/python bench/plan_check.py --qps 0.3,0.7,1.0 --input 512 --prompts 32 --out DIR
+    .venv/bin/python bench/plan_check.py --loads 0.3,0.5,0.7 --input 256 --prompts 16 --out DIR
 
 Not a test: it asserts nothing. The timings (``timings.json``), every trace and every
 ``vllm bench serve`` result stay under ``--out``; the table goes to stdout.
@@ -54,24 +56,36 @@ def main(argv: list[str] | None = None) -> int:
         (out / "timings.json").write_text(json.dumps(doc, indent=2))
         timings = plan.timings_from_json(json.dumps(doc))
         sb._say(f"timings: {timings}")
-        for qps in [float(x) for x in args.qps.split(",")]:
+        for qps in _rates(args, timings):
             point = Point(args.input, qps)
             argv = sb._bench_argv(stack, model_path, point, stack_args, args.prompts, 0)
-            data = sb._run_bench(argv, out / f"load-qps{qps}.json")
-            rows.append(_compare(data, timings, args.quantile, out / f"trace-qps{qps}.jsonl"))
-            sb._say(f"qps {qps}: {rows[-1]}")
+            data = sb._run_bench(argv, out / f"load-qps{qps:.3f}.json")
+            trace = out / f"trace-qps{qps:.3f}.jsonl"
+            rows.append(_compare(data, timings, args.quantile, trace))
+            sb._say(f"qps {qps:.3f}: {rows[-1]}")
     _print(rows, args)
     print(f"\nraw results: {out}")
     return 0
 
 
+def _rates(args: argparse.Namespace, timings: plan.Timings) -> list[float]:
+    """``--qps`` as given, else ``--loads``: fractions of P's capacity at ``--input`` tokens
+    (one over its prefill time, as measured): the same utilizations on a fast or a busy
+    machine."""
+    if args.qps:
+        return [float(x) for x in args.qps.split(",")]
+    capacity = 1 / timings.prefill_s(args.input)
+    return [round(float(x) * capacity, 3) for x in args.loads.split(",")]
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--qps", default="0.3,0.7,1.0", help="the loads compared (Poisson)")
-    p.add_argument("--input", type=int, default=512, help="prompt tokens of the loads")
-    p.add_argument("--output-len", type=int, default=64, help="tokens per answer")
-    p.add_argument("--prompts", type=int, default=32, help="requests per load")
-    p.add_argument("--calibrate-inputs", default="128,512,1024", help="prompt lengths timed")
+    p.add_argument("--loads", default="0.3,0.5,0.7", help="P utilizations compared (Poisson)")
+    p.add_argument("--qps", default=None, help="request rates instead of --loads")
+    p.add_argument("--input", type=int, default=256, help="prompt tokens of the loads")
+    p.add_argument("--output-len", type=int, default=32, help="tokens per answer")
+    p.add_argument("--prompts", type=int, default=16, help="requests per load")
+    p.add_argument("--calibrate-inputs", default="128,512,1536", help="prompt lengths timed")
     p.add_argument("--calibrate-streams", default="1,4,8", help="D batch sizes timed")
     p.add_argument("--ttft-ms", type=float, default=2500, help="for the stack's adaptive rule")
     p.add_argument("--tpot-ms", type=float, default=75)
@@ -92,7 +106,7 @@ def _calibrate(
     ttft: dict[int, float] = {}
     for n in [int(x) for x in args.calibrate_inputs.split(",")]:
         before = sb._snapshot(stack)
-        argv = sb._bench_argv(stack, model_path, Point(n, 1000.0), stack_args, 4, 7)
+        argv = sb._bench_argv(stack, model_path, Point(n, 1000.0), stack_args, 3, 7)
         data = sb._run_bench([*argv, "--max-concurrency", "1"], out / f"cal-prefill-{n}.json")
         after = sb._snapshot(stack)
         p_ms = sb._mean_ms(before, after, ["prefill-0"], "vllm:request_prefill_time_seconds")
