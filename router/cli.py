@@ -10,7 +10,7 @@ import os
 import resource
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from router import __version__
@@ -171,19 +171,37 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             timings = plan.timings_from_json(f.read())
         slo = plan.Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.quantile)
         result = plan.plan(load, timings, slo, args.max_engines)
-        at = [_plan_at(load, timings, shape, args.quantile) for shape in args.at]
+        at = [plan.shape(text)(load, timings, args.quantile) for text in args.at]
+        capacity = {text: plan.max_rate(load, _fixed(plan.shape(text), timings, args.quantile), slo)
+                    for text in args.capacity}  # fmt: skip
+        split = None if args.budget is None else plan.best_split(load, timings, slo, args.budget)
     except (OSError, plan.PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         doc = result.to_json(load, timings)
         doc["at"] = [plan.prediction_json(p) for p in at]
+        doc["capacity"] = capacity
+        if split is not None:
+            doc["best_split"] = {"prefill": split[0], "decode": split[1], "rate": split[2]}
         print(json.dumps(doc, indent=2))
-    else:
-        print(plan.render_text(result, load, timings))
-        for p in at:
-            print(f"at {plan.describe(p, args.quantile)}")
+        return 0
+    print(plan.render_text(result, load, timings))
+    for p in at:
+        print(f"at {plan.describe(p, args.quantile)}")
+    for text, rate in capacity.items():
+        print(f"{text.upper()} meets the SLO up to {rate:.3g} req/s")
+    if split is not None:
+        print(f"best split of {args.budget}: {split[0]}P{split[1]}D, up to {split[2]:.3g} req/s")
     return 0
+
+
+def _fixed(
+    predict: Callable[[plan_module.Load, plan_module.Timings, float], plan_module.Prediction],
+    timings: plan_module.Timings,
+    q: float,
+) -> Callable[[plan_module.Load], plan_module.Prediction]:
+    return lambda load: predict(load, timings, q)
 
 
 def _plan_load(args: argparse.Namespace) -> plan_module.Load:
@@ -206,21 +224,6 @@ def _plan_load(args: argparse.Namespace) -> plan_module.Load:
     return plan.steady_load(rate, args.prompt_tokens, args.output_tokens)
 
 
-def _plan_at(
-    load: plan_module.Load, timings: plan_module.Timings, shape: str, q: float
-) -> plan_module.Prediction:
-    from router import plan
-
-    text = shape.upper()
-    try:
-        if text.endswith("A"):
-            return plan.aggregated(load, timings, int(text[:-1]), q)
-        p, _, d = text.removesuffix("D").partition("P")
-        return plan.disaggregated(load, timings, int(p), int(d), q)
-    except ValueError:
-        raise plan.PlanError(f"--at {shape}: want e.g. 1P1D or 2A") from None
-
-
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "plan", help="recommend P:D counts and mode for a load and an SLO (docs/planning.md)"
@@ -241,6 +244,11 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--quantile", type=float, default=0.9, help="TTFT quantile checked")
     p.add_argument("--max-engines", type=int, default=1024, help="of a role, searched")
     p.add_argument("--at", action="append", default=[], help="also predict this shape: 1P1D, 4A")
+    p.add_argument(
+        "--capacity", action="append", default=[],
+        help="the highest rate this shape (8P8D, 16A) carries at the SLO",
+    )  # fmt: skip
+    p.add_argument("--budget", type=int, help="the best P:D split of this many engines")
     p.add_argument("--json", action="store_true", help="JSON instead of text")
     p.set_defaults(func=_cmd_plan)
 

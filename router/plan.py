@@ -22,9 +22,9 @@ The model (docs/planning.md), every engine alike, requests spread evenly:
   streams: ``B = r O s0 / (1 - r O s1)``, finite while ``r O s1 < 1`` (and ``B`` within
   ``max_streams``).
 - **Aggregated** (for comparison): each engine interleaves prompts with its streams. Prompts are
-  an M/G/1-like queue whose service is the prompt and the step it rides in (``S + step(B)``), a
-  new prompt waits half a step for the current one; the streams get the time prompts leave,
-  ``TPOT = step(B) / (1 - rho_prefill)``, and ``B = r O TPOT``.
+  the same GI/G/c queue over the ``n`` engines, whose service is the prompt and the step it
+  rides in (``S + step(B)``), a new prompt waits half a step for the current one; the streams
+  get the time prompts leave, ``TPOT = step(B) / (1 - rho_prefill)``, and ``B = r O TPOT``.
 
 TTFT is predicted as its mean and at a quantile (the wait's quantile plus the trace's prompt
 quantile: a sum of quantiles, so it errs high); TPOT as its mean. A configuration meets the SLO
@@ -38,7 +38,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,13 +50,16 @@ __all__ = [
     "Slo",
     "Timings",
     "aggregated",
+    "best_split",
     "describe",
     "disaggregated",
     "load_from_trace",
+    "max_rate",
     "plan",
     "prediction_json",
     "rate_from_scrapes",
     "render_text",
+    "shape",
     "steady_load",
     "timings_from_json",
 ]
@@ -421,7 +424,7 @@ def aggregated(load: Load, t: Timings, engines: int, q: float) -> Prediction:
     step = t.step_s(streams)
     tpot = step / (1 - busy) if busy < 1 else INFEASIBLE
     riding = [s + step for s in services]  # a prompt rides in a step with the streams
-    queue = _queue(rate, riding, 1, load.arrival_cv2, q)
+    queue = _queue(load.rate, riding, engines, load.arrival_cv2, q)  # pooled, as P's
     mean_s = sum(riding) / len(riding)
     return Prediction(
         mode="aggregated",
@@ -481,6 +484,65 @@ def _fewest(ok: Callable[[int], bool], limit: int) -> int | None:
         else:
             lo = mid + 1
     return hi
+
+
+# -- capacity at the SLO ----------------------------------------------------------------------
+
+Predict = Callable[[Load], Prediction]
+
+
+def shape(text: str) -> Callable[[Load, Timings, float], Prediction]:
+    """``8P8D`` (disaggregated) or ``16A`` (aggregated): the prediction of that shape."""
+    spec = text.strip().upper()
+    try:
+        if spec.endswith("A"):
+            n = int(spec[:-1])
+            if n >= 1:
+                return lambda load, t, q: aggregated(load, t, n, q)
+        elif spec.endswith("D") and "P" in spec:
+            p, _, d = spec.removesuffix("D").partition("P")
+            pn, dn = int(p), int(d)
+            if pn >= 1 and dn >= 1:
+                return lambda load, t, q: disaggregated(load, t, pn, dn, q)
+    except ValueError:
+        pass
+    raise PlanError(f"{text!r}: want a shape such as 1P1D or 2A")
+
+
+def max_rate(load: Load, predict: Predict, slo: Slo) -> float:
+    """The highest rate (requests a second, the load's lengths and burstiness kept) at which
+    ``predict`` still meets ``slo``; 0 when none does. Bisection to 0.1%."""
+
+    def ok(rate: float) -> bool:
+        return predict(replace(load, rate=rate)).meets(slo)
+
+    hi = max(load.rate, 1e-3)
+    while ok(hi):
+        hi *= 2
+        if hi > 1e9:
+            return math.inf
+    lo = 0.0
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def best_split(load: Load, t: Timings, slo: Slo, engines: int) -> tuple[int, int, float]:
+    """Of ``engines`` engines split into P and D: the split that carries the highest rate at
+    ``slo``, as ``(P, D, rate)``."""
+    if engines < 2:
+        raise PlanError("a split needs two engines at least")
+    best = (1, engines - 1, -1.0)
+    for p in range(1, engines):
+
+        def predict(x: Load, p: int = p) -> Prediction:
+            return disaggregated(x, t, p, engines - p, slo.quantile)
+
+        rate = max_rate(load, predict, slo)
+        if rate > best[2]:
+            best = (p, engines - p, rate)
+    return best
 
 
 # -- output -----------------------------------------------------------------------------------

@@ -242,3 +242,46 @@ def test_three_lengths_fit_attentions_square_and_long_prompts_feel_it() -> None:
 
 
 STEP = {"step_fixed_s": 0.03, "step_per_stream_s": 0.002}
+
+
+def test_a_shapes_capacity_is_the_rate_where_it_stops_meeting_the_slo() -> None:
+    slo = plan.Slo(ttft_s=1.5, tpot_s=0.06)
+    load = _load(1.0)
+    predict = plan.shape("2P1D")
+    rate = plan.max_rate(load, lambda x: predict(x, T, 0.9), slo)
+    assert 0 < rate < 2 / T.prefill_s(500)  # below two P's saturation
+    at = plan.disaggregated(plan.steady_load(rate, 500, 100), T, 2, 1, 0.9)
+    above = plan.disaggregated(plan.steady_load(rate * 1.01, 500, 100), T, 2, 1, 0.9)
+    assert at.meets(slo) and not above.meets(slo)
+
+
+def test_the_best_split_of_a_budget_carries_at_least_every_other_split() -> None:
+    slo = plan.Slo(ttft_s=1.5, tpot_s=0.04)
+    load = _load(1.0, output=400)  # long answers: D matters too
+    p, d, rate = plan.best_split(load, T, slo, 6)
+    assert p + d == 6
+    for other in range(1, 6):
+
+        def predict(x: plan.Load, other: int = other) -> plan.Prediction:
+            return plan.disaggregated(x, T, other, 6 - other, 0.9)
+
+        assert plan.max_rate(load, predict, slo) <= rate * 1.002
+
+
+@pytest.mark.parametrize("text", ["0P1D", "P1D", "1P", "xA", "0A", ""])
+def test_a_bad_shape_is_refused(text: str) -> None:
+    with pytest.raises(plan.PlanError, match="1P1D"):
+        plan.shape(text)
+
+
+def test_the_command_prints_capacities_and_the_best_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--rate", "1", "--prompt-tokens", "500", "--output-tokens", "100"]
+    argv += ["--timings", str(_timings_file(tmp_path)), "--ttft-ms", "2000", "--tpot-ms", "80"]
+    argv += ["--capacity", "2p2d", "--budget", "4", "--json"]
+    assert cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    split = doc["best_split"]
+    assert split["prefill"] + split["decode"] == 4
+    assert split["rate"] >= doc["capacity"]["2p2d"] > 0
