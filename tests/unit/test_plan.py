@@ -285,3 +285,13 @@ def test_the_command_prints_capacities_and_the_best_split(
     split = doc["best_split"]
     assert split["prefill"] + split["decode"] == 4
     assert split["rate"] >= doc["capacity"]["2p2d"] > 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[2] / "configs" / "timings").glob("*.json")),
+    ids=lambda p: p.name,
+)
+def test_the_shipped_timings_files_are_read(path: Path) -> None:
+    timings = plan.timings_from_json(path.read_text())
+    assert timings.prefill_s(1000) > 0 and timings.step_s(1) > 0
