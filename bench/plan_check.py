@@ -18,6 +18,7 @@ timings measured, then loads run with ``vllm bench serve`` and each compared wit
 
     .venv/bin/python bench/plan_check.py --loads 0.3,0.5,0.7 --input 256 --prompts 16 --out DIR
 
+``--replay DIR`` prints the table again from a run's files with this checkout's model.
 Not a test: it asserts nothing. The timings (``timings.json``), every trace and every
 ``vllm bench serve`` result stay under ``--out``; the table goes to stdout.
 """
@@ -42,6 +43,9 @@ from router.stack.model import ensure_model
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.replay:
+        _print(_replay(Path(args.replay), args.quantile), args)
+        return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="plan-check-"))
     out.mkdir(parents=True, exist_ok=True)
     stack_args = sb._parse(
@@ -91,6 +95,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tpot-ms", type=float, default=75)
     p.add_argument("--quantile", type=float, default=0.9, help="TTFT quantile compared")
     p.add_argument("--out", default=None, help="folder for the results")
+    p.add_argument("--replay", default=None, help="the table again from a run's --out folder")
     return p.parse_args(argv)
 
 
@@ -126,6 +131,22 @@ def _calibrate(
     return doc
 
 
+def _replay(folder: Path, q: float) -> list[dict[str, float]]:
+    """The table again from a run's files, with this checkout's model."""
+    timings = plan.timings_from_json((folder / "timings.json").read_text())
+    rows = []
+    for result in sorted(folder.glob("load-qps*.json"), key=lambda p: float(p.stem[8:])):
+        data = json.loads(result.read_text())
+        trace = folder / result.name.replace("load-", "trace-").replace(".json", ".jsonl")
+        rows.append(_compare(data, timings, q, trace))
+    return rows
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
 def _compare(data: dict[str, Any], t: plan.Timings, q: float, trace: Path) -> dict[str, float]:
     ok = [i for i, e in enumerate(data["errors"]) if not e]
     lines = [
@@ -139,16 +160,22 @@ def _compare(data: dict[str, Any], t: plan.Timings, q: float, trace: Path) -> di
     trace.write_text("\n".join(lines) + "\n")
     load = plan.load_from_trace(lines)
     predicted = plan.disaggregated(load, t, 1, 1, q)
-    ttfts = sorted(data["ttfts"][i] for i in ok)
-    measured_q = ttfts[min(len(ttfts) - 1, max(0, round(q * len(ttfts)) - 1))]
+    # vLLM's per-request TPOT: the time after the first token over the tokens after it.
+    tpots = [
+        (data["latencies"][i] - data["ttfts"][i]) / (data["output_lens"][i] - 1)
+        for i in ok
+        if data["output_lens"][i] > 1
+    ]
     return {
         "rate": load.rate,
         "pred_ttft_mean": predicted.ttft_mean_s * 1000,
         "meas_ttft_mean": data["mean_ttft_ms"],
         "pred_ttft_q": predicted.ttft_quantile_s * 1000,
-        "meas_ttft_q": measured_q * 1000,
+        "meas_ttft_q": _quantile([data["ttfts"][i] for i in ok], q) * 1000,
         "pred_tpot": predicted.tpot_s * 1000,
         "meas_tpot": data["mean_tpot_ms"],
+        "pred_tpot_q": predicted.tpot_quantile_s * 1000,
+        "meas_tpot_q": _quantile(tpots, q) * 1000,
         "utilization": predicted.prefill_utilization,
     }
 
@@ -163,8 +190,9 @@ def _print(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
           f"{args.prompts} requests a load; times in ms, "
           "error = (predicted - measured) / measured\n")  # fmt: skip
     print(f"| req/s (trace) | P utilization | TTFT mean pred | meas | error | TTFT {qp} pred "
-          f"| meas | error | TPOT pred | meas | error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| meas | error | TPOT mean pred | meas | error | TPOT {qp} pred | meas "
+          "| error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['rate']:.2f} | {r['utilization']:.2f} "
@@ -173,7 +201,9 @@ def _print(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
             f"| {r['pred_ttft_q']:.0f} | {r['meas_ttft_q']:.0f} "
             f"| {_err(r['pred_ttft_q'], r['meas_ttft_q'])} "
             f"| {r['pred_tpot']:.1f} | {r['meas_tpot']:.1f} "
-            f"| {_err(r['pred_tpot'], r['meas_tpot'])} |"
+            f"| {_err(r['pred_tpot'], r['meas_tpot'])} "
+            f"| {r['pred_tpot_q']:.1f} | {r['meas_tpot_q']:.1f} "
+            f"| {_err(r['pred_tpot_q'], r['meas_tpot_q'])} |"
         )
 
 

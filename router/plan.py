@@ -27,9 +27,10 @@ The model (docs/planning.md), every engine alike, requests spread evenly:
   get the time prompts leave, ``TPOT = step(B) / (1 - rho_prefill)``, and ``B = r O TPOT``.
 
 TTFT is predicted as its mean and at a quantile (the wait's quantile plus the trace's prompt
-quantile: a sum of quantiles, so it errs high); TPOT as its mean. A configuration meets the SLO
-when TTFT at the quantile and the mean TPOT are within their targets. Pure functions, no I/O
-beyond parsing the texts given.
+quantile: a sum of quantiles, so it errs high); TPOT as its mean and a request's at the
+quantile (D: the step at the quantile of its streams, Poisson; aggregated: the stalls of the
+prompts a stream meets, Poisson). A configuration meets the SLO when TTFT and TPOT at the
+quantile are within their targets. Pure functions, no I/O beyond parsing the texts given.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from statistics import NormalDist
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -56,6 +58,7 @@ __all__ = [
     "load_from_trace",
     "max_rate",
     "plan",
+    "poisson_quantile",
     "prediction_json",
     "rate_from_scrapes",
     "render_text",
@@ -131,6 +134,7 @@ class Prediction:
     ttft_mean_s: float
     ttft_quantile_s: float
     tpot_s: float
+    tpot_quantile_s: float  # a request's TPOT (its mean over its tokens) at the quantile
     prefill_utilization: float
     streams_per_decode: float
 
@@ -141,7 +145,7 @@ class Prediction:
         return self.prefill_engines + self.decode_engines
 
     def meets(self, slo: Slo) -> bool:
-        return self.ttft_quantile_s <= slo.ttft_s and self.tpot_s <= slo.tpot_s
+        return self.ttft_quantile_s <= slo.ttft_s and self.tpot_quantile_s <= slo.tpot_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +401,9 @@ def disaggregated(load: Load, t: Timings, prefill: int, decode: int, q: float) -
     if t.max_streams is not None and streams > t.max_streams:
         streams = INFEASIBLE
     tpot = t.step_s(streams)
+    # D's streams are an M/G/inf system: their number is Poisson. A request's TPOT is taken
+    # as the step at that number's quantile (it averages over its life: errs high).
+    tpot_q = t.step_s(poisson_quantile(streams, q))
     services = [t.prefill_s(n) for n in load.prompts]
     queue = _queue(load.rate, services, prefill, load.arrival_cv2, q)
     extra = t.handoff_s + tpot  # D's first step: one step at its batch
@@ -408,6 +415,7 @@ def disaggregated(load: Load, t: Timings, prefill: int, decode: int, q: float) -
         ttft_mean_s=queue.wait_mean + mean_s + extra,
         ttft_quantile_s=queue.wait_quantile + _quantile(services, q) + extra,
         tpot_s=tpot,
+        tpot_quantile_s=tpot_q,
         prefill_utilization=queue.utilization,
         streams_per_decode=streams,
     )
@@ -426,6 +434,10 @@ def aggregated(load: Load, t: Timings, engines: int, q: float) -> Prediction:
     riding = [s + step for s in services]  # a prompt rides in a step with the streams
     queue = _queue(load.rate, riding, engines, load.arrival_cv2, q)  # pooled, as P's
     mean_s = sum(riding) / len(riding)
+    # A stream is stalled by the prompts its engine computes during its life: K of them,
+    # Poisson with mean rate x its life (O x TPOT), each adding E[S] / O to its TPOT.
+    met = poisson_quantile(rate * load.output_mean * tpot, q)
+    tpot_q = step + met * sum(services) / len(services) / load.output_mean
     return Prediction(
         mode="aggregated",
         prefill_engines=0,
@@ -433,9 +445,26 @@ def aggregated(load: Load, t: Timings, engines: int, q: float) -> Prediction:
         ttft_mean_s=queue.wait_mean + mean_s + step / 2,
         ttft_quantile_s=queue.wait_quantile + _quantile(riding, q) + step / 2,
         tpot_s=tpot,
+        tpot_quantile_s=tpot_q,
         prefill_utilization=queue.utilization,
         streams_per_decode=streams,
     )
+
+
+def poisson_quantile(mean: float, q: float) -> float:
+    """The smallest k with P(X <= k) >= q for X Poisson of ``mean`` (a normal approximation
+    beyond a mean of 400; inf for an infinite mean)."""
+    if math.isinf(mean) or math.isnan(mean):
+        return INFEASIBLE
+    if mean > 400:
+        return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
+    term = total = math.exp(-mean)
+    k = 0
+    while total < q:
+        k += 1
+        term *= mean / k
+        total += term
+    return float(k)
 
 
 def _step(t: Timings) -> tuple[float, float]:
@@ -451,7 +480,7 @@ def plan(load: Load, timings: Timings, slo: Slo, max_engines: int = 1024) -> Pla
     q = slo.quantile
     pd: Prediction | None = None
     decode = _fewest(
-        lambda d: disaggregated(load, timings, 1, d, q).tpot_s <= slo.tpot_s, max_engines
+        lambda d: disaggregated(load, timings, 1, d, q).tpot_quantile_s <= slo.tpot_s, max_engines
     )
     if decode is not None:
         prefill = _fewest(
@@ -560,7 +589,8 @@ def describe(p: Prediction, quantile: float) -> str:
     )
     return (
         f"{shape} ({p.engines} engines): TTFT mean {_ms(p.ttft_mean_s)}, "
-        f"p{quantile * 100:g} {_ms(p.ttft_quantile_s)}; TPOT {_ms(p.tpot_s)}; "
+        f"p{quantile * 100:g} {_ms(p.ttft_quantile_s)}; TPOT mean {_ms(p.tpot_s)}, "
+        f"p{quantile * 100:g} {_ms(p.tpot_quantile_s)}; "
         f"prefill utilization {p.prefill_utilization:.2f}, {p.streams_per_decode:.1f} streams "
         "an engine"
     )
@@ -572,7 +602,8 @@ def render_text(result: Plan, load: Load, timings: Timings) -> str:
         f"load: {load.rate:.3g} req/s, prompts {load.prompt_mean:,.0f} tokens, outputs "
         f"{load.output_mean:,.0f} tokens (mean of {len(load.prompts)}), arrival cv² "
         f"{load.arrival_cv2:.2f}",
-        f"SLO: TTFT p{q * 100:g} <= {_ms(result.slo.ttft_s)}, TPOT <= {_ms(result.slo.tpot_s)}",
+        f"SLO: TTFT p{q * 100:g} <= {_ms(result.slo.ttft_s)}, "
+        f"TPOT p{q * 100:g} <= {_ms(result.slo.tpot_s)}",
     ]
     pd, agg = result.disaggregated, result.aggregated
     lines.append(

@@ -295,3 +295,25 @@ def test_the_command_prints_capacities_and_the_best_split(
 def test_the_shipped_timings_files_are_read(path: Path) -> None:
     timings = plan.timings_from_json(path.read_text())
     assert timings.prefill_s(1000) > 0 and timings.step_s(1) > 0
+
+
+def test_poisson_quantiles() -> None:
+    assert plan.poisson_quantile(0.0, 0.9) == 0
+    assert plan.poisson_quantile(1.0, 0.5) == 1  # P(X <= 0) = 0.37, P(X <= 1) = 0.74
+    assert plan.poisson_quantile(1.0, 0.9) == 2  # P(X <= 2) = 0.92
+    assert plan.poisson_quantile(10_000.0, 0.9) == pytest.approx(10_000 + 1.2816 * 100, abs=1)
+    assert math.isinf(plan.poisson_quantile(math.inf, 0.9))
+
+
+def test_an_aggregated_streams_tpot_quantile_counts_the_prompts_it_meets() -> None:
+    load = _load(1.0)
+    got = plan.aggregated(load, T, 2, 0.9)
+    rate = 0.5
+    met = plan.poisson_quantile(rate * 100 * got.tpot_s, 0.9)
+    step = T.step_s(got.streams_per_decode)
+    assert got.tpot_quantile_s == pytest.approx(step + met * T.prefill_s(500) / 100)
+    assert got.tpot_quantile_s > got.tpot_s  # the mean hides the streams a prompt stalls
+    d = plan.disaggregated(load, T, 2, 1, 0.9)
+    assert d.tpot_quantile_s == pytest.approx(
+        T.step_s(plan.poisson_quantile(d.streams_per_decode, 0.9))
+    )
