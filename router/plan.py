@@ -356,15 +356,15 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 
 def erlang_c(servers: int, offered: float) -> float:
-    """The probability an arrival waits in an M/M/c queue with ``offered`` = lambda E[S]."""
+    """The probability an arrival waits in an M/M/c queue with ``offered`` = lambda E[S]: from
+    Erlang B's recursion, which stays within floats for any number of servers."""
     if offered >= servers:
         return 1.0
-    term, total = 1.0, 1.0  # the sum of offered^k / k! for k < servers, computed stably
-    for k in range(1, servers):
-        term *= offered / k
-        total += term
-    last = term * offered / servers / (1 - offered / servers)
-    return last / (total + last)
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    rho = offered / servers
+    return b / (1 - rho * (1 - b))
 
 
 @dataclass(frozen=True, slots=True)

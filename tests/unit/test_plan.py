@@ -317,3 +317,11 @@ def test_an_aggregated_streams_tpot_quantile_counts_the_prompts_it_meets() -> No
     assert d.tpot_quantile_s == pytest.approx(
         T.step_s(plan.poisson_quantile(d.streams_per_decode, 0.9))
     )
+
+
+def test_erlang_c_holds_for_large_fleets() -> None:
+    """A thousand servers at 98% (an offered load whose powers overflow a float)."""
+    got = plan.erlang_c(1000, 980.0)
+    assert 0 < got < 1
+    load = plan.steady_load(400.0, 500, 100)
+    assert plan.disaggregated(load, T, 240, 150, 0.9).ttft_mean_s < 2.0
