@@ -14,7 +14,10 @@ timings measured, then loads run with ``vllm bench serve`` and each compared wit
    fraction of one over P's measured prefill time at ``--input`` tokens; or ``--qps``),
    ``--output-len`` tokens, Poisson arrivals, ``--prompts`` requests; each load's requests
    become a trace (their start times and lengths) and the model predicts 1P1D for it.
-3. **Table**: predicted against measured mean and p90 TTFT, mean TPOT, and the error of each.
+3. **Table**: predicted against measured mean and p90 TTFT, mean and p90 TPOT, and the error
+   of each; and the mean TTFT predicted with P's prefill time as P's own histogram had it
+   during the load (the queueing model's error apart from the machine's drift since the
+   timings were measured: on a shared machine, its speed moves from minute to minute).
 
     .venv/bin/python bench/plan_check.py --loads 0.3,0.5,0.7 --input 256 --prompts 16 --out DIR
 
@@ -30,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         for qps in _rates(args, timings):
             point = Point(args.input, qps)
             argv = sb._bench_argv(stack, model_path, point, stack_args, args.prompts, 0)
+            before = sb._snapshot(stack)
             data = sb._run_bench(argv, out / f"load-qps{qps:.3f}.json")
+            # P's own mean prefill time during the load: the model's wait given the service
+            # time P really had, apart from how far the machine drifted since calibrating.
+            data["p_prefill_s"] = _p_prefill_s(before, sb._snapshot(stack))
+            (out / f"load-qps{qps:.3f}.json").write_text(json.dumps(data))
             trace = out / f"trace-qps{qps:.3f}.jsonl"
             rows.append(_compare(data, timings, args.quantile, trace))
             sb._say(f"qps {qps:.3f}: {rows[-1]}")
@@ -131,6 +140,11 @@ def _calibrate(
     return doc
 
 
+def _p_prefill_s(before: dict[str, Any], after: dict[str, Any]) -> float:
+    ms: float = sb._mean_ms(before, after, ["prefill-0"], "vllm:request_prefill_time_seconds")
+    return ms / 1000
+
+
 def _replay(folder: Path, q: float) -> list[dict[str, float]]:
     """The table again from a run's files, with this checkout's model."""
     timings = plan.timings_from_json((folder / "timings.json").read_text())
@@ -166,7 +180,20 @@ def _compare(data: dict[str, Any], t: plan.Timings, q: float, trace: Path) -> di
         for i in ok
         if data["output_lens"][i] > 1
     ]
+    in_load = float("nan")
+    if "p_prefill_s" in data:  # the same model, P's service time as P had it during the load
+        scale = data["p_prefill_s"] / (
+            sum(t.prefill_s(n) for n in load.prompts) / len(load.prompts)
+        )
+        seen = replace(
+            t,
+            prefill_fixed_s=t.prefill_fixed_s * scale,
+            prefill_s_per_token=t.prefill_s_per_token * scale,
+            prefill_s_per_token2=t.prefill_s_per_token2 * scale,
+        )
+        in_load = plan.disaggregated(load, seen, 1, 1, q).ttft_mean_s * 1000
     return {
+        "pred_ttft_in_load": in_load,
         "rate": load.rate,
         "pred_ttft_mean": predicted.ttft_mean_s * 1000,
         "meas_ttft_mean": data["mean_ttft_ms"],
@@ -191,8 +218,8 @@ def _print(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
           "error = (predicted - measured) / measured\n")  # fmt: skip
     print(f"| req/s (trace) | P utilization | TTFT mean pred | meas | error | TTFT {qp} pred "
           f"| meas | error | TPOT mean pred | meas | error | TPOT {qp} pred | meas "
-          "| error |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| error | TTFT mean pred, P's prefill as in the load | error |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['rate']:.2f} | {r['utilization']:.2f} "
@@ -203,7 +230,9 @@ def _print(rows: list[dict[str, float]], args: argparse.Namespace) -> None:
             f"| {r['pred_tpot']:.1f} | {r['meas_tpot']:.1f} "
             f"| {_err(r['pred_tpot'], r['meas_tpot'])} "
             f"| {r['pred_tpot_q']:.1f} | {r['meas_tpot_q']:.1f} "
-            f"| {_err(r['pred_tpot_q'], r['meas_tpot_q'])} |"
+            f"| {_err(r['pred_tpot_q'], r['meas_tpot_q'])} "
+            f"| {r['pred_ttft_in_load']:.0f} "
+            f"| {_err(r['pred_ttft_in_load'], r['meas_ttft_mean'])} |"
         )
 
 
