@@ -7,9 +7,10 @@ timings measured, then loads run with ``vllm bench serve`` and each compared wit
    prefill time at each ``--calibrate-inputs`` length (P's own ``vllm:request_prefill_time``
    histogram), fitted to ``fixed + per_token * L (+ per_token2 * L²)``; D's step time at
    ``--calibrate-streams`` concurrent streams (the client's mean TPOT with
-   ``--max-concurrency B``, short prompts), fitted to ``fixed + per_stream * B``; the handoff:
-   the client's TTFT at one request a time minus P's prefill and one step at one stream,
-   averaged over the lengths.
+   ``--max-concurrency B``, short prompts), fitted to ``fixed + per_stream * B``; D's
+   admission of a request by prompt length (D's own ``vllm:request_prefill_time``: the KV
+   read and the first token); the handoff: the client's TTFT at one request a time minus P's
+   prefill, D's admission and one step, averaged over the lengths.
 2. **Loads**: ``vllm bench serve`` at each ``--loads`` (P's utilization: the rate is that
    fraction of one over P's measured prefill time at ``--input`` tokens; or ``--qps``),
    ``--output-len`` tokens, Poisson arrivals, ``--prompts`` requests; each load's requests
@@ -117,6 +118,7 @@ def _calibrate(
 ) -> dict[str, Any]:
     """The timings file ``pd-router plan --timings`` reads: the measured points themselves."""
     prefill: dict[str, float] = {}
+    admit: dict[str, float] = {}
     ttft: dict[int, float] = {}
     for n in [int(x) for x in args.calibrate_inputs.split(",")]:
         before = sb._snapshot(stack)
@@ -125,6 +127,9 @@ def _calibrate(
         after = sb._snapshot(stack)
         p_ms = sb._mean_ms(before, after, ["prefill-0"], "vllm:request_prefill_time_seconds")
         prefill[str(n)] = p_ms / 1000
+        # D's own "prefill" of a pull request: reading its KV and computing its first token.
+        d_ms = sb._mean_ms(before, after, ["decode-0"], "vllm:request_prefill_time_seconds")
+        admit[str(n)] = d_ms / 1000
         ttft[n] = data["mean_ttft_ms"] / 1000
     steps: dict[str, float] = {}
     for b in [int(x) for x in args.calibrate_streams.split(",")]:
@@ -132,9 +137,11 @@ def _calibrate(
         data = sb._run_bench([*argv, "--max-concurrency", str(b)], out / f"cal-step-{b}.json")
         steps[str(b)] = data["mean_tpot_ms"] / 1000
     doc: dict[str, Any] = {"prefill_s_by_tokens": prefill, "step_s_by_streams": steps}
+    doc["admit_s_by_tokens"] = admit
     fitted = plan.timings_from_json(json.dumps(doc))
-    # The handoff: what a lone request's TTFT holds beyond P's prefill and D's first step.
-    lone = [t - fitted.prefill_s(n) - fitted.step_s(1) for n, t in ttft.items()]
+    # The handoff: what a lone request's TTFT holds beyond P's prefill, D's admission of it
+    # and a step.
+    lone = [t - fitted.prefill_s(n) - fitted.admit_s(n) - fitted.step_s(1) for n, t in ttft.items()]
     doc |= {"handoff_s": max(0.0, statistics.mean(lone)), "mode": "pull"}
     doc["measured_ttft_s_alone"] = {str(n): t for n, t in ttft.items()}  # for the record
     return doc

@@ -14,13 +14,15 @@ The model (docs/planning.md), every engine alike, requests spread evenly:
   trace), ``cs²`` that of ``S``. For one server and Poisson arrivals it is exactly
   Pollaczek-Khinchine's M/G/1 wait. The wait's tail is taken as exponential:
   ``P(W > t) = C exp(-t C / W)``, ``C`` the probability of waiting at all (Erlang C).
-- **Handoff**: ``handoff_s`` (the KV transfer and what the router adds, measured) and D's first
-  step at its batch.
+- **Handoff**: ``handoff_s`` (the KV transfer and what the router adds, measured), D's
+  admission of the request (``admit``: reading its KV, computing its first token) and the
+  step D is in when it arrives.
 - **Decode**: a D engine's step takes ``step_fixed_s + step_per_stream_s * B`` with ``B``
-  streams; every stream gets one token a step, so its TPOT is the step time. By Little's law a
-  D receiving ``r`` requests a second of mean ``O`` output tokens holds ``B = r O step(B)``
-  streams: ``B = r O s0 / (1 - r O s1)``, finite while ``r O s1 < 1`` (and ``B`` within
-  ``max_streams``).
+  streams; every stream gets one token a step, and waits while D admits a new request, which
+  takes ``rho_admit = r E[admit]`` of D's time: ``TPOT = step(B) / (1 - rho_admit)``. By
+  Little's law a D receiving ``r`` requests a second of mean ``O`` output tokens holds
+  ``B = r O TPOT`` streams: ``B = r O s0 / (1 - rho_admit - r O s1)``, finite while that
+  denominator is positive (and ``B`` within ``max_streams``).
 - **Aggregated** (for comparison): each engine interleaves prompts with its streams. Prompts are
   the same GI/G/c queue over the ``n`` engines, whose service is the prompt and the step it
   rides in (``S + step(B)``), a new prompt waits half a step for the current one; the streams
@@ -77,7 +79,9 @@ class PlanError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Timings:
     """One engine's measured times (seconds). ``handoff_s``: a disaggregated request's TTFT
-    beyond P's prefill and D's first step (KV transfer, the router), measured in ``mode``."""
+    beyond P's prefill, D's admission and one step (KV transfer, the router), measured in
+    ``mode``. ``admit``: D's time to take in a new request (read its KV, compute its first
+    token), during which its other streams wait: ``admit_fixed_s + admit_s_per_token * L``."""
 
     prefill_fixed_s: float
     prefill_s_per_token: float
@@ -87,6 +91,11 @@ class Timings:
     prefill_s_per_token2: float = 0.0
     max_streams: int | None = None
     mode: str = "pull"
+    admit_fixed_s: float = 0.0
+    admit_s_per_token: float = 0.0
+
+    def admit_s(self, tokens: float) -> float:
+        return self.admit_fixed_s + self.admit_s_per_token * tokens
 
     def prefill_s(self, tokens: float) -> float:
         return (
@@ -254,7 +263,8 @@ def timings_from_json(text: str) -> Timings:
     fitted by least squares: a line, with a square term from three lengths on where the
     fit gives it a positive weight);
     ``step_fixed_s`` and ``step_per_stream_s``, or ``step_s_by_streams`` (likewise); optional
-    ``handoff_s``, ``max_streams``, ``mode``."""
+    ``handoff_s``, ``max_streams``, ``mode``, and D's admission: ``admit_fixed_s`` and
+    ``admit_s_per_token`` or ``admit_s_by_tokens`` (default 0: streams never wait for one)."""
     try:
         doc = json.loads(text)
         if not isinstance(doc, dict):
@@ -262,6 +272,9 @@ def timings_from_json(text: str) -> Timings:
         a, b, c = _prefill(doc)
         s0, s1 = _line(doc, "step_fixed_s", "step_per_stream_s", "step_s_by_streams")
         cap = doc.get("max_streams")
+        admit = (0.0, 0.0)
+        if any(k in doc for k in ("admit_fixed_s", "admit_s_per_token", "admit_s_by_tokens")):
+            admit = _line(doc, "admit_fixed_s", "admit_s_per_token", "admit_s_by_tokens")
         timings = Timings(
             prefill_fixed_s=max(0.0, a),
             prefill_s_per_token=b,
@@ -271,6 +284,8 @@ def timings_from_json(text: str) -> Timings:
             handoff_s=float(doc.get("handoff_s", 0.0)),
             max_streams=None if cap is None else int(cap),
             mode=str(doc.get("mode", "pull")),
+            admit_fixed_s=max(0.0, admit[0]),
+            admit_s_per_token=max(0.0, admit[1]),
         )
     except (ValueError, TypeError) as exc:
         raise PlanError(f"timings: {exc!s}") from None
@@ -397,23 +412,30 @@ def _decode_streams(rate: float, output_mean: float, s0: float, s1: float, busy:
 
 def disaggregated(load: Load, t: Timings, prefill: int, decode: int, q: float) -> Prediction:
     """``prefill`` P engines and ``decode`` D engines under ``load``."""
-    streams = _decode_streams(load.rate / decode, load.output_mean, *_step(t), busy=0.0)
+    rate = load.rate / decode
+    admits = [t.admit_s(n) for n in load.prompts]
+    admit_mean = sum(admits) / len(admits)
+    busy = rate * admit_mean  # the share of D's time spent taking in new requests
+    streams = _decode_streams(rate, load.output_mean, *_step(t), busy=busy)
     if t.max_streams is not None and streams > t.max_streams:
         streams = INFEASIBLE
-    tpot = t.step_s(streams)
-    # D's streams are an M/G/inf system: their number is Poisson. A request's TPOT is taken
-    # as the step at that number's quantile (it averages over its life: errs high).
-    tpot_q = t.step_s(poisson_quantile(streams, q))
+    step = t.step_s(streams)
+    tpot = step / (1 - busy) if busy < 1 else INFEASIBLE
+    # D's streams are an M/G/inf system: their number is Poisson; a request's TPOT is taken
+    # as the step at that number's quantile (it averages over its life: errs high), plus the
+    # admissions it waits through (Poisson: D's arrivals during its life).
+    met = poisson_quantile(rate * load.output_mean * tpot, q)
+    tpot_q = t.step_s(poisson_quantile(streams, q)) + met * admit_mean / load.output_mean
     services = [t.prefill_s(n) for n in load.prompts]
     queue = _queue(load.rate, services, prefill, load.arrival_cv2, q)
-    extra = t.handoff_s + tpot  # D's first step: one step at its batch
-    mean_s = sum(services) / len(services)
+    # After P: the handoff, D's admission of it, and the step D is in when it arrives.
+    first = [s + a + t.handoff_s + step for s, a in zip(services, admits, strict=True)]
     return Prediction(
         mode="disaggregated",
         prefill_engines=prefill,
         decode_engines=decode,
-        ttft_mean_s=queue.wait_mean + mean_s + extra,
-        ttft_quantile_s=queue.wait_quantile + _quantile(services, q) + extra,
+        ttft_mean_s=queue.wait_mean + sum(first) / len(first),
+        ttft_quantile_s=queue.wait_quantile + _quantile(first, q),
         tpot_s=tpot,
         tpot_quantile_s=tpot_q,
         prefill_utilization=queue.utilization,

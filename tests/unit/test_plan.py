@@ -325,3 +325,22 @@ def test_erlang_c_holds_for_large_fleets() -> None:
     assert 0 < got < 1
     load = plan.steady_load(400.0, 500, 100)
     assert plan.disaggregated(load, T, 240, 150, 0.9).ttft_mean_s < 2.0
+
+
+def test_ds_admissions_stall_its_streams() -> None:
+    """D reading each new request's KV (``admit``) takes r E[admit] of its time from its
+    streams: TPOT = step(B) / (1 - r E[admit]), B = r O TPOT; TTFT holds one admission."""
+    admitting = plan.Timings(0.05, 0.001, 0.03, 0.002, handoff_s=0.02, admit_fixed_s=0.1)
+    load = _load(2.0)
+    got = plan.disaggregated(load, admitting, 4, 1, 0.9)
+    busy = 2.0 * 0.1
+    step = admitting.step_s(got.streams_per_decode)
+    assert got.tpot_s == pytest.approx(step / (1 - busy))
+    assert got.streams_per_decode == pytest.approx(2.0 * 100 * got.tpot_s)
+    plain = plan.disaggregated(load, T, 4, 1, 0.9)
+    assert got.tpot_s > plain.tpot_s and got.ttft_mean_s > plain.ttft_mean_s + 0.1
+    parsed = plan.timings_from_json(
+        json.dumps({**STEP, "prefill_fixed_s": 0.05, "prefill_s_per_token": 0.001,
+                    "admit_s_by_tokens": {"100": 0.02, "1100": 0.12}})
+    )  # fmt: skip
+    assert parsed.admit_s(600) == pytest.approx(0.07)
