@@ -169,6 +169,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         load = _plan_load(args)
         with open(args.timings, encoding="utf-8") as f:
             timings = plan.timings_from_json(f.read())
+        if not 0 < args.quantile < 1 or args.ttft_ms <= 0 or args.tpot_ms <= 0:
+            raise plan.PlanError("want 0 < --quantile < 1 and targets above 0")
         slo = plan.Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.quantile)
         result = plan.plan(load, timings, slo, args.max_engines)
         at = [plan.shape(text)(load, timings, args.quantile) for text in args.at]
@@ -241,7 +243,7 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--timings", required=True, help="engine timings, JSON (docs/planning.md)")
     p.add_argument("--ttft-ms", type=float, required=True, help="TTFT target")
     p.add_argument("--tpot-ms", type=float, required=True, help="TPOT target")
-    p.add_argument("--quantile", type=float, default=0.9, help="TTFT quantile checked")
+    p.add_argument("--quantile", type=float, default=0.9, help="of requests, TTFT and TPOT")
     p.add_argument("--max-engines", type=int, default=1024, help="of a role, searched")
     p.add_argument("--at", action="append", default=[], help="also predict this shape: 1P1D, 4A")
     p.add_argument(

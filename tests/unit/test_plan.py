@@ -224,6 +224,9 @@ def test_the_command_refuses_bad_input_with_exit_2(
     assert cli.main([*base, *args]) == 2
     assert "1P1D" in capsys.readouterr().err
     assert cli.main([*base, "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    args = ["--rate", "1", "--prompt-tokens", "5", "--output-tokens", "5", "--quantile", "1"]
+    assert cli.main([*base, *args]) == 2
+    assert "--quantile" in capsys.readouterr().err
 
 
 def test_three_lengths_fit_attentions_square_and_long_prompts_feel_it() -> None:
