@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import resource
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from router import __version__
 from router.config import ConfigError, RouterConfig, load_config
+
+if TYPE_CHECKING:
+    import router.plan as plan_module
 
 __all__ = ["main"]
 
@@ -156,6 +161,100 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """``pd-router plan``: the fewest P:D and aggregated engines for an SLO (router/plan.py)."""
+    from router import plan
+
+    try:
+        load = _plan_load(args)
+        with open(args.timings, encoding="utf-8") as f:
+            timings = plan.timings_from_json(f.read())
+        if not 0 < args.quantile < 1 or args.ttft_ms <= 0 or args.tpot_ms <= 0:
+            raise plan.PlanError("want 0 < --quantile < 1 and targets above 0")
+        slo = plan.Slo(args.ttft_ms / 1000, args.tpot_ms / 1000, args.quantile)
+        result = plan.plan(load, timings, slo, args.max_engines)
+        at = [plan.shape(text)(load, timings, args.quantile) for text in args.at]
+        capacity = {text: plan.max_rate(load, _fixed(plan.shape(text), timings, args.quantile), slo)
+                    for text in args.capacity}  # fmt: skip
+        split = None if args.budget is None else plan.best_split(load, timings, slo, args.budget)
+    except (OSError, plan.PlanError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        doc = result.to_json(load, timings)
+        doc["at"] = [plan.prediction_json(p) for p in at]
+        doc["capacity"] = capacity
+        if split is not None:
+            doc["best_split"] = {"prefill": split[0], "decode": split[1], "rate": split[2]}
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(plan.render_text(result, load, timings))
+    for p in at:
+        print(f"at {plan.describe(p, args.quantile)}")
+    for text, rate in capacity.items():
+        print(f"{text.upper()} meets the SLO up to {rate:.3g} req/s")
+    if split is not None:
+        print(f"best split of {args.budget}: {split[0]}P{split[1]}D, up to {split[2]:.3g} req/s")
+    return 0
+
+
+def _fixed(
+    predict: Callable[[plan_module.Load, plan_module.Timings, float], plan_module.Prediction],
+    timings: plan_module.Timings,
+    q: float,
+) -> Callable[[plan_module.Load], plan_module.Prediction]:
+    return lambda load: predict(load, timings, q)
+
+
+def _plan_load(args: argparse.Namespace) -> plan_module.Load:
+    from router import plan
+
+    if args.trace:
+        with open(args.trace, encoding="utf-8") as f:
+            return plan.load_from_trace(f)
+    if args.prompt_tokens is None or args.output_tokens is None:
+        raise plan.PlanError("without --trace: --prompt-tokens and --output-tokens")
+    rate = args.rate
+    if args.scrapes:
+        texts = []
+        for path in args.scrapes:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        rate = plan.rate_from_scrapes(texts[0], texts[1], args.seconds, args.model)
+    if rate is None:
+        raise plan.PlanError("give --trace, --rate or --scrapes")
+    return plan.steady_load(rate, args.prompt_tokens, args.output_tokens)
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan", help="recommend P:D counts and mode for a load and an SLO (docs/planning.md)"
+    )
+    p.add_argument("--trace", help="JSONL: arrival_s, prompt_tokens, output_tokens a line")
+    p.add_argument("--rate", type=float, help="requests a second (without --trace)")
+    p.add_argument(
+        "--scrapes", nargs=2, metavar=("BEFORE", "AFTER"), help="two scrapes of the router's "
+        "/metrics, --seconds apart: the request rate (without --trace)",
+    )  # fmt: skip
+    p.add_argument("--seconds", type=float, default=60.0, help="between the --scrapes")
+    p.add_argument("--model", help="the model's requests in --scrapes (default: all)")
+    p.add_argument("--prompt-tokens", type=int, help="mean prompt (without --trace)")
+    p.add_argument("--output-tokens", type=int, help="mean output (without --trace)")
+    p.add_argument("--timings", required=True, help="engine timings, JSON (docs/planning.md)")
+    p.add_argument("--ttft-ms", type=float, required=True, help="TTFT target")
+    p.add_argument("--tpot-ms", type=float, required=True, help="TPOT target")
+    p.add_argument("--quantile", type=float, default=0.9, help="of requests, TTFT and TPOT")
+    p.add_argument("--max-engines", type=int, default=1024, help="of a role, searched")
+    p.add_argument("--at", action="append", default=[], help="also predict this shape: 1P1D, 4A")
+    p.add_argument(
+        "--capacity", action="append", default=[],
+        help="the highest rate this shape (8P8D, 16A) carries at the SLO",
+    )  # fmt: skip
+    p.add_argument("--budget", type=int, help="the best P:D split of this many engines")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    p.set_defaults(func=_cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pd-router", description="Prefill/decode disaggregation router for vLLM"
@@ -190,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", help="YAML routing file")
     check.set_defaults(func=_cmd_check)
 
+    _add_plan(sub)
     demo = sub.add_parser("demo", help="start a local P/D stack on real vLLM engines")
     try:
         import router.stack.demo as demo_module
