@@ -4,7 +4,7 @@ failed engine call becomes one of the router's errors.
 Built once by the composition root around a single keep-alive pool
 (:mod:`router.http1`, an asyncio protocol on httptools: the engine-call path is the
 router's hot path: ``bench/router_bench.py --targets pull,pull+httpx`` measures it
-against httpx, docs/bench-router.md has the figures). Tests may inject an httpx transport
+against httpx, docs/benchmarks.md has the figures). Tests may inject an httpx transport
 instead (e.g. ``httpx.MockTransport``), which then carries every engine call.
 
 Contract: whatever carries the call, its callers see only
