@@ -478,6 +478,8 @@ class Stack:
         pending = dict(checks)
         last_report = time.monotonic()
         phases: dict[str, str] = {}
+        # An engine restarted logs into the same file: only what this start wrote counts.
+        log_from = {name: _log_size(proc) for name, (proc, _) in pending.items()}
         core_by = time.monotonic() + _CORE_SPAWN_S
         while pending:
             if watch_core is not None and time.monotonic() > core_by:
@@ -504,7 +506,7 @@ class Stack:
                     f"{n} ({p.log_path}):\n{p.log_tail()}" for n, (p, _) in pending.items()
                 )
                 raise StackError(f"not ready after {elapsed:.0f}s: {', '.join(pending)}\n{tails}")
-            self._report_phases(pending, phases, elapsed)
+            self._report_phases(pending, phases, log_from, elapsed)
             if pending and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
                 waiting = ", ".join(f"{n} ({phases[n]})" if n in phases else n for n in pending)
                 self._say(f"waiting for {waiting} ... {elapsed:.0f}s")
@@ -515,15 +517,19 @@ class Stack:
         self,
         pending: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
         phases: dict[str, str],
+        log_from: dict[str, int],
         elapsed: float,
     ) -> None:
-        """Say each pending engine's phase when it changes (``phases``: the last said)."""
+        """Say each pending engine's phase when it changes (``phases``: the last said), read
+        from its log past ``log_from`` (the log's size when the wait began)."""
         engines = {s.name for s in self.engines}
         for name, (proc, _) in pending.items():
             if name not in engines:
                 continue
             try:
-                phase = engine_phase(proc.log_path.read_text(errors="replace"))
+                with open(proc.log_path, "rb") as log:
+                    log.seek(log_from.get(name, 0))
+                    phase = engine_phase(log.read().decode(errors="replace"))
             except OSError:
                 continue
             if phases.get(name) != phase:
@@ -627,6 +633,13 @@ def router_config(
     if any(s.kv_events is not None for s in engines):  # route by the engines' KV events
         model["kv_events"] = {"enabled": True}
     return {"listen": {"host": eng.LOCALHOST, "port": port}, "models": [model]}
+
+
+def _log_size(proc: ManagedProcess) -> int:
+    try:
+        return proc.log_path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _http_ok(url: str) -> Callable[[], bool]:

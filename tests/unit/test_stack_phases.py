@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+from typing import Any
+
 from router.stack.phases import IMPORTING, engine_phase
 
 # A vLLM 0.32 CPU engine's start-up, trimmed to one line per step (the real log has ~80).
@@ -44,3 +48,34 @@ def test_a_compiling_engine_says_so() -> None:
 def test_an_engine_restarted_into_the_same_log_starts_over() -> None:
     first_run = "\n".join(START)
     assert engine_phase(first_run + "\n" + START[1]) == "reading the model's config"
+
+
+class _Proc:
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+
+
+def test_the_stack_says_a_restarted_engines_phase_from_this_start_only(tmp_path: Path) -> None:
+    from router.stack import engines as eng
+    from router.stack.launcher import Stack
+
+    said = io.StringIO()
+    stack = Stack("push", log=said)
+    stack.engines = [eng.EngineSpec("prefill-0", "prefill", 8100, 0)]
+    log = tmp_path / "prefill-0.log"
+    log.write_text("\n".join(START) + "\n")  # the previous start, up and serving
+    pending: Any = {"prefill-0": (_Proc(log), lambda: False)}
+    phases: dict[str, str] = {}
+    log_from = {"prefill-0": log.stat().st_size}
+    stack._report_phases(pending, phases, log_from, 1.0)
+    assert phases == {"prefill-0": IMPORTING}
+    with log.open("a") as f:
+        f.write(START[1] + "\n")
+    stack._report_phases(pending, phases, log_from, 30.0)
+    assert phases == {"prefill-0": "reading the model's config"}
+    assert said.getvalue().splitlines() == [
+        "[stack push] prefill-0: importing vLLM (1s)",
+        "[stack push] prefill-0: reading the model's config (30s)",
+    ]
+    stack._report_phases(pending, phases, log_from, 31.0)  # no change: nothing said
+    assert len(said.getvalue().splitlines()) == 2
