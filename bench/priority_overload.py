@@ -146,7 +146,7 @@ async def run(args: argparse.Namespace, variant: str) -> dict[str, _Class]:
     async with _router(args, variant) as url, contextlib.AsyncExitStack() as clients:
         # Many clients, few connections each: httpx's pool walks all of its connections on
         # every request and release, so one client with hundreds of streams open would be
-        # what this measures (docs/benchmarks.md, "http1 vs httpx").
+        # what this measures (docs/bench-router.md, "the engine-call client").
         pool = [
             await clients.enter_async_context(httpx.AsyncClient(timeout=args.max_wait + 60))
             for _ in range(_CLIENTS)

@@ -4,7 +4,7 @@ two implementations, chosen where the client is built (``router/context.py``).
 :class:`Http1Carrier` is the production one: a single keep-alive pool on this router's
 HTTP/1.1 client (:mod:`router.http1`, an asyncio protocol on httptools; the engine-call path
 is the router's hot path: ``bench/router_bench.py --targets pull,pull+httpx`` measures it
-against httpx, docs/benchmarks.md has the figures). :class:`~router.httpx_carrier.HttpxCarrier`
+against httpx, docs/bench-router.md has the figures). :class:`~router.httpx_carrier.HttpxCarrier`
 carries the calls over an httpx transport that tests or benchmarks inject (for example
 ``httpx.MockTransport``).
 

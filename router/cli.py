@@ -302,7 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _missing_stack() -> int:
-    print("error: the demo stack is not available in this installation", file=sys.stderr)
+    # The wheel leaves router/stack out (pyproject.toml): the demo runs from a checkout.
+    print(
+        "error: the demo's local engine stack is not in this installation; run"
+        " scripts/demo.sh from a checkout of pd-router",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -2,7 +2,7 @@
 
 Why not httpx: its default transport (httpcore on anyio) costs the router several times
 its CPU per request on the router benchmark (``bench/router_bench.py --targets
-pull,pull+httpx``; figures in docs/benchmarks.md): request/response object layers, a
+pull,pull+httpx``; figures in docs/bench-router.md): request/response object layers, a
 connection pool scanned on every request and release, async-iterator layers per chunk.
 Engine calls use a sliver of HTTP: a POST of a JSON body with headers the router builds
 itself, a GET of ``/health`` or ``/metrics``, a response read whole or chunk by chunk.

@@ -4,5 +4,5 @@
 # Extra arguments go to `pd-router demo` (e.g. --mode pull).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh --demo  # only what the demo runs (scripts/test.sh installs the rest)
 exec "${PD_ROUTER_VENV:-.venv}/bin/pd-router" demo "$@"

