@@ -23,9 +23,12 @@ from router.pd.dispatch import Pick
 from router.picker.destinations import Destinations
 from router.picker.extproc import ExtProc
 
-__all__ = ["SERVICE", "RunningPicker", "run_picker", "running_picker"]
+__all__ = ["HEALTH_SERVICES", "SERVICE", "RunningPicker", "run_picker", "running_picker"]
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # its health-check service name
+# The health services the extension's protocol names (docs/proposals/004 upstream): the
+# process alive, ready for requests, the ext_proc service ready; "" the server as a whole.
+HEALTH_SERVICES = ("", "liveness", "readiness", SERVICE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,7 @@ async def running_picker(
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         port = server.add_insecure_port(f"{host}:{grpc_port}")
         await server.start()
-        for name in ("", SERVICE):
+        for name in HEALTH_SERVICES:
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         try:
             yield RunningPicker(ctx, service, port, app)

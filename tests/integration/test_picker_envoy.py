@@ -35,7 +35,7 @@ need_module("envoy.service.ext_proc.v3.external_processor_pb2", "the picker extr
 need_module("grpc_health.v1.health_pb2", "the picker extra")
 
 from router.picker.destinations import Destinations, host_port  # noqa: E402
-from router.picker.server import SERVICE, RunningPicker, running_picker  # noqa: E402
+from router.picker.server import HEALTH_SERVICES, RunningPicker, running_picker  # noqa: E402
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 6}
 STREAM = {**PROMPT, "stream": True}
@@ -291,7 +291,7 @@ async def test_health_checks_say_serving(cluster: Cluster, tmp_path: Path) -> No
         grpc.aio.insecure_channel(f"127.0.0.1:{gw.picker.port}") as channel,
     ):
         stub = health_pb2_grpc.HealthStub(channel)
-        for name in ("", SERVICE):
+        for name in HEALTH_SERVICES:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
