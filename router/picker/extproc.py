@@ -64,6 +64,7 @@ _LB_NAMESPACE = "envoy.lb"  # the extension's dynamic metadata namespace
 # What a client may not set: the picker's own answers to the gateway and the sidecar.
 _OURS = (DESTINATION, PICKED_DECISION, PICKED_PREFILL)
 _ENDPOINTS = {e.value: e for e in Endpoint}
+_FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
 
 
 class Exchange:
@@ -80,25 +81,42 @@ class Exchange:
         self._destinations = destinations
         self._on_pick = on_pick
         self._headers: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._size = 0
+        self._placed = False
+        self._duplex = (False, False)  # FULL_DUPLEX_STREAMED: the request's, the response's
         self._held: tuple[ModelPool, Pick] | None = None
         self._done: Callable[[], None] | None = None  # the key's concurrency, given back
         self.destination: str | None = None
 
-    async def answer(self, req: Any) -> Any:
-        """The answer to one message of the gateway's."""
+    async def answer(self, req: Any) -> list[Any]:
+        """The answers to one message of the gateway's: one each in the BUFFERED mode; in
+        FULL_DUPLEX_STREAMED, none until the request's body has ended, then the headers'
+        and the body's (which this service hands back, as that mode wants)."""
+        if req.HasField("protocol_config"):  # the first message says the filter's modes
+            cfg = req.protocol_config
+            self._duplex = (
+                cfg.request_body_mode == _FULL_DUPLEX,
+                cfg.response_body_mode == _FULL_DUPLEX,
+            )
         kind = req.WhichOneof("request")
         if kind == "request_headers":
             self._headers = _raw_headers(req.request_headers.headers)
             if req.request_headers.end_of_stream:  # no body: nothing to place by
-                return ep.ProcessingResponse(request_headers=self._without_body())
-            return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                return [ep.ProcessingResponse(request_headers=self._without_body())]
+            if self._duplex[0]:
+                return []  # answered once the body is in
+            return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
         if kind == "request_body":
-            return await self._place(req.request_body.body)
-        if (
-            kind == "response_body" and req.response_body.end_of_stream
-        ) or kind == "response_trailers":
+            return await self._request_body(req.request_body)
+        if kind == "request_trailers":
+            placed = [] if self._placed else await self._placed_answers(end_of_stream=False)
+            return [*placed, ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_body":
+            return [self._response_body(req.response_body)]
+        if kind == "response_trailers":
             self.close()
-        return _continue(kind)
+        return [_continue(kind)]
 
     def close(self) -> None:
         """Give back the slot and the key's concurrency (idempotent)."""
@@ -110,9 +128,65 @@ class Exchange:
         if done is not None:
             done()
 
+    async def _request_body(self, body: Any) -> list[Any]:
+        limit = self._ctx.config.admission.max_body_bytes
+        self._size += len(body.body)
+        if self._size > limit:
+            self._placed = True
+            refused = BodyTooLarge(f"request body exceeds {limit} bytes")
+            return [ep.ProcessingResponse(immediate_response=_refusal(refused))]
+        self._body.append(body.body)
+        if body.end_of_stream:
+            return await self._placed_answers(end_of_stream=True)
+        if self._duplex[0]:
+            return []
+        # STREAMED: the gateway has sent the headers upstream already; too late to place.
+        self._placed = True
+        log.error(
+            "event=picker_mode reason=%r",
+            "request body mode must be BUFFERED or FULL_DUPLEX_STREAMED",
+        )
+        return [ep.ProcessingResponse(immediate_response=_refusal(InternalError()))]
+
+    async def _placed_answers(self, end_of_stream: bool) -> list[Any]:
+        """Place the request by its whole body; the answers that say where it goes."""
+        self._placed = True
+        raw = b"".join(self._body)
+        self._body = []
+        placed = await self._place(raw)
+        if not isinstance(placed, ep.CommonResponse):
+            return [placed]
+        metadata = _lb_metadata(self.destination or "")
+        if not self._duplex[0]:
+            return [
+                ep.ProcessingResponse(
+                    request_body=ep.BodyResponse(response=placed), dynamic_metadata=metadata
+                )
+            ]
+        placed.clear_route_cache = True  # the route may read the headers set here
+        streamed = ep.StreamedBodyResponse(body=raw, end_of_stream=end_of_stream)
+        body = ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+        return [
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=placed), dynamic_metadata=metadata
+            ),
+            ep.ProcessingResponse(request_body=ep.BodyResponse(response=body)),
+        ]
+
+    def _response_body(self, body: Any) -> Any:
+        """Go on (handing the chunk back in FULL_DUPLEX_STREAMED); at its end, release."""
+        if body.end_of_stream:
+            self.close()
+        if not self._duplex[1]:
+            return _continue("response_body")
+        streamed = ep.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
+        common = ep.CommonResponse(body_mutation=ep.BodyMutation(streamed_response=streamed))
+        return ep.ProcessingResponse(response_body=ep.BodyResponse(response=common))
+
     def _without_body(self) -> Any:
         """A request without a body (a GET): to a D's sidecar, which serves the router's
         other routes; no slot held."""
+        self._placed = True
         for pool in self._ctx.registry.pools():
             ds = candidates(pool.decode)
             if ds:
@@ -121,6 +195,8 @@ class Exchange:
         return ep.HeadersResponse(response=_routed(None, {}))
 
     async def _place(self, raw: bytes) -> Any:
+        """The header mutation that routes the request (a ``CommonResponse``), or the
+        ``ProcessingResponse`` that refuses it."""
         ctx = self._ctx
         pool: ModelPool | None = None
         try:
@@ -147,11 +223,7 @@ class Exchange:
         legs = {PICKED_DECISION: pick.decision.value}
         if pick.decode is not None and pick.prefill is not None:
             legs[PICKED_PREFILL] = pick.prefill.url
-        response = _routed(self.destination, legs)
-        return ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=response),
-            dynamic_metadata=_lb_metadata(self.destination),
-        )
+        return _routed(self.destination, legs)
 
     def _read(self, raw: bytes) -> ClientRequest:
         """The request as the intake reads it: key (identified, charged), size, body."""
@@ -211,7 +283,8 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.open += 1
         try:
             async for req in requests:
-                yield await exchange.answer(req)
+                for answer in await exchange.answer(req):
+                    yield answer
         finally:
             self.open -= 1
             exchange.close()

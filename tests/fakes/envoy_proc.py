@@ -18,7 +18,7 @@ import yaml
 from tests.fakes.router_proc import free_port
 from tests.needs import missing
 
-__all__ = ["envoy_binary", "envoy_config", "envoy_process"]
+__all__ = ["BODY_MODES", "envoy_binary", "envoy_config", "envoy_process"]
 
 DESTINATION = "x-gateway-destination-endpoint"
 
@@ -39,10 +39,22 @@ def _address(port: int) -> dict[str, Any]:
     return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
 
 
-def envoy_config(listen: int, admin: int, picker: int) -> dict[str, Any]:
-    """The bootstrap: one listener, the ext_proc filter (the extension's processing mode:
-    request headers and buffered body, response headers, streamed body and trailers, so that
-    the picker hears the response's end), an ORIGINAL_DST cluster routed by the header."""
+# The filter's body modes the picker serves: the request's whole body then the response's
+# chunks as they come ("buffered"); or both streamed through the picker, which hands each
+# back ("duplex", FULL_DUPLEX_STREAMED, as Gateway API implementations configure it).
+BODY_MODES = {
+    "buffered": ("BUFFERED", "STREAMED"),
+    "duplex": ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"),
+}
+
+
+def envoy_config(
+    listen: int, admin: int, picker: int, body_mode: str = "buffered"
+) -> dict[str, Any]:
+    """The bootstrap: one listener, the ext_proc filter (request headers and body, response
+    headers, body and trailers, so that the picker hears the response's end; the bodies as
+    ``body_mode`` says), an ORIGINAL_DST cluster routed by the header."""
+    request_body, response_body = BODY_MODES[body_mode]
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}, "timeout": "30s"},
@@ -51,9 +63,10 @@ def envoy_config(listen: int, admin: int, picker: int) -> dict[str, Any]:
         "message_timeout": "30s",
         "processing_mode": {
             "request_header_mode": "SEND",
-            "request_body_mode": "BUFFERED",
+            "request_body_mode": request_body,
+            "request_trailer_mode": "SEND",
             "response_header_mode": "SEND",
-            "response_body_mode": "STREAMED",
+            "response_body_mode": response_body,
             "response_trailer_mode": "SEND",
         },
     }
@@ -136,13 +149,15 @@ def envoy_config(listen: int, admin: int, picker: int) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def envoy_process(folder: Path, picker_port: int) -> AsyncIterator[str]:
-    """A ready Envoy whose ext_proc filter asks the picker on ``picker_port``; yields the
-    gateway's URL. Its log is ``folder/envoy.log``."""
+async def envoy_process(
+    folder: Path, picker_port: int, body_mode: str = "buffered"
+) -> AsyncIterator[str]:
+    """A ready Envoy whose ext_proc filter asks the picker on ``picker_port`` (bodies as
+    ``body_mode`` says); yields the gateway's URL. Its log is ``folder/envoy.log``."""
     binary = envoy_binary()
     listen, admin = free_port(), free_port()
     config = folder / "envoy.yaml"
-    config.write_text(yaml.safe_dump(envoy_config(listen, admin, picker_port)))
+    config.write_text(yaml.safe_dump(envoy_config(listen, admin, picker_port, body_mode)))
     log = folder / "envoy.log"
     proc = await asyncio.create_subprocess_exec(
         *(str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart"),

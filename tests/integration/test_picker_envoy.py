@@ -27,7 +27,7 @@ from router.context import AppContext
 from router.engines.instance import Instance
 from router.pd.dispatch import Pick
 from tests.conftest import Cluster, client_leaves, eventually, stream_error
-from tests.fakes.envoy_proc import envoy_process
+from tests.fakes.envoy_proc import BODY_MODES, envoy_process
 from tests.fakes.servers import serve
 from tests.needs import need_module
 
@@ -83,10 +83,10 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    cluster: Cluster, folder: Path, mode: str, **overrides: Any
+    cluster: Cluster, folder: Path, mode: str, body_mode: str = "buffered", **overrides: Any
 ) -> AsyncIterator[Gateway]:
     """Sidecars (each the router app with its one D and every P), the picker on the same
-    configuration, and Envoy in front of them."""
+    configuration, and Envoy in front of them (its filter's bodies as ``body_mode`` says)."""
     config = cluster.config(mode, **dict(overrides))
     async with contextlib.AsyncExitStack() as stack:
         sidecars: list[AppContext] = []
@@ -103,7 +103,7 @@ async def gateway(
         gw = Gateway("", cluster, config, Destinations(0, addresses), None, sidecars)  # type: ignore[arg-type]
         await gw.start_picker()
         stack.push_async_callback(lambda: gw.stop_picker())
-        gw.url = await stack.enter_async_context(envoy_process(folder, gw.picker.port))
+        gw.url = await stack.enter_async_context(envoy_process(folder, gw.picker.port, body_mode))
         yield gw
 
 
@@ -127,16 +127,17 @@ def _answer(r: httpx.Response) -> Any:
     return out
 
 
+@pytest.mark.parametrize("body_mode", BODY_MODES)
 @pytest.mark.parametrize("mode", ["pull", "pipelined"])
 async def test_answers_through_envoy_equal_the_plain_router_s(
-    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path, mode: str
+    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path, mode: str, body_mode: str
 ) -> None:
     for d in cluster2.decode:
         d.behaviour.deterministic = True
     ids = {"engine_id": "e", "kv_host": "127.0.0.1", "kv_port": 5600}
     legs = {"prefill_extra": ids, "decode_extra": ids}
     plain, _ = await cluster2.router(mode, **legs)
-    async with gateway(cluster2, tmp_path, mode, **legs) as gw:
+    async with gateway(cluster2, tmp_path, mode, body_mode, **legs) as gw:
         for body in (PROMPT, STREAM):
             via = await client.post(gw.url + "/v1/completions", json=body)
             direct = await client.post(plain + "/v1/completions", json=body)
@@ -178,12 +179,13 @@ async def test_the_request_reaches_the_chosen_decode_and_prefill(
                 e.received.clear()
 
 
+@pytest.mark.parametrize("body_mode", BODY_MODES)
 async def test_the_slot_is_held_until_the_response_ends(
-    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path, body_mode: str
 ) -> None:
     d = cluster.decode[0]
     end = d.behaviour.end_gate = asyncio.Event()
-    async with gateway(cluster, tmp_path, "pull") as gw:
+    async with gateway(cluster, tmp_path, "pull", body_mode) as gw:
         task = asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
         await eventually(d.holding_end.is_set)  # every token sent, the HTTP end held
         assert gw.slots() == 1
@@ -193,14 +195,15 @@ async def test_the_slot_is_held_until_the_response_ends(
         assert gw.slots() == 0
 
 
+@pytest.mark.parametrize("body_mode", BODY_MODES)
 async def test_a_client_reset_gives_the_slot_back(
-    cluster: Cluster, tmp_path: Path, client: httpx.AsyncClient
+    cluster: Cluster, tmp_path: Path, client: httpx.AsyncClient, body_mode: str
 ) -> None:
     d = cluster.decode[0]
     d.behaviour.deterministic = True
     d.behaviour.stall_after = 1
     d.behaviour.stall_gate = asyncio.Event()  # never set: the stream waits for the client
-    async with gateway(cluster, tmp_path, "pull") as gw:
+    async with gateway(cluster, tmp_path, "pull", body_mode) as gw:
         await client_leaves(gw.url + "/v1/completions", STREAM, when=d.stalled.is_set)
         await eventually(lambda: gw.slots() == 0)
         await eventually(lambda: d.active == 0)  # the sidecar closed D's stream too
