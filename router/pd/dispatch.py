@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router.client_request import ClientRequest
@@ -176,13 +176,24 @@ class Dispatcher:
         )
         return decision, route
 
-    async def pick(self, pool: ModelPool, creq: ClientRequest) -> Pick:
+    async def pick(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        reachable: Callable[[Instance], bool] | None = None,
+    ) -> Pick:
         """An endpoint picker's choice (router/picker): the decision, a decode slot reserved
         first (may queue) and the P to pair with it, by the same rules as :meth:`dispatch`,
-        and no engine called. The caller gives the slot back with :meth:`unpick` once the
-        gateway reports the response's end. Raises the :class:`~router.errors.RouterError`
-        that refuses the request (nothing is held then)."""
+        and no engine called. ``reachable``: the engines the gateway may send this request
+        to (its D, or its P when P serves alone; None: any). The caller gives the slot back
+        with :meth:`unpick` once the gateway reports the response's end. Raises the
+        :class:`~router.errors.RouterError` that refuses the request (nothing is held then)."""
         decision, route = await self._route(pool, creq)
+        if reachable is not None:
+            decode_ok = _both(route.decode_ok, reachable)
+            if decision is Decision.PREFILL_ALONE:
+                route = replace(route, prefill_ok=_both(route.prefill_ok, reachable))
+            route = replace(route, decode_ok=decode_ok)
         usable = candidates(pool.prefill) if decision.uses_prefill else []
         if decision.uses_prefill and not [p for p in usable if _ok(route.prefill_ok, p)]:
             raise self._no_prefill(pool)
@@ -711,6 +722,12 @@ class _Dispatching:
 
 def _ok(allowed: Callable[[Instance], bool] | None, inst: Instance) -> bool:
     return allowed is None or allowed(inst)
+
+
+def _both(
+    first: Callable[[Instance], bool] | None, second: Callable[[Instance], bool]
+) -> Callable[[Instance], bool]:
+    return lambda inst: _ok(first, inst) and second(inst)
 
 
 def _only(url: str, allowed: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:

@@ -1,15 +1,18 @@
 """The ``ext_proc`` service (envoy.service.ext_proc.v3): one gRPC stream per HTTP request.
 
-The gateway's filter is configured (deploy/inference-pool/, the tests' Envoy) to send the
-request's headers, its whole body (BUFFERED), the response's headers, its body as it streams
-and its trailers. Per stream (:class:`Exchange`):
+The gateway's filter sends the request's headers and body, the response's headers, body and
+trailers (deploy/inference-pool/envoy.yaml, the tests' Envoy): the request body BUFFERED (one
+message) or FULL_DUPLEX_STREAMED (chunks, which the picker hands back once it has placed the
+request, as Gateway API implementations configure the filter), the response body STREAMED or
+FULL_DUPLEX_STREAMED. Per stream (:class:`Exchange`):
 
-- at the request body, the request is read as the router's intake reads it (key, rate,
+- at the request body's end, the request is read as the router's intake reads it (key, rate,
   body, model, session, priority, bounds) and :meth:`~router.pd.dispatch.Dispatcher.pick`
-  reserves its decode slot first, then chooses P; the answer names the destination
-  (``x-gateway-destination-endpoint``, header and ``envoy.lb`` metadata) and what the
-  sidecar's legs need (``x-pd-decision``, ``x-pd-prefill-endpoint``); a refusal is an
-  immediate response with the router's status, headers and OpenAI error body;
+  reserves its decode slot first, then chooses P, among the endpoints of the gateway's subset
+  hint if it sends one; the answer names the destination (``x-gateway-destination-endpoint``,
+  header and ``envoy.lb`` metadata) and what the sidecar's legs need (``x-pd-decision``,
+  ``x-pd-prefill-endpoint``); a refusal is an immediate response with the router's status,
+  headers and OpenAI error body;
 - the slot is given back at the response's end (its body's ``end_of_stream``, or its
   trailers) or when the stream ends any other way (the client reset, the engine failed,
   the gateway gave up): the ``finally`` of :meth:`ExtProc.Process`.
@@ -39,7 +42,7 @@ from router.client_request import (
     with_session,
 )
 from router.context import AppContext
-from router.engines.instance import candidates
+from router.engines.instance import Instance, candidates
 from router.errors import BodyTooLarge, InternalError, InvalidRequest, RouterError
 from router.intake import (
     INVOCATIONS,
@@ -61,6 +64,8 @@ log = logging.getLogger("pd_router.picker")
 
 DESTINATION = "x-gateway-destination-endpoint"  # the extension's header and metadata key
 _LB_NAMESPACE = "envoy.lb"  # the extension's dynamic metadata namespace
+_SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the gateway's subset of the pool, if it sends one
+_SUBSET = "x-gateway-destination-endpoint-subset"
 # What a client may not set: the picker's own answers to the gateway and the sidecar.
 _OURS = (DESTINATION, PICKED_DECISION, PICKED_PREFILL)
 _ENDPOINTS = {e.value: e for e in Endpoint}
@@ -84,6 +89,7 @@ class Exchange:
         self._body: list[bytes] = []
         self._size = 0
         self._placed = False
+        self._subset: frozenset[str] | None = None  # the gateway's endpoints to pick from
         self._duplex = (False, False)  # FULL_DUPLEX_STREAMED: the request's, the response's
         self._held: tuple[ModelPool, Pick] | None = None
         self._done: Callable[[], None] | None = None  # the key's concurrency, given back
@@ -102,6 +108,7 @@ class Exchange:
         kind = req.WhichOneof("request")
         if kind == "request_headers":
             self._headers = _raw_headers(req.request_headers.headers)
+            self._subset = _subset(req.metadata_context)
             if req.request_headers.end_of_stream:  # no body: nothing to place by
                 return [ep.ProcessingResponse(request_headers=self._without_body())]
             if self._duplex[0]:
@@ -204,7 +211,7 @@ class Exchange:
             pool = pool_for(ctx, creq.model)
             creq = self._complete(pool, creq)
             self._done = hold(ctx, creq.client_key)
-            pick = await ctx.dispatcher.pick(pool, creq)
+            pick = await ctx.dispatcher.pick(pool, creq, self._reachable())
         except RouterError as exc:
             self.close()
             model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
@@ -224,6 +231,11 @@ class Exchange:
         if pick.decode is not None and pick.prefill is not None:
             legs[PICKED_PREFILL] = pick.prefill.url
         return _routed(self.destination, legs)
+
+    def _reachable(self) -> Callable[[Instance], bool] | None:
+        """The engines whose destination is in the gateway's subset, if it gave one."""
+        subset, of = self._subset, self._destinations.of
+        return None if subset is None else (lambda inst: of(inst) in subset)
 
     def _read(self, raw: bytes) -> ClientRequest:
         """The request as the intake reads it: key (identified, charged), size, body."""
@@ -288,6 +300,19 @@ class ExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         finally:
             self.open -= 1
             exchange.close()
+
+
+def _subset(metadata: Any) -> frozenset[str] | None:
+    """The endpoints the gateway lets this request go to (the extension's subset hint:
+    ``envoy.lb.subset_hint``, ``x-gateway-destination-endpoint-subset``), if it names any;
+    the picker then picks among them only (none eligible, or an empty list: 503)."""
+    hint = metadata.filter_metadata.get(_SUBSET_NAMESPACE) if metadata is not None else None
+    if hint is None or _SUBSET not in hint.fields:
+        return None
+    value = hint.fields[_SUBSET]
+    if value.HasField("list_value"):
+        return frozenset(v.string_value for v in value.list_value.values)
+    return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
 
 
 def _raw_headers(header_map: Any) -> list[tuple[bytes, bytes]]:

@@ -21,6 +21,8 @@ from tests.needs import missing
 __all__ = ["BODY_MODES", "envoy_binary", "envoy_config", "envoy_process"]
 
 DESTINATION = "x-gateway-destination-endpoint"
+SUBSET_HINT = "envoy.lb.subset_hint"
+SUBSET = "x-gateway-destination-endpoint-subset"
 
 
 def envoy_binary() -> Path:
@@ -49,11 +51,17 @@ BODY_MODES = {
 
 
 def envoy_config(
-    listen: int, admin: int, picker: int, body_mode: str = "buffered"
+    listen: int,
+    admin: int,
+    picker: int,
+    body_mode: str = "buffered",
+    subset: list[str] | None = None,
 ) -> dict[str, Any]:
     """The bootstrap: one listener, the ext_proc filter (request headers and body, response
     headers, body and trailers, so that the picker hears the response's end; the bodies as
-    ``body_mode`` says), an ORIGINAL_DST cluster routed by the header."""
+    ``body_mode`` says), an ORIGINAL_DST cluster routed by the header. ``subset``: the
+    endpoints the gateway lets the picker choose from (the extension's subset hint, set on
+    every request by a set_metadata filter and forwarded to the picker)."""
     request_body, response_body = BODY_MODES[body_mode]
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -70,6 +78,16 @@ def envoy_config(
             "response_trailer_mode": "SEND",
         },
     }
+    filters: list[dict[str, Any]] = []
+    if subset is not None:
+        ext_proc["metadata_options"] = {"forwarding_namespaces": {"untyped": [SUBSET_HINT]}}
+        hint = {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {"metadata_namespace": SUBSET_HINT, "value": {SUBSET: subset}},
+            ],
+        }
+        filters.append({"name": "envoy.filters.http.set_metadata", "typed_config": hint})
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
         ".v3.HttpConnectionManager",
@@ -86,6 +104,7 @@ def envoy_config(
             ]
         },
         "http_filters": [
+            *filters,
             {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
             {
                 "name": "envoy.filters.http.router",
@@ -150,14 +169,15 @@ def envoy_config(
 
 @contextlib.asynccontextmanager
 async def envoy_process(
-    folder: Path, picker_port: int, body_mode: str = "buffered"
+    folder: Path, picker_port: int, body_mode: str = "buffered", subset: list[str] | None = None
 ) -> AsyncIterator[str]:
-    """A ready Envoy whose ext_proc filter asks the picker on ``picker_port`` (bodies as
-    ``body_mode`` says); yields the gateway's URL. Its log is ``folder/envoy.log``."""
+    """A ready Envoy whose ext_proc filter asks the picker on ``picker_port`` (bodies and
+    subset as :func:`envoy_config` says); yields the gateway's URL. Its log is
+    ``folder/envoy.log``."""
     binary = envoy_binary()
     listen, admin = free_port(), free_port()
     config = folder / "envoy.yaml"
-    config.write_text(yaml.safe_dump(envoy_config(listen, admin, picker_port, body_mode)))
+    config.write_text(yaml.safe_dump(envoy_config(listen, admin, picker_port, body_mode, subset)))
     log = folder / "envoy.log"
     proc = await asyncio.create_subprocess_exec(
         *(str(binary), "-c", str(config), "--concurrency", "1", "--disable-hot-restart"),

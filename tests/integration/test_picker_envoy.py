@@ -83,10 +83,16 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(
-    cluster: Cluster, folder: Path, mode: str, body_mode: str = "buffered", **overrides: Any
+    cluster: Cluster,
+    folder: Path,
+    mode: str,
+    body_mode: str = "buffered",
+    subset: list[int] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Gateway]:
     """Sidecars (each the router app with its one D and every P), the picker on the same
-    configuration, and Envoy in front of them (its filter's bodies as ``body_mode`` says)."""
+    configuration, and Envoy in front of them (its filter's bodies as ``body_mode`` says;
+    ``subset``: the Ds, by index, whose sidecars the gateway names as the pool's subset)."""
     config = cluster.config(mode, **dict(overrides))
     async with contextlib.AsyncExitStack() as stack:
         sidecars: list[AppContext] = []
@@ -103,7 +109,10 @@ async def gateway(
         gw = Gateway("", cluster, config, Destinations(0, addresses), None, sidecars)  # type: ignore[arg-type]
         await gw.start_picker()
         stack.push_async_callback(lambda: gw.stop_picker())
-        gw.url = await stack.enter_async_context(envoy_process(folder, gw.picker.port, body_mode))
+        hint = None if subset is None else [addresses[cluster.decode_urls[i]] for i in subset]
+        gw.url = await stack.enter_async_context(
+            envoy_process(folder, gw.picker.port, body_mode, hint)
+        )
         yield gw
 
 
@@ -319,3 +328,19 @@ async def test_a_client_cannot_choose_its_own_destination_or_prefill(
         for d in cluster2.decode:
             for rec in d.received:
                 assert rec.kv.get("remote_block_ids") is not None
+
+
+@pytest.mark.parametrize("subset", [[1], []])
+async def test_the_gateway_s_subset_is_where_the_picker_picks(
+    cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path, subset: list[int]
+) -> None:
+    """The extension's subset hint: the gateway names the endpoints a request may go to; the
+    picker places on those alone, and answers 503 where none is eligible (an empty list)."""
+    async with gateway(cluster2, tmp_path, "pull", subset=subset) as gw:
+        for _ in range(3):
+            r = await client.post(gw.url + "/v1/completions", json=PROMPT)
+            if not subset:
+                assert r.status_code == 503, r.text
+                continue
+            assert r.status_code == 200, r.text
+        assert [len(d.received) for d in cluster2.decode] == ([0, 3] if subset else [0, 0])
