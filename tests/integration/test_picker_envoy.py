@@ -137,7 +137,7 @@ def _answer(r: httpx.Response) -> Any:
 
 
 @pytest.mark.parametrize("body_mode", BODY_MODES)
-@pytest.mark.parametrize("mode", ["pull", "pipelined"])
+@pytest.mark.parametrize("mode", ["pull", "pipelined", "push"])
 async def test_answers_through_envoy_equal_the_plain_router_s(
     cluster2: Cluster, client: httpx.AsyncClient, tmp_path: Path, mode: str, body_mode: str
 ) -> None:
@@ -157,6 +157,21 @@ async def test_answers_through_envoy_equal_the_plain_router_s(
         assert len(gw.picks) == 2
         for pick in gw.picks:
             assert pick.decision.value == mode and pick.prefill is not None
+
+
+async def test_a_short_prompt_is_served_by_decode_alone(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The picker's decision holds at the sidecar: under ``disagg_min_prompt_tokens`` D
+    serves alone, P is never called."""
+    async with gateway(cluster, tmp_path, "pull", model={"disagg_min_prompt_tokens": 100}) as gw:
+        r = await client.post(gw.url + "/v1/completions", json=PROMPT)
+        assert r.status_code == 200, r.text
+        (pick,) = gw.picks
+        assert pick.decision.value == "decode_only_short" and pick.prefill is None
+        assert cluster.prefill[0].received == [] and len(cluster.decode[0].received) == 1
+        assert "kv_transfer_params" not in cluster.decode[0].received[0].body
+        assert gw.slots() == 0
 
 
 async def test_the_request_reaches_the_chosen_decode_and_prefill(
