@@ -51,10 +51,13 @@ __all__ = [
     "PICKED_DECISION",
     "PICKED_PREFILL",
     "charge",
+    "check_batch",
+    "check_bounds",
     "client_request_id",
     "handle",
     "hold",
     "identify",
+    "key_class",
     "pool_for",
     "read_body",
     "with_pick",
@@ -74,7 +77,7 @@ def identify(ctx: AppContext, scope: Scope) -> str:
         raise
 
 
-def _key_class(ctx: AppContext, key: str) -> str | None:
+def key_class(ctx: AppContext, key: str) -> str | None:
     """The priority class the API key named ``key`` gives its requests, if any (a scan:
     read only with classes configured, over the few named keys)."""
     if not ctx.config.admission.priority_classes:
@@ -133,7 +136,7 @@ async def read_body(ctx: AppContext, request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+async def check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
     try:
         return await ctx.bounds.check(pool, creq)
     except BoundExceeded as exc:
@@ -141,9 +144,7 @@ async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -
         raise
 
 
-async def _check_batch(
-    ctx: AppContext, pool: ModelPool, creq: ClientRequest
-) -> list[ClientRequest]:
+async def check_batch(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> list[ClientRequest]:
     """A batch's conversations, each checked against the bounds (the batch's length against
     ``limits.max_prompts``, the router's own bound: vLLM has none)."""
     most = ctx.config.limits.max_prompts
@@ -156,7 +157,7 @@ async def _check_batch(
         )
         ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
         raise exc
-    return list(await asyncio.gather(*(_check_bounds(ctx, pool, p) for p in split_batch(creq))))
+    return list(await asyncio.gather(*(check_bounds(ctx, pool, p) for p in split_batch(creq))))
 
 
 def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -197,14 +198,14 @@ async def handle(
             ctx.config.admission,
             pool.config.engine_priority_scheduling,
             started,
-            _key_class(ctx, key),
+            key_class(ctx, key),
         )
         if ctx.sidecar:
             creq = with_pick(creq, request.headers.raw)
         # Before any slot or generate call; a batch's conversations each on its own.
-        parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
+        parts = await check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
         if not parts:
-            creq = await _check_bounds(ctx, pool, creq)
+            creq = await check_bounds(ctx, pool, creq)
         done = hold(ctx, key)
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")

@@ -49,8 +49,11 @@ from router.intake import (
     PICKED_DECISION,
     PICKED_PREFILL,
     charge,
+    check_batch,
+    check_bounds,
     hold,
     identify,
+    key_class,
     pool_for,
 )
 from router.pd.dispatch import Pick
@@ -209,7 +212,7 @@ class Exchange:
         try:
             creq = self._read(raw)
             pool = pool_for(ctx, creq.model)
-            creq = self._complete(pool, creq)
+            creq = await self._complete(pool, creq)
             self._done = hold(ctx, creq.client_key)
             pick = await ctx.dispatcher.pick(pool, creq, self._reachable())
         except RouterError as exc:
@@ -255,24 +258,22 @@ class Exchange:
             return parse_chat_batch(raw, key)
         return parse_client_request(raw, endpoint, key)
 
-    def _complete(self, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+    async def _complete(self, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+        """Session, priority and bounds, as the intake gives and checks them."""
         ctx = self._ctx
         creq = with_session(creq, self._headers, pool.config.sessions)
-        classes = ctx.config.admission.priority_classes
-        key_class = None
-        if classes:
-            key_class = next(
-                (k.priority_class for k in ctx.config.auth.keys if k.name == creq.client_key),
-                None,
-            )
-        return with_priority(
+        creq = with_priority(
             creq,
             self._headers,
             ctx.config.admission,
             pool.config.engine_priority_scheduling,
             ctx.clock(),
-            key_class,
+            key_class(ctx, creq.client_key),
         )
+        if creq.endpoint is Endpoint.CHAT_BATCH:
+            await check_batch(ctx, pool, creq)
+            return creq
+        return await check_bounds(ctx, pool, creq)
 
 
 class ExtProc(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]

@@ -359,3 +359,16 @@ async def test_the_gateway_s_subset_is_where_the_picker_picks(
                 continue
             assert r.status_code == 200, r.text
         assert [len(d.received) for d in cluster2.decode] == ([0, 3] if subset else [0, 0])
+
+
+async def test_bounds_are_checked_before_any_slot(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The intake's checks, at the picker: a request past the model's context gets vLLM's
+    400 from the picker, and no engine sees it."""
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        r = await client.post(gw.url + "/v1/completions", json={**PROMPT, "max_tokens": 5000})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_tokens"
+        assert [e.received for e in cluster.engines] == [[], []]
+        assert gw.picks == [] and gw.slots() == 0
