@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -72,7 +73,7 @@ _SUBSET = "x-gateway-destination-endpoint-subset"
 # What a client may not set: the picker's own answers to the gateway and the sidecar.
 _OURS = (DESTINATION, PICKED_DECISION, PICKED_PREFILL)
 _ENDPOINTS = {e.value: e for e in Endpoint}
-_FULL_DUPLEX = 4  # ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class Exchange:

@@ -28,6 +28,7 @@ from router.engines.instance import Instance
 from router.pd.dispatch import Pick
 from tests.conftest import Cluster, client_leaves, eventually, stream_error
 from tests.fakes.envoy_proc import BODY_MODES, envoy_process
+from tests.fakes.router_proc import free_port, router_command
 from tests.fakes.servers import serve
 from tests.needs import need_module
 
@@ -372,3 +373,43 @@ async def test_bounds_are_checked_before_any_slot(
         assert r.json()["error"]["param"] == "max_tokens"
         assert [e.received for e in cluster.engines] == [[], []]
         assert gw.picks == [] and gw.slots() == 0
+
+
+async def test_the_commands_serve_behind_envoy(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """``pd-router sidecar`` and ``pd-router picker`` as processes, as deployed: the
+    picker's ``--sidecar`` names the sidecar of the D, its ``--port`` the router's HTTP
+    routes (``/ready``, ``/metrics``)."""
+    import yaml
+
+    (d_url,) = cluster.decode_urls
+    sidecar_port, grpc_port, http_port = free_port(), free_port(), free_port()
+    config = cluster.config("pull", health={"interval": 0.1, "timeout": 1})
+    sidecar_cfg, picker_cfg = tmp_path / "sidecar.yaml", tmp_path / "picker.yaml"
+    listen = {"host": "127.0.0.1", "port": sidecar_port}
+    sidecar_cfg.write_text(yaml.safe_dump({**config, "listen": listen}))
+    picker_cfg.write_text(yaml.safe_dump(config))
+    picker_url = f"http://127.0.0.1:{http_port}"
+    picker = ["picker", "--config", str(picker_cfg), "--grpc-port", str(grpc_port)]
+    picker += ["--host", "127.0.0.1", "--port", str(http_port)]
+    picker += ["--sidecar", f"{d_url}=127.0.0.1:{sidecar_port}"]
+    sidecar = ["sidecar", "--config", str(sidecar_cfg)]
+    async with (
+        router_command(sidecar, f"http://127.0.0.1:{sidecar_port}/ready", tmp_path / "s.log"),
+        router_command(picker, f"{picker_url}/ready", tmp_path / "p.log"),
+        envoy_process(tmp_path, grpc_port) as url,
+    ):
+        r = await client.post(url + "/v1/completions", json=STREAM)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        (p_req,) = cluster.prefill[0].received
+        (d_req,) = cluster.decode[0].received
+        assert d_req.kv["remote_block_ids"] == [[1, 2, 3]]
+        assert p_req.request_id == d_req.request_id
+        metrics = (await client.get(picker_url + "/metrics")).text
+        held = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("pdrouter_decode_slots_in_use{")
+        ]
+        assert held and all(line.endswith(" 0.0") for line in held), held
