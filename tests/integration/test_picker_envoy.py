@@ -413,3 +413,25 @@ async def test_the_commands_serve_behind_envoy(
             if line.startswith("pdrouter_decode_slots_in_use{")
         ]
         assert held and all(line.endswith(" 0.0") for line in held), held
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"x-pd-decision": "sideways"}, 400),
+        ({"x-pd-decision": "pull"}, 400),  # P/D without a P named
+        ({"x-pd-decision": "pull", "x-pd-prefill-endpoint": "http://10.9.9.9:8000"}, 503),
+    ],
+)
+async def test_the_sidecar_refuses_a_pick_it_cannot_run(
+    cluster: Cluster, client: httpx.AsyncClient, headers: dict[str, str], status: int
+) -> None:
+    """A decision the router does not know, or a P/D one without its P: 400; a P the sidecar
+    does not know (not among its model's Ps): 503, as no P to pair with. No engine called."""
+    app = create_app(parse_config(cluster.config("pull")), health_checks=False, sidecar=True)
+    url = await cluster.stack.enter_async_context(serve(app, http=app.http_protocol))
+    cluster.routers.append(app.state.ctx)
+    r = await client.post(url + "/v1/completions", json=PROMPT, headers=headers)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["message"]
+    assert [e.received for e in cluster.engines] == [[], []]
