@@ -261,6 +261,7 @@ async def test_an_engine_error_gives_the_slot_back(
         assert gw.slots() == 0
 
 
+@pytest.mark.parametrize("body_mode", BODY_MODES)
 @pytest.mark.parametrize(
     ("admission", "status"), [({"queue_size": 0}, 429), ({"max_wait": 0.2}, 503)]
 )
@@ -270,6 +271,7 @@ async def test_no_free_slot_is_refused_with_the_router_s_error(
     tmp_path: Path,
     admission: dict[str, Any],
     status: int,
+    body_mode: str,
 ) -> None:
     """D's one slot held: the next request is answered by Envoy on the picker's word (an
     immediate response) with the router's status, Retry-After and OpenAI error; D never
@@ -277,7 +279,7 @@ async def test_no_free_slot_is_refused_with_the_router_s_error(
     d = cluster.decode[0]
     end = d.behaviour.end_gate = asyncio.Event()
     async with gateway(
-        cluster, tmp_path, "pull", decode_extra={"slots": 1}, admission=admission
+        cluster, tmp_path, "pull", body_mode, decode_extra={"slots": 1}, admission=admission
     ) as gw:
         held = asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
         await eventually(d.holding_end.is_set)
@@ -435,3 +437,15 @@ async def test_the_sidecar_refuses_a_pick_it_cannot_run(
     assert r.status_code == status, r.text
     assert r.json()["error"]["message"]
     assert [e.received for e in cluster.engines] == [[], []]
+
+
+async def test_a_request_without_a_body_reaches_a_sidecar_without_a_slot(
+    cluster: Cluster, client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """A GET (no body to place by): sent to a D's sidecar, which serves the router's other
+    routes; nothing reserved."""
+    async with gateway(cluster, tmp_path, "pull") as gw:
+        r = await client.get(gw.url + "/v1/models")
+        assert r.status_code == 200, r.text
+        assert [m["id"] for m in r.json()["data"]] == ["tiny"]
+        assert gw.picks == [] and gw.slots() == 0
