@@ -1,9 +1,9 @@
 """Real vLLM P/D engines behind Envoy and the endpoint picker (issue 43).
 
-The pull stack's engines, with ``pd-router picker`` and a ``pd-router sidecar`` for its D as
-processes and a real Envoy (tests/fakes/envoy_proc.py) in front: the answers through the
-gateway are the aggregated single engine's, token for token, streamed and not, and the
-picker holds no slot once they are in.
+The pull and pipelined stacks' engines, with ``pd-router picker`` and a ``pd-router
+sidecar`` for their D as processes and a real Envoy (tests/fakes/envoy_proc.py) in front:
+the answers through the gateway are the aggregated single engine's, token for token,
+streamed and not, and the picker holds no slot once they are in.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ async def _gateway(config: dict[str, Any], folder: Path) -> AsyncIterator[tuple[
         yield url, picker_url
 
 
-@pytest.mark.parametrize("engine_stack", ["pull"], indirect=True)
+@pytest.mark.parametrize("engine_stack", ["pull", "pipelined"], indirect=True)
 def test_answers_through_envoy_equal_the_single_engine_s(
     engine_stack: Running, reference: Reference, tmp_path: Path
 ) -> None:
