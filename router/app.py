@@ -36,6 +36,7 @@ def create_app(
     config_path: str | None = None,
     watch_interval: float | None = None,
     shared_slots: WorkerSlots | None = None,
+    sidecar: bool = False,
 ) -> RouterApp:
     """Build the router app.
 
@@ -45,8 +46,10 @@ def create_app(
     is set. ``shared_slots``: this worker's view of the slot table shared by the
     workers of ``pd-router serve --workers N`` (metrics then need the supervisor's
     ``PROMETHEUS_MULTIPROC_DIR``); health checks and breakers stay per worker.
+    ``sidecar``: ``pd-router sidecar`` (router/picker), which runs the legs an endpoint
+    picker chose (its ``x-pd-decision`` and ``x-pd-prefill-endpoint`` headers).
     """
-    ctx = build_context(config, transport, clock, shared_slots)
+    ctx = build_context(config, transport, clock, shared_slots, sidecar)
     reloader = ConfigReloader(config_path, ctx.registry, config) if config_path else None
 
     @contextlib.asynccontextmanager

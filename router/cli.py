@@ -154,6 +154,58 @@ def _workers(text: str) -> int:
     return n
 
 
+def _cmd_picker(args: argparse.Namespace) -> int:
+    """``pd-router picker``: the Gateway API Inference Extension endpoint picker."""
+    import asyncio
+
+    from router.access_log import configure_logging
+    from router.picker.destinations import Destinations
+    from router.picker.server import run_picker
+
+    cfg = _load_or_exit(args.config)
+    configure_logging(cfg.log_level, cfg.logging)
+    print(_summary(cfg), file=sys.stderr)
+    _quiet_client_logs()
+    explicit = dict(_sidecar(s) for s in args.sidecar)
+    destinations = Destinations(args.sidecar_port, explicit)
+    asyncio.run(run_picker(cfg, args.grpc_port, destinations, args.host, args.port))
+    return 0
+
+
+def _sidecar(text: str) -> tuple[str, str]:
+    url, sep, address = text.partition("=")
+    if not sep or not url or not address:
+        raise SystemExit(f"error: --sidecar wants D_URL=HOST:PORT, got {text!r}")
+    return url, address
+
+
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    """``pd-router sidecar``: the router app next to D, running the legs a picker chose."""
+    import uvicorn
+
+    from router.access_log import configure_logging
+    from router.app import create_app
+    from router.server_options import uvicorn_options
+
+    cfg = _load_or_exit(args.config)
+    host = args.host or cfg.listen.host
+    port = args.port if args.port is not None else cfg.listen.port
+    configure_logging(cfg.log_level, cfg.logging)
+    _quiet_client_logs()
+    app = create_app(cfg, sidecar=True)
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
+    options = uvicorn_options(
+        log_level=cfg.log_level,
+        access_log=False,
+        grace=args.grace,
+        backlog=_BACKLOG,
+        own_logging=cfg.logging.format == "json",
+        http_protocol=app.http_protocol,
+    )
+    uvicorn.run(app, host=host, port=port, **options)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import router.stack.demo as demo
 
@@ -288,6 +340,39 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a YAML routing file and exit")
     check.add_argument("config", help="YAML routing file")
     check.set_defaults(func=_cmd_check)
+
+    picker = sub.add_parser(
+        "picker", help="serve as a Gateway API Inference Extension endpoint picker (ext_proc)"
+    )
+    picker.add_argument("--config", required=True, help="YAML routing file")
+    picker.add_argument("--grpc-port", type=int, required=True, help="the ext_proc gRPC port")
+    picker.add_argument("--host", default="0.0.0.0", help="listen address (gRPC and HTTP)")
+    picker.add_argument("--port", type=int, help="also serve /metrics and the probes here")
+    picker.add_argument(
+        "--sidecar-port",
+        type=int,
+        default=8001,
+        help="the port of the pd-router sidecar on each D's host (default 8001)",
+    )
+    picker.add_argument(
+        "--sidecar",
+        action="append",
+        default=[],
+        metavar="D_URL=HOST:PORT",
+        help="one D's sidecar address, where it is not D's host at --sidecar-port",
+    )
+    picker.set_defaults(func=_cmd_picker)
+
+    sidecar = sub.add_parser(
+        "sidecar", help="run next to D: the legs an endpoint picker chose, with its P"
+    )
+    sidecar.add_argument("--config", required=True, help="YAML routing file (this D, the Ps)")
+    sidecar.add_argument("--host", help="override listen.host")
+    sidecar.add_argument("--port", type=int, help="override listen.port")
+    sidecar.add_argument(
+        "--grace", type=float, default=30.0, help="seconds open streams may finish on SIGTERM"
+    )
+    sidecar.set_defaults(func=_cmd_sidecar)
 
     _add_plan(sub)
     demo = sub.add_parser("demo", help="start a local P/D stack on real vLLM engines")

@@ -145,6 +145,10 @@ class ClientRequest:
     priority_level: int = 0  # the class's place in the admission queue: 0 most urgent
     ttft_deadline_ms: float | None = None  # the request's TTFT deadline (router/priority.py)
     deadline_at: float | None = None  # when it passes, on the router's clock
+    # An endpoint picker's choice, read by a ``pd-router sidecar`` (router/picker): the
+    # decision (a ``Decision`` value) and the P's URL; None: the router chooses.
+    picked_decision: str | None = None
+    picked_prefill: str | None = None
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:

@@ -63,6 +63,8 @@ class AppContext:
     kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
     engine_loads: EngineLoads | None  # several router replicas: engine-reported load
     load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
+    # ``pd-router sidecar`` (router/picker): requests carry an endpoint picker's choice
+    sidecar: bool = False
 
 
 def _carrier(config: RouterConfig, transport: httpx.AsyncBaseTransport | None) -> Carrier:
@@ -81,6 +83,7 @@ def build_context(
     transport: httpx.AsyncBaseTransport | None,
     clock: Callable[[], float],
     shared_slots: WorkerSlots | None = None,
+    sidecar: bool = False,
 ) -> AppContext:
     upstream = UpstreamClient(config.timeouts, _carrier(config, transport))
     # Several replicas judge load from the engines' reports, so that they place alike.
@@ -149,6 +152,7 @@ def build_context(
         kv_index,
         engine_loads,
         LoadReports(side_calls),
+        sidecar,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -39,6 +40,7 @@ from router.errors import (
 )
 from router.multi_prompt import MultiPromptResponse
 from router.orca import requested_format
+from router.pd.plans import Decision
 from router.priority import with_priority
 from router.registry import ModelPool
 from router.relay import LoadReport, RelayResponse, Scope
@@ -46,13 +48,19 @@ from router.relay import LoadReport, RelayResponse, Scope
 __all__ = [
     "INVOCATIONS",
     "KEY",
+    "PICKED_DECISION",
+    "PICKED_PREFILL",
     "charge",
+    "check_batch",
+    "check_bounds",
     "client_request_id",
     "handle",
     "hold",
     "identify",
+    "key_class",
     "pool_for",
     "read_body",
+    "with_pick",
 ]
 
 INVOCATIONS = "/invocations"  # vLLM's SageMaker-style entry: chat or completions by the body
@@ -69,7 +77,7 @@ def identify(ctx: AppContext, scope: Scope) -> str:
         raise
 
 
-def _key_class(ctx: AppContext, key: str) -> str | None:
+def key_class(ctx: AppContext, key: str) -> str | None:
     """The priority class the API key named ``key`` gives its requests, if any (a scan:
     read only with classes configured, over the few named keys)."""
     if not ctx.config.admission.priority_classes:
@@ -128,7 +136,7 @@ async def read_body(ctx: AppContext, request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
+async def check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> ClientRequest:
     try:
         return await ctx.bounds.check(pool, creq)
     except BoundExceeded as exc:
@@ -136,9 +144,7 @@ async def _check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -
         raise
 
 
-async def _check_batch(
-    ctx: AppContext, pool: ModelPool, creq: ClientRequest
-) -> list[ClientRequest]:
+async def check_batch(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> list[ClientRequest]:
     """A batch's conversations, each checked against the bounds (the batch's length against
     ``limits.max_prompts``, the router's own bound: vLLM has none)."""
     most = ctx.config.limits.max_prompts
@@ -151,7 +157,7 @@ async def _check_batch(
         )
         ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
         raise exc
-    return list(await asyncio.gather(*(_check_bounds(ctx, pool, p) for p in split_batch(creq))))
+    return list(await asyncio.gather(*(check_bounds(ctx, pool, p) for p in split_batch(creq))))
 
 
 def client_request_id(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -192,12 +198,14 @@ async def handle(
             ctx.config.admission,
             pool.config.engine_priority_scheduling,
             started,
-            _key_class(ctx, key),
+            key_class(ctx, key),
         )
+        if ctx.sidecar:
+            creq = with_pick(creq, request.headers.raw)
         # Before any slot or generate call; a batch's conversations each on its own.
-        parts = await _check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
+        parts = await check_batch(ctx, pool, creq) if endpoint is Endpoint.CHAT_BATCH else []
         if not parts:
-            creq = await _check_bounds(ctx, pool, creq)
+            creq = await check_bounds(ctx, pool, creq)
         done = hold(ctx, key)
     except RouterError as exc:
         model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
@@ -251,6 +259,30 @@ async def handle(
         load_report=_load_report(ctx, request, creq),
         migration=ctx.config.migration,
     )
+
+
+# An endpoint picker's choice, as it names it to a ``pd-router sidecar`` (router/picker).
+PICKED_DECISION = "x-pd-decision"
+PICKED_PREFILL = "x-pd-prefill-endpoint"
+
+
+def with_pick(creq: ClientRequest, headers: Iterable[tuple[bytes, bytes]]) -> ClientRequest:
+    """``creq`` with the endpoint picker's decision and P, as its headers name them (a
+    sidecar's requests come from the gateway, which the picker told); unchanged without
+    them. A decision the router does not know, or one that needs a P without one named:
+    400."""
+    found = {name: value.decode("latin-1") for name, value in headers if name.startswith(b"x-pd-")}
+    decision = found.get(PICKED_DECISION.encode())
+    if decision is None:
+        return creq
+    prefill = found.get(PICKED_PREFILL.encode()) or None
+    try:
+        known = Decision(decision)
+    except ValueError:
+        raise InvalidRequest(f"{PICKED_DECISION}: unknown decision {decision!r}") from None
+    if known.uses_prefill and prefill is None:
+        raise InvalidRequest(f"{PICKED_DECISION} {decision} needs {PICKED_PREFILL}")
+    return replace(creq, picked_decision=decision, picked_prefill=prefill)
 
 
 def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> LoadReport | None:

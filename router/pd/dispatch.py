@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router.client_request import ClientRequest
@@ -52,9 +53,20 @@ from router.pd.settle import Settler, cancel_task, discard_decode
 from router.registry import ModelPool
 from router.tracing import Tracing
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "Pick"]
 
 log = logging.getLogger("pd_router.dispatch")
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What :meth:`Dispatcher.pick` chose: the decision, the decode slot held (None: P
+    alone), its D and the P to pair with it (None where the decision uses none)."""
+
+    decision: Decision
+    reservation: Reservation | None
+    decode: Instance | None
+    prefill: Instance | None
 
 
 class Dispatcher:
@@ -114,24 +126,7 @@ class Dispatcher:
         client_id: str,
         avoid: frozenset[Instance] = frozenset(),
     ) -> Dispatch:
-        cfg = pool.config
-        decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
-        decision = self._adapt(pool, creq, decision)
-        self._metrics.decisions.labels(pool.name, decision).inc()
-        if self._tracing.enabled:
-            self._tracing.set(pdrouter__decision=decision.value)
-        # The key is built at most once, and only if the policy or the session fallback needs it.
-        key = routing_key(creq) if pool.key_needed else None
-        session = pool.session_key(creq.session, lambda: key or routing_key(creq))
-        # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
-        adapter = requested_adapter(pool.name, creq.body)
-        route = Route(
-            key,
-            session,
-            await self._cache_route(pool, creq),
-            pool.adapter_filter(adapter, Role.PREFILL, paired=True),
-            pool.adapter_filter(adapter, Role.DECODE, paired=decision.uses_prefill),
-        )
+        decision, route = await self._route(pool, creq)
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -150,6 +145,84 @@ class Dispatcher:
                 self._tracing.set(pdrouter__retries=attempt)
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _route(self, pool: ModelPool, creq: ClientRequest) -> tuple[Decision, Route]:
+        """The request's decision (counted) and what selection goes by. A request an endpoint
+        picker already placed (``creq.picked_decision``, a ``pd-router sidecar``'s) keeps the
+        picker's decision, and its P is the one the picker named."""
+        cfg = pool.config
+        if creq.picked_decision is not None:
+            decision = Decision(creq.picked_decision)
+        else:
+            decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
+            decision = self._adapt(pool, creq, decision)
+        self._metrics.decisions.labels(pool.name, decision).inc()
+        if self._tracing.enabled:
+            self._tracing.set(pdrouter__decision=decision.value)
+        # The key is built at most once, and only if the policy or the session fallback needs it.
+        key = routing_key(creq) if pool.key_needed else None
+        session = pool.session_key(creq.session, lambda: key or routing_key(creq))
+        # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
+        adapter = requested_adapter(pool.name, creq.body)
+        prefill_ok = pool.adapter_filter(adapter, Role.PREFILL, paired=True)
+        if creq.picked_prefill is not None:
+            prefill_ok = _only(creq.picked_prefill, prefill_ok)
+        route = Route(
+            key,
+            session,
+            await self._cache_route(pool, creq),
+            prefill_ok,
+            pool.adapter_filter(adapter, Role.DECODE, paired=decision.uses_prefill),
+        )
+        return decision, route
+
+    async def pick(
+        self,
+        pool: ModelPool,
+        creq: ClientRequest,
+        reachable: Callable[[Instance], bool] | None = None,
+    ) -> Pick:
+        """An endpoint picker's choice (router/picker): the decision, a decode slot reserved
+        first (may queue) and the P to pair with it, by the same rules as :meth:`dispatch`,
+        and no engine called. ``reachable``: the engines the gateway may send this request
+        to (its D, or its P when P serves alone; None: any). The caller gives the slot back
+        with :meth:`unpick` once the gateway reports the response's end. Raises the
+        :class:`~router.errors.RouterError` that refuses the request (nothing is held then)."""
+        decision, route = await self._route(pool, creq)
+        if reachable is not None:
+            decode_ok = _both(route.decode_ok, reachable)
+            if decision is Decision.PREFILL_ALONE:
+                route = replace(route, prefill_ok=_both(route.prefill_ok, reachable))
+            route = replace(route, decode_ok=decode_ok)
+        usable = candidates(pool.prefill) if decision.uses_prefill else []
+        if decision.uses_prefill and not [p for p in usable if _ok(route.prefill_ok, p)]:
+            raise self._no_prefill(pool)
+        if decision is Decision.PREFILL_ALONE:
+            lease = pool.select_prefill(
+                route.key, frozenset(), route.session, route.cache, allowed=route.prefill_ok
+            )
+            if lease is None:
+                raise self._no_prefill(pool)
+            self._count_placement(pool, Role.PREFILL, lease.placement)
+            return Pick(decision, None, None, lease.instance)
+        reservation = await self._reserve(pool, creq, route, frozenset())
+        if not decision.uses_prefill:
+            return Pick(decision, reservation, reservation.instance, None)
+        d = reservation.instance
+        lease = pool.select_prefill(
+            route.key, frozenset(), route.session, route.cache, decode=d, allowed=route.prefill_ok
+        )
+        if lease is None:
+            pool.ledger.release(reservation)
+            raise self._no_prefill(pool, d)
+        self._count_placement(pool, Role.PREFILL, lease.placement)
+        self._count_choice(pool, Role.PREFILL, route.cache)
+        return Pick(decision, reservation, d, lease.instance)
+
+    def unpick(self, pool: ModelPool, pick: Pick) -> None:
+        """Give back what :meth:`pick` holds (idempotent): the decode slot."""
+        if pick.reservation is not None:
+            pool.ledger.release(pick.reservation)
 
     def _adapt(self, pool: ModelPool, creq: ClientRequest, decision: Decision) -> Decision:
         """The adaptive rule's decision for a request the model's mode would split (counted);
@@ -649,6 +722,17 @@ class _Dispatching:
 
 def _ok(allowed: Callable[[Instance], bool] | None, inst: Instance) -> bool:
     return allowed is None or allowed(inst)
+
+
+def _both(
+    first: Callable[[Instance], bool] | None, second: Callable[[Instance], bool]
+) -> Callable[[Instance], bool]:
+    return lambda inst: _ok(first, inst) and second(inst)
+
+
+def _only(url: str, allowed: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
+    """``allowed`` narrowed to the engine at ``url`` (an endpoint picker's choice)."""
+    return lambda inst: inst.url == url and _ok(allowed, inst)
 
 
 def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry: bool) -> None:

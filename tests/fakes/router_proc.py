@@ -71,3 +71,31 @@ async def _stderr(proc: asyncio.subprocess.Process, log: Path | None) -> bytes:
         return log.read_bytes()
     assert proc.stderr is not None
     return await proc.stderr.read()
+
+
+@contextlib.asynccontextmanager
+async def router_command(args: Sequence[str], ready: str, log: Path) -> AsyncIterator[None]:
+    """``pd-router ARGS`` (``python -m router``) as a subprocess, once ``ready`` (a URL)
+    answers 200; its stderr goes to ``log``. Terminated at the end."""
+    with log.open("ab") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "router", *args),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=out,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        async with httpx.AsyncClient() as c:
+            deadline = time.monotonic() + 120
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await c.get(ready)).status_code == 200:
+                        break
+                assert proc.returncode is None, log.read_text()
+                assert time.monotonic() < deadline, f"pd-router {args[0]} did not become ready"
+                await asyncio.sleep(0.1)
+        yield
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)

@@ -16,7 +16,16 @@ ROUTER = ROOT / "router"
 LAYOUT = ROOT / "docs" / "layout.md"
 
 # Beside the request path (docs/layout.md says which): they may import anything.
-BESIDE = {"cli", "supervisor", "reload", "server_options", "__main__", "discovery", "stack"}
+BESIDE = {
+    "cli",
+    "supervisor",
+    "reload",
+    "server_options",
+    "__main__",
+    "discovery",
+    "stack",
+    "picker",
+}
 
 
 def _listed_order() -> list[str]:
