@@ -93,6 +93,7 @@ class Dispatcher:
         creq: ClientRequest,
         client_id: str = "-",
         avoid: frozenset[Instance] = frozenset(),
+        prefill_alone: bool = False,
     ) -> AbstractAsyncContextManager[Dispatch]:
         """Reserve, dispatch and enter once D's first bytes are in; retries inside.
 
@@ -103,9 +104,10 @@ class Dispatcher:
         held then. The exit releases everything (see module doc).
         ``client_id`` (the client's X-Request-Id) appears in log lines only. ``avoid``:
         engines to keep away from from the first attempt on, where others can serve (a
-        migrated request's failed D, router/pd/migration.py).
+        migrated request's failed D, router/pd/migration.py). ``prefill_alone``: served by a P
+        alone whatever the mode's rules (a migrated request whose only D failed).
         """
-        return _Dispatching(self, pool, creq, client_id, avoid)
+        return _Dispatching(self, pool, creq, client_id, avoid, prefill_alone)
 
     async def _open(
         self,
@@ -113,10 +115,14 @@ class Dispatcher:
         creq: ClientRequest,
         client_id: str,
         avoid: frozenset[Instance] = frozenset(),
+        prefill_alone: bool = False,
     ) -> Dispatch:
         cfg = pool.config
-        decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
-        decision = self._adapt(pool, creq, decision)
+        if prefill_alone:
+            decision = Decision.PREFILL_ALONE
+        else:
+            decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
+            decision = self._adapt(pool, creq, decision)
         self._metrics.decisions.labels(pool.name, decision).inc()
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
@@ -621,7 +627,7 @@ class _Dispatching:
     """:meth:`Dispatcher.dispatch`: a class, not an ``asynccontextmanager``, whose async
     generator costs every request about ten calls more."""
 
-    __slots__ = ("_avoid", "_client_id", "_creq", "_dispatcher", "_opened", "_pool")
+    __slots__ = ("_alone", "_avoid", "_client_id", "_creq", "_dispatcher", "_opened", "_pool")
 
     def __init__(
         self,
@@ -630,14 +636,15 @@ class _Dispatching:
         creq: ClientRequest,
         client_id: str,
         avoid: frozenset[Instance],
+        prefill_alone: bool = False,
     ) -> None:
         self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
-        self._client_id, self._avoid = client_id, avoid
+        self._client_id, self._avoid, self._alone = client_id, avoid, prefill_alone
         self._opened: Dispatch | None = None
 
     async def __aenter__(self) -> Dispatch:
         d, pool = self._dispatcher, self._pool
-        opened = await d._open(pool, self._creq, self._client_id, self._avoid)
+        opened = await d._open(pool, self._creq, self._client_id, self._avoid, self._alone)
         self._opened = opened
         return opened
 

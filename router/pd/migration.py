@@ -16,11 +16,12 @@ SSE error event. With ``migration.max_attempts`` above 0, a request that may be 
    judged by the cut's fault, its connection closed: vLLM aborts there). Then the
    continuation (:func:`~router.pd.continuation.continuation`) is dispatched as a new request
    by the model's rules (decode slot first), preferring a D that has not failed this
-   request, and its events are relayed as the first leg's (same id, created, model, index;
+   request (with none in rotation, in a disaggregated mode, by a P alone: ``prefill_alone``),
+   and its events are relayed as the first leg's (same id, created, model, index;
    a chat's re-wrapped as chat chunks; usage counting every token the client received). A
    cut before any event reached the client sends the request again as it came.
 4. At most ``max_attempts`` continuations; none once the client has left (its disconnect
-   cancels the whole exchange), none without another D in rotation, none where an engine
+   cancels the whole exchange), none without another engine to go to, none where an engine
    returned no token ids. Then the stream ends with the error event, as without migration.
    An answer cut after its last token (its final chunk or usage not yet read) is closed by
    the router itself: there is nothing left to generate.
@@ -58,6 +59,9 @@ from router.registry import ModelPool
 from router.tracing import Tracing
 
 __all__ = ["Migration", "RelayHooks"]
+
+# Where a continuation goes (Migration._where).
+_RULES, _PREFILL = "rules", "prefill_alone"
 
 
 class RelayHooks(Protocol):
@@ -154,7 +158,8 @@ class Migration:
         ):
             await self._close(send, hooks)
             return None
-        if not self._may_continue(avoid, fresh):
+        where = self._where(avoid, fresh)
+        if where is None:
             await self._fail(send, hooks, cut)
             return None
         self.count += 1
@@ -168,7 +173,7 @@ class Migration:
         try:
             with self._tracing.span("migration", attributes):
                 async with self._dispatcher.dispatch(
-                    self._pool, creq, self._client_id, frozenset(avoid)
+                    self._pool, creq, self._client_id, frozenset(avoid), where is _PREFILL
                 ) as d:
                     if d.leg.rest is None:  # cannot happen: the continuation streams
                         raise cut.error
@@ -180,12 +185,19 @@ class Migration:
             return None
         return next_cut
 
-    def _may_continue(self, avoid: set[Instance], fresh: bool) -> bool:
-        return (
-            self.count < self._config.max_attempts
-            and (fresh or self._progress.resumable)
-            and self._pool.has_alternative(Role.DECODE.value, frozenset(avoid))
-        )
+    def _where(self, avoid: set[Instance], fresh: bool) -> str | None:
+        """Where the request may continue: ``_RULES`` (by the model's rules: a D it has not
+        failed on is in rotation), ``_PREFILL`` (a P alone: no such D, a disaggregated
+        model, ``prefill_alone`` on and a P it has not run on in rotation), None (nowhere)."""
+        if self.count >= self._config.max_attempts or not (fresh or self._progress.resumable):
+            return None
+        pool, avoided = self._pool, frozenset(avoid)
+        if pool.has_alternative(Role.DECODE.value, avoided):
+            return _RULES
+        alone = self._config.prefill_alone and pool.mode.uses_prefill
+        if alone and pool.has_alternative(Role.PREFILL.value, avoided):
+            return _PREFILL
+        return None
 
     async def _relay(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)

@@ -409,3 +409,42 @@ async def test_non_streamed_answers_are_the_engines_own_unless_asked(
     r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": False})
     assert r.json()["choices"][0]["text"] == reference(COMPLETION)
     assert all(not rec.body.get("stream") for d in cluster2.decode for rec in d.received)
+
+
+@pytest.mark.parametrize("fault", ["drop", "stall"])
+@pytest.mark.parametrize("mode", ["pull", "pipelined"])
+async def test_the_only_d_failed_continues_on_p_alone(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, mode: str, fault: str
+) -> None:
+    """1P1D, the only D cut: no D is left that has not failed, so P serves the continuation
+    alone (``prefill_alone``), the answer the uninterrupted one; P's leg of the first dispatch
+    and its whole continuation are both P's, and no slot is held after."""
+    for engine in cluster.engines:
+        engine.behaviour.deterministic = True
+    url, ctx = await router(cluster, mode)
+    arm(cluster, fault, stall)
+    docs = events((await client.post(url + "/v1/completions", json=COMPLETION)).text)
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    check_one_answer(docs, False)
+    cause = "stall" if fault == "stall" else CAUSES[fault]
+    assert metric(ctx, "pdrouter_migrations_total", mode=mode, cause=cause) == 1
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="prefill_alone") == 1
+    (p,) = cluster.prefill
+    alone = [r.body for r in p.received if _continued(r.body)]
+    assert len(alone) == 1 and alone[0]["max_tokens"] == N - K
+    assert "kv_transfer_params" not in alone[0]
+    assert not [r for r in cluster.decode[0].received if _continued(r.body)]
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_prefill_alone_off_means_no_migration_without_another_d(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    for engine in cluster.engines:
+        engine.behaviour.deterministic = True
+    url, ctx = await router(cluster, "pull", migration={"prefill_alone": False})
+    arm(cluster, "drop", stall)
+    r = await client.post(url + "/v1/completions", json=COMPLETION)
+    assert stream_error(r.text)["code"] == "decode_unreachable"
+    assert metric(ctx, "pdrouter_migrations_total") == 0
+    assert not [r for r in cluster.prefill[0].received if _continued(r.body)]
