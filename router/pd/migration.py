@@ -10,8 +10,9 @@ SSE error event. With ``migration.max_attempts`` above 0, a request that may be 
 2. D's stream is *cut* when its connection breaks or closes before ``[DONE]`` (cause
    ``disconnect``), when it sends an error event (``error_event``), or when it has been
    waited on for ``migration.stall_timeout`` seconds without a byte (``stall``: the stream is
-   closed). Nothing of a cut event is sent: the client has exactly the events read whole
-   before the cut.
+   closed), or when D leaves rotation ejected (its breaker open or its health checks failed:
+   ``ejected``; the stream is closed, only if the request can go elsewhere). Nothing of a cut
+   event is sent: the client has exactly the events read whole before the cut.
 3. The cut leg's dispatch is left first, as any ended dispatch is (its slot released once, D
    judged by the cut's fault, its connection closed: vLLM aborts there). Then the
    continuation (:func:`~router.pd.continuation.continuation`) is dispatched as a new request
@@ -136,8 +137,9 @@ class Migration:
             self._request_id = d.request_id
             if not self._whole:
                 await hooks.start(send, d.leg, d.request_id)
-            cut = await self._relay(d, send, hooks)
-            avoid = {d.leg.instance}
+            avoid: set[Instance] = set()
+            cut = await self._relay(d, send, hooks, avoid)
+            avoid.add(d.leg.instance)
         while cut is not None:
             cut = await self._continue(cut, send, hooks, avoid)
         return Outcome.UPSTREAM_ERROR if self._failed else Outcome.SUCCESS
@@ -177,7 +179,7 @@ class Migration:
                 ) as d:
                     if d.leg.rest is None:  # cannot happen: the continuation streams
                         raise cut.error
-                    next_cut = await self._relay(d, send, hooks)
+                    next_cut = await self._relay(d, send, hooks, avoid)
                     avoid.add(d.leg.instance)
         except RouterError as exc:
             error = exc if isinstance(exc, UpstreamError) else cut.error
@@ -199,23 +201,44 @@ class Migration:
             return _PREFILL
         return None
 
-    async def _relay(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+    async def _relay(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
+    ) -> Cut | None:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
-        or a cut (returned; nothing of the cut event was sent)."""
+        or a cut (returned; nothing of the cut event was sent). ``avoid``: the engines this
+        request failed on before (where it could not continue if D were ejected now)."""
         with self._tracing.span("stream"):
-            cut = await self._relay_leg(d, send, hooks)
+            cut = await self._relay_leg(d, send, hooks, avoid)
             self._tracing.set(pdrouter__chunks=d.leg.chunks)
             if cut is not None:
                 self._tracing.set(pdrouter__cut=cut.cause)
             return cut
 
-    async def _relay_leg(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+    async def _relay_leg(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
+    ) -> Cut | None:
+        leg = d.leg
+        watch = _StallWatch(leg, self._config.stall_timeout, asyncio.get_running_loop())
+
+        def ejected() -> None:
+            # D left rotation ejected: move on now if the request can go elsewhere; with
+            # nowhere to go, D's stream is still the client's best chance.
+            if self._where(avoid | {leg.instance}, not self._progress.identity) is not None:
+                watch.eject()
+
+        with leg.instance.leaving(ejected):
+            if leg.instance.ejected:  # while its first bytes came
+                ejected()
+            return await self._read_leg(d, send, hooks, watch)
+
+    async def _read_leg(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, watch: _StallWatch
+    ) -> Cut | None:
         # The reads are inlined, not a generator, and the stall is watched by one timer per
         # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
         leg, events, rest = d.leg, _Events(), d.leg.rest
         assert rest is not None
         loop = asyncio.get_running_loop()
-        watch = _StallWatch(leg, self._config.stall_timeout, loop)
         count, worst = 1, 0.0
         data: bytes | None = leg.first
         try:
@@ -241,7 +264,7 @@ class Migration:
                 worst = gap if gap > worst else worst
                 data = None if raw is None else leg.scrubbed(raw)
         except UpstreamError as exc:
-            if watch.fired:
+            if watch.fired or watch.ejected:
                 return self._ended_early(leg, watch, count, worst)
             stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
             leg.read_ended(count, worst, exc.fault)
@@ -251,11 +274,21 @@ class Migration:
             hooks.stream_stats(d)
 
     def _ended_early(self, leg: DecodeLeg, watch: _StallWatch, count: int, worst: float) -> Cut:
-        """D's stream ended before ``[DONE]``: closed by D, or by the stall watch."""
+        """D's stream ended before ``[DONE]``: closed by D, by the stall watch, or by the
+        router because D was ejected (which says nothing more about D)."""
+        inst = leg.instance
+        if watch.ejected:
+            leg.read_ended(count, worst, Fault.NONE)
+            message = f"{inst.role} engine left rotation ({inst.why_out()}) mid-stream"
+            role = str(inst.role)
+            code = f"{role}_ejected"
+            error = UpstreamError(
+                message, role=role, instance=inst.url, code=code, fault=Fault.NONE
+            )
+            return Cut("ejected", error, Fault.NONE)
         leg.read_ended(count, worst, Fault.ENGINE)
         if not watch.fired:
             return self._cut("disconnect", leg, Fault.ENGINE)
-        inst = leg.instance
         error = UpstreamTimeout(
             f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
             role=str(inst.role),
@@ -370,13 +403,19 @@ class _StallWatch:
     waiting for D and None once a read returns (a slow client's time is not D's). One timer
     per stream, re-armed only when it fires."""
 
-    __slots__ = ("_handle", "_leg", "_loop", "fired", "seconds", "since")
+    __slots__ = ("_handle", "_leg", "_loop", "ejected", "fired", "seconds", "since")
 
     def __init__(self, leg: DecodeLeg, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
         self._leg, self._loop, self.seconds = leg, loop, seconds
         self.since: float | None = None
         self.fired = False
+        self.ejected = False  # closed because D was ejected (Instance.leaving)
         self._handle = loop.call_later(seconds, self._check)
+
+    def eject(self) -> None:
+        if not (self.fired or self.ejected):
+            self.ejected = True
+            self._leg.stream.close()
 
     def _check(self) -> None:
         now, since = self._loop.time(), self.since

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.access_log import ACCESS_LOGGER
 from router.engines.breaker import BreakerState
+from router.errors import Fault
 from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 from tests.fakes.fake_vllm import FakeEngine, Shot, deterministic_reply, prompt_ids
 
@@ -313,7 +314,12 @@ async def test_one_engine_left_means_no_migration(
     # Every cause's series exists at 0 before the first migration (rates have data).
     families = text_string_to_metric_families(ctx.metrics.render().decode())
     samples = [x for f in families for x in f.samples if x.name == "pdrouter_migrations_total"]
-    assert sorted(x.labels["cause"] for x in samples) == ["disconnect", "error_event", "stall"]
+    assert sorted(x.labels["cause"] for x in samples) == [
+        "disconnect",
+        "ejected",
+        "error_event",
+        "stall",
+    ]
 
 
 async def test_no_migration_once_the_client_left(
@@ -448,3 +454,71 @@ async def test_prefill_alone_off_means_no_migration_without_another_d(
     assert stream_error(r.text)["code"] == "decode_unreachable"
     assert metric(ctx, "pdrouter_migrations_total") == 0
     assert not [r for r in cluster.prefill[0].received if _continued(r.body)]
+
+
+def _eject(ctx: Any, url: str, how: str) -> None:
+    """What the breaker does on a refused connection, or the health monitor on failed checks."""
+    (inst,) = (i for i in ctx.registry.instances() if i.url == url)
+    if how == "breaker":
+        inst.breaker.record(Fault.REFUSED)
+    else:
+        inst.healthy = False
+
+
+async def _eject_after_k(
+    client: httpx.AsyncClient, url: str, ctx: Any, cluster: Cluster, how: str
+) -> str:
+    """The stream, its D ejected once the client has read ``K`` tokens (D stalled there)."""
+    text, ejected = "", False
+    async with client.stream("POST", url + "/v1/completions", json=COMPLETION) as r:
+        async for event in r.aiter_text():
+            text += event
+            if not ejected and text.count('"text"') >= K:  # D holds its next token
+                (n,) = (i for i, d in enumerate(cluster.decode) if d.stalled.is_set())
+                _eject(ctx, cluster.decode_urls[n], how)
+                ejected = True
+    return text
+
+
+@pytest.mark.parametrize("how", ["breaker", "health"])
+async def test_an_ejected_d_mid_stream_is_a_cut(
+    cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, how: str
+) -> None:
+    """D still streams (here: holds its next token, far from the stall timeout) when it is
+    ejected: its stream is cut at once and continued on the other D, token for token."""
+    deterministic(cluster2)
+    url, ctx = await router(cluster2, "pull", migration={"stall_timeout": 60})
+    arm(cluster2, "stall", stall)
+    docs = events(await _eject_after_k(client, url, ctx, cluster2, how))
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    check_one_answer(docs, False)
+    assert metric(ctx, "pdrouter_migrations_total", cause="ejected") == 1
+    assert metric(ctx, "pdrouter_migrations_total") == 1
+    d, _ = continuation_of(cluster2)
+    assert not d.stalled.is_set()
+    await eventually(lambda: all(d.active == 0 for d in cluster2.decode))
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_an_ejected_d_with_nowhere_to_go_keeps_its_stream(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    """The only engine ejected mid-stream: cutting it could only fail the answer, so its
+    stream goes on and ends whole."""
+    deterministic(cluster)
+    url, ctx = await router(cluster, "aggregated", migration={"stall_timeout": 60})
+    arm(cluster, "stall", stall)
+
+    async def eject_then_go_on() -> str:
+        async with client.stream("POST", url + "/v1/completions", json=COMPLETION) as r:
+            text = ""
+            async for event in r.aiter_text():
+                text += event
+                if not stall.is_set() and text.count('"text"') >= K:
+                    _eject(ctx, cluster.decode_urls[0], "breaker")
+                    stall.set()
+            return text
+
+    docs = events(await eject_then_go_on())
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    assert metric(ctx, "pdrouter_migrations_total") == 0
