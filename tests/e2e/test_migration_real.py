@@ -155,11 +155,15 @@ def _rejoins(st: AnyStack) -> None:
 
     ok, what, _ = h.wait_until(healthy, REJOIN_S, every_s=0.25)
     assert ok, what
-    finished = st.engine_metrics(D).total(FINISHED)
+    finished = st.engine_metrics(D).total(FINISHED, finished_reason="length")
+    before = st.router_metrics()
     out = h.complete(h.client_for(st.router_url), MODEL, PROMPT, stream=True, max_tokens=4)
     assert out.finish_reason == "length"
+    # Decoded whole by D: not continued elsewhere (a D that fails it mid-stream would be).
+    assert h.delta(st.router_metrics(), before, "pdrouter_migrations_total") == 0
     page = h.settled(lambda: st.engine_metrics(D), FINISHED)
-    assert page.total(FINISHED) == finished + 1, "the next request was not decoded by D"
+    done = page.total(FINISHED, finished_reason="length")
+    assert done == finished + 1, "the next request was not decoded by D"
 
 
 # Two decorators, not one of (stack, fault) pairs: pytest tears a session fixture down between
