@@ -33,9 +33,10 @@ router sees it healthy and the next request is decoded there.
 Cases, crossed so each mode sees both faults and both kinds of answer: pull kill streamed, pull
 stall non-streamed, pipelined kill non-streamed, pipelined stall streamed. Destructive, first
 in their stacks' destructive stage: each killed D is restarted before the next test. Added CI
-time on the shared stacks, measured on the 2-core development machine (2026-12-06): the second
-router 1.5-2 s per stack; a kill case 37-46 s, of which D's restart 32-35 s (what checking the
-rejoin costs); a stall case 14-16 s, of which ``stall_timeout`` 5 s. About 2 minutes in all.
+time on the shared stacks, measured on the 2-core development machine (2026-12-06, three runs):
+the second router 1.5-2 s per stack; a kill case 35-46 s, of which D's restart 31-37 s (what
+checking the rejoin costs); a stall case 7-16 s, of which ``stall_timeout`` 5 s. About 100 s
+in all (39 + 12 s pull, 42 + 7.5 s pipelined in the last run).
 """
 
 from __future__ import annotations
