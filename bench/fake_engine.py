@@ -16,6 +16,10 @@ the subset of vLLM's OpenAI API that a P/D router uses:
     (no ``kv_transfer_params``: direct or aggregated), for ``--kv-transfer-ms``
     after a pull handoff (P already finished), and for the prefill time plus
     ``--kv-transfer-ms`` in push (no block ids: P runs concurrently).
+  - ``--token-ids``: streamed events carry vLLM 0.32's ``token_ids`` (and a completion's
+    ``prompt_token_ids``), null unless ``return_token_ids`` is asked; then each event its
+    token's id and a completion's first the prompt's ids (the router asks for them with
+    migration on).
 
 Prompt tokens are estimated as characters / 4, the same for every target.
 """
@@ -72,6 +76,7 @@ class Engine:
         self.prefill_per_token: float = args.prefill_us_per_token / 1e6
         self.transfer: float = args.kv_transfer_ms / 1000.0
         self.transfer_mode: str = args.transfer_mode
+        self.token_ids: bool = args.token_ids
         self.engine_id = f"fake-{os.getpid()}"
         self.kv_port: int = args.port + 1000
         self.batch = Batch(self.itl)
@@ -116,18 +121,34 @@ class Engine:
             return self.transfer  # pull: P is done, D reads the blocks
         return prefill + self.transfer  # push: P runs alongside, then writes
 
-    def events(self, chat: bool) -> tuple[bytes, bytes]:
-        """(one token event, the last token event) as HTTP chunks."""
+    def events(self, chat: bool, body: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
+        """(the first token event, one token event, the last token event) as HTTP chunks.
+        With ``--token-ids``, vLLM 0.32's id fields: null, or with ``return_token_ids`` asked
+        each event's token id and a completion's first the prompt's (``_prompt_tokens``)."""
         rid = next(_ids)
+        ids = first_ids = b""
+        if self.token_ids:  # vLLM 0.32 sends both fields, null unless asked
+            ids = b',"token_ids":null'
+            first_ids = ids if chat else b',"prompt_token_ids":null' + ids
+        if self.token_ids and body.get("return_token_ids"):
+            ids = b',"token_ids":[%d]' % (10000 + rid % 20000)
+            prompt = b",".join(b"%d" % (1000 + i % 30000) for i in range(_prompt_tokens(body)))
+            first_ids = ids if chat else b',"prompt_token_ids":[' + prompt + b"]" + ids
+        mid_ids = ids if chat else b',"prompt_token_ids":null' * self.token_ids + ids
         if chat:
             tok = b'{"id":"chatcmpl-%d","object":"chat.completion.chunk","model":"m",' % rid
-            mid = tok + b'"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}'
-            end = tok + b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'
+            text = b'"choices":[{"index":0,"delta":{"content":" tok"}%s,"finish_reason":null}]}'
+            end = tok + b'"choices":[{"index":0,"delta":{}%s,"finish_reason":"length"}]}' % mid_ids
         else:
             tok = b'{"id":"cmpl-%d","object":"text_completion","model":"m",' % rid
-            mid = tok + b'"choices":[{"index":0,"text":" tok","finish_reason":null}]}'
-            end = tok + b'"choices":[{"index":0,"text":" tok","finish_reason":"length"}]}'
-        return _chunk(b"data: " + mid + b"\n\n"), _chunk(b"data: " + end + b"\n\n")
+            text = b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":null}]}'
+            end = (
+                tok + b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":"length"}]}' % mid_ids
+            )
+        mid = tok + text % mid_ids
+        first = tok + text % first_ids
+        sse = [_chunk(b"data: " + e + b"\n\n") for e in (first, mid, end)]
+        return sse[0], sse[1], sse[2]
 
     def full_answer(self, chat: bool) -> bytes:
         text = " tok" * self.tokens
@@ -221,11 +242,11 @@ class Conn(asyncio.Protocol):
             await _sleep(eng.itl * (eng.tokens - 1))
             self._write(eng.full_answer(chat))
             return
-        await self._stream(chat)
+        await self._stream(chat, body)
 
-    async def _stream(self, chat: bool) -> None:
-        mid, end = self.engine.events(chat)
-        self._write(_SSE_HEAD + mid)
+    async def _stream(self, chat: bool, body: dict[str, Any]) -> None:
+        first, mid, end = self.engine.events(chat, body)
+        self._write(_SSE_HEAD + first)
         await self.engine.batch.join(self, mid, end, self.engine.tokens - 1)
 
 
@@ -305,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transfer-mode", choices=["pull", "push"], default="pull")
     p.add_argument(
         "--adapters", default="", help="LoRA adapters /v1/models lists (comma-separated)"
+    )
+    p.add_argument(
+        "--token-ids", action="store_true", help="stream token ids when return_token_ids is asked"
     )
     args = p.parse_args(argv)
     if args.tokens < 2:

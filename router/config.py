@@ -582,7 +582,8 @@ class MigrationConfig(_Strict):
 
     ``max_attempts`` continuations per request (0: off, D's failure ends the stream with an
     SSE error event as before). ``stall_timeout``: seconds without a byte from D, once its
-    stream has started, after which D counts as stalled and the request moves on."""
+    stream has started, after which D counts as stalled and the request moves on.
+    ``prefill_alone``: with no other D in rotation, a P serves the continuation alone."""
 
     max_attempts: int = Field(default=2, ge=0, le=100)
     stall_timeout: PositiveFloat = 30.0
@@ -590,6 +591,10 @@ class MigrationConfig(_Strict):
     # there (vLLM's fields, the router's bytes). Off: a non-streamed answer is D's own, and a
     # D failing before it is whole is retried from the start (``retries``).
     non_streamed: bool = False
+    # In a disaggregated mode, when no D that has not failed this request is in rotation (the
+    # only D died), the continuation is served by a P alone (``prefill_alone``, as the adaptive
+    # rule serves a request: P is a whole vLLM engine). Off: no migration without another D.
+    prefill_alone: bool = True
 
     @property
     def enabled(self) -> bool:

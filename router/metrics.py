@@ -47,7 +47,7 @@ KEY_RESULTS = ("admitted", "rate_limited", "concurrency_limited", "queue_share_e
 ROUTE_CHOICES = ("pd", "decode_alone", "prefill_alone")
 # Why a stream was cut and continued elsewhere (router/pd/migration.py):
 # pdrouter_migrations_total{cause}.
-MIGRATION_CAUSES = ("disconnect", "error_event", "stall")
+MIGRATION_CAUSES = ("disconnect", "error_event", "stall", "ejected")
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0

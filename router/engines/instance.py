@@ -74,6 +74,19 @@ class _Deadline:
         self._deadlines.discard(self._cm)
 
 
+class _Registered:
+    __slots__ = ("_fn", "_set")
+
+    def __init__(self, registered: set[Callable[[], None]], fn: Callable[[], None]) -> None:
+        self._set, self._fn = registered, fn
+
+    def __enter__(self) -> None:
+        self._set.add(self._fn)
+
+    def __exit__(self, *exc: object) -> None:
+        self._set.discard(self._fn)
+
+
 _NOTHING: contextlib.nullcontext[None] = contextlib.nullcontext()
 
 
@@ -140,6 +153,8 @@ class Instance:
         self._in_rotation = True
         # Deadlines of legs waiting on this engine: cut short when it turns unhealthy.
         self._deadlines: set[asyncio.Timeout] = set()
+        # Streams told when this engine is ejected or fails its health checks (migration).
+        self._leaving: set[Callable[[], None]] = set()
         breaker.on_change = self._changed
         breaker.name = f"role={role} engine={url}"
 
@@ -204,7 +219,21 @@ class Instance:
                     self.url,
                     self.why_out(),
                 )
+                if self._leaving and self.ejected:
+                    for tell in list(self._leaving):
+                        tell()
         self.on_change()
+
+    @property
+    def ejected(self) -> bool:
+        """Out for failing its health checks or by outlier detection (the engine is in
+        doubt; not leaked KV, a capacity matter, nor a missing partner)."""
+        return self._healthy is False or self.breaker.state is BreakerState.OPEN
+
+    def leaving(self, tell: Callable[[], None]) -> AbstractContextManager[None]:
+        """While entered, ``tell()`` is called when this engine leaves rotation
+        :attr:`ejected` (a migrating stream on it moves on, router/pd/migration.py)."""
+        return _Registered(self._leaving, tell)
 
     # -- NIXL address ---------------------------------------------------------------
 

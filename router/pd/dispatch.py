@@ -105,6 +105,7 @@ class Dispatcher:
         creq: ClientRequest,
         client_id: str = "-",
         avoid: frozenset[Instance] = frozenset(),
+        prefill_alone: bool = False,
     ) -> AbstractAsyncContextManager[Dispatch]:
         """Reserve, dispatch and enter once D's first bytes are in; retries inside.
 
@@ -115,9 +116,10 @@ class Dispatcher:
         held then. The exit releases everything (see module doc).
         ``client_id`` (the client's X-Request-Id) appears in log lines only. ``avoid``:
         engines to keep away from from the first attempt on, where others can serve (a
-        migrated request's failed D, router/pd/migration.py).
+        migrated request's failed D, router/pd/migration.py). ``prefill_alone``: served by a P
+        alone whatever the mode's rules (a migrated request whose only D failed).
         """
-        return _Dispatching(self, pool, creq, client_id, avoid)
+        return _Dispatching(self, pool, creq, client_id, avoid, prefill_alone)
 
     async def _open(
         self,
@@ -125,8 +127,9 @@ class Dispatcher:
         creq: ClientRequest,
         client_id: str,
         avoid: frozenset[Instance] = frozenset(),
+        prefill_alone: bool = False,
     ) -> Dispatch:
-        decision, route = await self._route(pool, creq)
+        decision, route = await self._route(pool, creq, prefill_alone)
         attempts = self._retries.max_attempts
         for attempt in range(1, attempts + 1):
             try:
@@ -146,12 +149,17 @@ class Dispatcher:
                 await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _route(self, pool: ModelPool, creq: ClientRequest) -> tuple[Decision, Route]:
+    async def _route(
+        self, pool: ModelPool, creq: ClientRequest, prefill_alone: bool = False
+    ) -> tuple[Decision, Route]:
         """The request's decision (counted) and what selection goes by. A request an endpoint
         picker already placed (``creq.picked_decision``, a ``pd-router sidecar``'s) keeps the
-        picker's decision, and its P is the one the picker named."""
+        picker's decision, and its P is the one the picker named. ``prefill_alone``: a
+        migration's continuation with no other D to go to, which P serves alone."""
         cfg = pool.config
-        if creq.picked_decision is not None:
+        if prefill_alone:
+            decision = Decision.PREFILL_ALONE
+        elif creq.picked_decision is not None:
             decision = Decision(creq.picked_decision)
         else:
             decision = decide(pool.mode, creq, cfg.disagg_min_prompt_tokens, prefill_busy(pool))
@@ -694,7 +702,7 @@ class _Dispatching:
     """:meth:`Dispatcher.dispatch`: a class, not an ``asynccontextmanager``, whose async
     generator costs every request about ten calls more."""
 
-    __slots__ = ("_avoid", "_client_id", "_creq", "_dispatcher", "_opened", "_pool")
+    __slots__ = ("_alone", "_avoid", "_client_id", "_creq", "_dispatcher", "_opened", "_pool")
 
     def __init__(
         self,
@@ -703,14 +711,15 @@ class _Dispatching:
         creq: ClientRequest,
         client_id: str,
         avoid: frozenset[Instance],
+        prefill_alone: bool = False,
     ) -> None:
         self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
-        self._client_id, self._avoid = client_id, avoid
+        self._client_id, self._avoid, self._alone = client_id, avoid, prefill_alone
         self._opened: Dispatch | None = None
 
     async def __aenter__(self) -> Dispatch:
         d, pool = self._dispatcher, self._pool
-        opened = await d._open(pool, self._creq, self._client_id, self._avoid)
+        opened = await d._open(pool, self._creq, self._client_id, self._avoid, self._alone)
         self._opened = opened
         return opened
 

@@ -10,17 +10,19 @@ SSE error event. With ``migration.max_attempts`` above 0, a request that may be 
 2. D's stream is *cut* when its connection breaks or closes before ``[DONE]`` (cause
    ``disconnect``), when it sends an error event (``error_event``), or when it has been
    waited on for ``migration.stall_timeout`` seconds without a byte (``stall``: the stream is
-   closed). Nothing of a cut event is sent: the client has exactly the events read whole
-   before the cut.
+   closed), or when D leaves rotation ejected (its breaker open or its health checks failed:
+   ``ejected``; the stream is closed, only if the request can go elsewhere). Nothing of a cut
+   event is sent: the client has exactly the events read whole before the cut.
 3. The cut leg's dispatch is left first, as any ended dispatch is (its slot released once, D
    judged by the cut's fault, its connection closed: vLLM aborts there). Then the
    continuation (:func:`~router.pd.continuation.continuation`) is dispatched as a new request
    by the model's rules (decode slot first), preferring a D that has not failed this
-   request, and its events are relayed as the first leg's (same id, created, model, index;
+   request (with none in rotation, in a disaggregated mode, by a P alone: ``prefill_alone``),
+   and its events are relayed as the first leg's (same id, created, model, index;
    a chat's re-wrapped as chat chunks; usage counting every token the client received). A
    cut before any event reached the client sends the request again as it came.
 4. At most ``max_attempts`` continuations; none once the client has left (its disconnect
-   cancels the whole exchange), none without another D in rotation, none where an engine
+   cancels the whole exchange), none without another engine to go to, none where an engine
    returned no token ids. Then the stream ends with the error event, as without migration.
    An answer cut after its last token (its final chunk or usage not yet read) is closed by
    the router itself: there is nothing left to generate.
@@ -58,6 +60,9 @@ from router.registry import ModelPool
 from router.tracing import Tracing
 
 __all__ = ["Migration", "RelayHooks"]
+
+# Where a continuation goes (Migration._where).
+_RULES, _PREFILL = "rules", "prefill_alone"
 
 
 class RelayHooks(Protocol):
@@ -132,8 +137,9 @@ class Migration:
             self._request_id = d.request_id
             if not self._whole:
                 await hooks.start(send, d.leg, d.request_id)
-            cut = await self._relay(d, send, hooks)
-            avoid = {d.leg.instance}
+            avoid: set[Instance] = set()
+            cut = await self._relay(d, send, hooks, avoid)
+            avoid.add(d.leg.instance)
         while cut is not None:
             cut = await self._continue(cut, send, hooks, avoid)
         return Outcome.UPSTREAM_ERROR if self._failed else Outcome.SUCCESS
@@ -154,7 +160,8 @@ class Migration:
         ):
             await self._close(send, hooks)
             return None
-        if not self._may_continue(avoid, fresh):
+        where = self._where(avoid, fresh)
+        if where is None:
             await self._fail(send, hooks, cut)
             return None
         self.count += 1
@@ -168,11 +175,11 @@ class Migration:
         try:
             with self._tracing.span("migration", attributes):
                 async with self._dispatcher.dispatch(
-                    self._pool, creq, self._client_id, frozenset(avoid)
+                    self._pool, creq, self._client_id, frozenset(avoid), where is _PREFILL
                 ) as d:
                     if d.leg.rest is None:  # cannot happen: the continuation streams
                         raise cut.error
-                    next_cut = await self._relay(d, send, hooks)
+                    next_cut = await self._relay(d, send, hooks, avoid)
                     avoid.add(d.leg.instance)
         except RouterError as exc:
             error = exc if isinstance(exc, UpstreamError) else cut.error
@@ -180,30 +187,58 @@ class Migration:
             return None
         return next_cut
 
-    def _may_continue(self, avoid: set[Instance], fresh: bool) -> bool:
-        return (
-            self.count < self._config.max_attempts
-            and (fresh or self._progress.resumable)
-            and self._pool.has_alternative(Role.DECODE.value, frozenset(avoid))
-        )
+    def _where(self, avoid: set[Instance], fresh: bool) -> str | None:
+        """Where the request may continue: ``_RULES`` (by the model's rules: a D it has not
+        failed on is in rotation), ``_PREFILL`` (a P alone: no such D, a disaggregated
+        model, ``prefill_alone`` on and a P it has not run on in rotation), None (nowhere)."""
+        if self.count >= self._config.max_attempts or not (fresh or self._progress.resumable):
+            return None
+        pool, avoided = self._pool, frozenset(avoid)
+        if pool.has_alternative(Role.DECODE.value, avoided):
+            return _RULES
+        alone = self._config.prefill_alone and pool.mode.uses_prefill
+        if alone and pool.has_alternative(Role.PREFILL.value, avoided):
+            return _PREFILL
+        return None
 
-    async def _relay(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+    async def _relay(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
+    ) -> Cut | None:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
-        or a cut (returned; nothing of the cut event was sent)."""
+        or a cut (returned; nothing of the cut event was sent). ``avoid``: the engines this
+        request failed on before (where it could not continue if D were ejected now)."""
         with self._tracing.span("stream"):
-            cut = await self._relay_leg(d, send, hooks)
+            cut = await self._relay_leg(d, send, hooks, avoid)
             self._tracing.set(pdrouter__chunks=d.leg.chunks)
             if cut is not None:
                 self._tracing.set(pdrouter__cut=cut.cause)
             return cut
 
-    async def _relay_leg(self, d: Dispatch, send: Send, hooks: RelayHooks) -> Cut | None:
+    async def _relay_leg(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
+    ) -> Cut | None:
+        leg = d.leg
+        watch = _StallWatch(leg, self._config.stall_timeout, asyncio.get_running_loop())
+
+        def ejected() -> None:
+            # D left rotation ejected: move on now if the request can go elsewhere; with
+            # nowhere to go, D's stream is still the client's best chance.
+            if self._where(avoid | {leg.instance}, not self._progress.identity) is not None:
+                watch.eject()
+
+        with leg.instance.leaving(ejected):
+            if leg.instance.ejected:  # while its first bytes came
+                ejected()
+            return await self._read_leg(d, send, hooks, watch)
+
+    async def _read_leg(
+        self, d: Dispatch, send: Send, hooks: RelayHooks, watch: _StallWatch
+    ) -> Cut | None:
         # The reads are inlined, not a generator, and the stall is watched by one timer per
         # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
         leg, events, rest = d.leg, _Events(), d.leg.rest
         assert rest is not None
         loop = asyncio.get_running_loop()
-        watch = _StallWatch(leg, self._config.stall_timeout, loop)
         count, worst = 1, 0.0
         data: bytes | None = leg.first
         try:
@@ -229,7 +264,7 @@ class Migration:
                 worst = gap if gap > worst else worst
                 data = None if raw is None else leg.scrubbed(raw)
         except UpstreamError as exc:
-            if watch.fired:
+            if watch.fired or watch.ejected:
                 return self._ended_early(leg, watch, count, worst)
             stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
             leg.read_ended(count, worst, exc.fault)
@@ -239,11 +274,21 @@ class Migration:
             hooks.stream_stats(d)
 
     def _ended_early(self, leg: DecodeLeg, watch: _StallWatch, count: int, worst: float) -> Cut:
-        """D's stream ended before ``[DONE]``: closed by D, or by the stall watch."""
+        """D's stream ended before ``[DONE]``: closed by D, by the stall watch, or by the
+        router because D was ejected (which says nothing more about D)."""
+        inst = leg.instance
+        if watch.ejected:
+            leg.read_ended(count, worst, Fault.NONE)
+            message = f"{inst.role} engine left rotation ({inst.why_out()}) mid-stream"
+            role = str(inst.role)
+            code = f"{role}_ejected"
+            error = UpstreamError(
+                message, role=role, instance=inst.url, code=code, fault=Fault.NONE
+            )
+            return Cut("ejected", error, Fault.NONE)
         leg.read_ended(count, worst, Fault.ENGINE)
         if not watch.fired:
             return self._cut("disconnect", leg, Fault.ENGINE)
-        inst = leg.instance
         error = UpstreamTimeout(
             f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
             role=str(inst.role),
@@ -358,13 +403,19 @@ class _StallWatch:
     waiting for D and None once a read returns (a slow client's time is not D's). One timer
     per stream, re-armed only when it fires."""
 
-    __slots__ = ("_handle", "_leg", "_loop", "fired", "seconds", "since")
+    __slots__ = ("_handle", "_leg", "_loop", "ejected", "fired", "seconds", "since")
 
     def __init__(self, leg: DecodeLeg, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
         self._leg, self._loop, self.seconds = leg, loop, seconds
         self.since: float | None = None
         self.fired = False
+        self.ejected = False  # closed because D was ejected (Instance.leaving)
         self._handle = loop.call_later(seconds, self._check)
+
+    def eject(self) -> None:
+        if not (self.fired or self.ejected):
+            self.ejected = True
+            self._leg.stream.close()
 
     def _check(self) -> None:
         now, since = self._loop.time(), self.since

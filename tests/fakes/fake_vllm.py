@@ -553,6 +553,8 @@ class FakeEngine:
             if faulty and await self._cut(send, b, i):
                 return
             await _chunk(send, events.token(i, token))
+            if b.token_delay:
+                await asyncio.sleep(b.token_delay)
         if faulty and await self._cut(send, b, len(reply)):  # its last token sent
             return
         if (rec.body.get("stream_options") or {}).get("include_usage"):

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.access_log import ACCESS_LOGGER
 from router.engines.breaker import BreakerState
+from router.errors import Fault
 from tests.conftest import Cluster, client_leaves, eventually, metric, stream_error
 from tests.fakes.fake_vllm import FakeEngine, Shot, deterministic_reply, prompt_ids
 
@@ -313,7 +314,12 @@ async def test_one_engine_left_means_no_migration(
     # Every cause's series exists at 0 before the first migration (rates have data).
     families = text_string_to_metric_families(ctx.metrics.render().decode())
     samples = [x for f in families for x in f.samples if x.name == "pdrouter_migrations_total"]
-    assert sorted(x.labels["cause"] for x in samples) == ["disconnect", "error_event", "stall"]
+    assert sorted(x.labels["cause"] for x in samples) == [
+        "disconnect",
+        "ejected",
+        "error_event",
+        "stall",
+    ]
 
 
 async def test_no_migration_once_the_client_left(
@@ -409,3 +415,110 @@ async def test_non_streamed_answers_are_the_engines_own_unless_asked(
     r = await client.post(url + "/v1/completions", json={**COMPLETION, "stream": False})
     assert r.json()["choices"][0]["text"] == reference(COMPLETION)
     assert all(not rec.body.get("stream") for d in cluster2.decode for rec in d.received)
+
+
+@pytest.mark.parametrize("fault", ["drop", "stall"])
+@pytest.mark.parametrize("mode", ["pull", "pipelined"])
+async def test_the_only_d_failed_continues_on_p_alone(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, mode: str, fault: str
+) -> None:
+    """1P1D, the only D cut: no D is left that has not failed, so P serves the continuation
+    alone (``prefill_alone``), the answer the uninterrupted one; P's leg of the first dispatch
+    and its whole continuation are both P's, and no slot is held after."""
+    for engine in cluster.engines:
+        engine.behaviour.deterministic = True
+    url, ctx = await router(cluster, mode)
+    arm(cluster, fault, stall)
+    docs = events((await client.post(url + "/v1/completions", json=COMPLETION)).text)
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    check_one_answer(docs, False)
+    cause = "stall" if fault == "stall" else CAUSES[fault]
+    assert metric(ctx, "pdrouter_migrations_total", mode=mode, cause=cause) == 1
+    assert metric(ctx, "pdrouter_disagg_decisions_total", decision="prefill_alone") == 1
+    (p,) = cluster.prefill
+    alone = [r.body for r in p.received if _continued(r.body)]
+    assert len(alone) == 1 and alone[0]["max_tokens"] == N - K
+    assert "kv_transfer_params" not in alone[0]
+    assert not [r for r in cluster.decode[0].received if _continued(r.body)]
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_prefill_alone_off_means_no_migration_without_another_d(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    for engine in cluster.engines:
+        engine.behaviour.deterministic = True
+    url, ctx = await router(cluster, "pull", migration={"prefill_alone": False})
+    arm(cluster, "drop", stall)
+    r = await client.post(url + "/v1/completions", json=COMPLETION)
+    assert stream_error(r.text)["code"] == "decode_unreachable"
+    assert metric(ctx, "pdrouter_migrations_total") == 0
+    assert not [r for r in cluster.prefill[0].received if _continued(r.body)]
+
+
+def _eject(ctx: Any, url: str, how: str) -> None:
+    """What the breaker does on a refused connection, or the health monitor on failed checks."""
+    (inst,) = (i for i in ctx.registry.instances() if i.url == url)
+    if how == "breaker":
+        inst.breaker.record(Fault.REFUSED)
+    else:
+        inst.healthy = False
+
+
+async def _eject_after_k(
+    client: httpx.AsyncClient, url: str, ctx: Any, cluster: Cluster, how: str
+) -> str:
+    """The stream, its D ejected once the client has read ``K`` tokens (D stalled there)."""
+    text, ejected = "", False
+    async with client.stream("POST", url + "/v1/completions", json=COMPLETION) as r:
+        async for event in r.aiter_text():
+            text += event
+            if not ejected and text.count('"text"') >= K:  # D holds its next token
+                (n,) = (i for i, d in enumerate(cluster.decode) if d.stalled.is_set())
+                _eject(ctx, cluster.decode_urls[n], how)
+                ejected = True
+    return text
+
+
+@pytest.mark.parametrize("how", ["breaker", "health"])
+async def test_an_ejected_d_mid_stream_is_a_cut(
+    cluster2: Cluster, client: httpx.AsyncClient, stall: asyncio.Event, how: str
+) -> None:
+    """D still streams (here: holds its next token, far from the stall timeout) when it is
+    ejected: its stream is cut at once and continued on the other D, token for token."""
+    deterministic(cluster2)
+    url, ctx = await router(cluster2, "pull", migration={"stall_timeout": 60})
+    arm(cluster2, "stall", stall)
+    docs = events(await _eject_after_k(client, url, ctx, cluster2, how))
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    check_one_answer(docs, False)
+    assert metric(ctx, "pdrouter_migrations_total", cause="ejected") == 1
+    assert metric(ctx, "pdrouter_migrations_total") == 1
+    d, _ = continuation_of(cluster2)
+    assert not d.stalled.is_set()
+    await eventually(lambda: all(d.active == 0 for d in cluster2.decode))
+    await eventually(lambda: ctx.registry.slots_in_use() == 0)
+
+
+async def test_an_ejected_d_with_nowhere_to_go_keeps_its_stream(
+    cluster: Cluster, client: httpx.AsyncClient, stall: asyncio.Event
+) -> None:
+    """The only engine ejected mid-stream: cutting it could only fail the answer, so its
+    stream goes on and ends whole."""
+    deterministic(cluster)
+    url, ctx = await router(cluster, "aggregated", migration={"stall_timeout": 60})
+    arm(cluster, "stall", stall)
+
+    async def eject_then_go_on() -> str:
+        async with client.stream("POST", url + "/v1/completions", json=COMPLETION) as r:
+            text = ""
+            async for event in r.aiter_text():
+                text += event
+                if not stall.is_set() and text.count('"text"') >= K:
+                    _eject(ctx, cluster.decode_urls[0], "breaker")
+                    stall.set()
+            return text
+
+    docs = events(await eject_then_go_on())
+    assert "".join(map(content, docs)) == reference(COMPLETION)
+    assert metric(ctx, "pdrouter_migrations_total") == 0
