@@ -34,11 +34,14 @@ from router.config import TimeoutConfig
 from router.errors import Fault, UpstreamError, UpstreamTimeout
 from router.http1 import ConnectError, Http1Pool, Http1Timeout, Origin, ReadTimeout, split_url
 
-__all__ = ["Answer", "Engine", "UpstreamClient", "UpstreamStream"]
+__all__ = ["DP_RANK_HEADER", "Answer", "Engine", "UpstreamClient", "UpstreamStream"]
 
 # Below vLLM's (uvicorn's) 5 s keep-alive timeout: the router drops an idle
 # connection before the engine would close it under a request being written.
 KEEPALIVE_EXPIRY_S = 4.0
+
+# vLLM's API server runs a request on this data-parallel rank (generate/base/serving.py).
+DP_RANK_HEADER = "x-data-parallel-rank"
 
 
 class Engine(Protocol):
@@ -46,6 +49,16 @@ class Engine(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def rank(self) -> int | None:
+        """The data-parallel rank every POST pins (``X-data-parallel-rank``); None: none."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """The engine's name in errors (its URL, or the URL and its rank)."""
+        ...
 
     @property
     def role(self) -> str: ...
@@ -128,14 +141,14 @@ def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
         return UpstreamTimeout(
             f"{role} engine stopped answering health checks",
             role=role,
-            instance=engine.url,
+            instance=engine.key,
             code=f"{role}_unhealthy",
         )
     message = f"{role} engine did not answer in time"
     return UpstreamTimeout(
         message if code is None else f"{message} ({code})",
         role=role,
-        instance=engine.url,
+        instance=engine.key,
         code=f"{role}_timeout" if code is None else code,
     )
 
@@ -237,7 +250,7 @@ class UpstreamClient:
         self._pool = Http1Pool(timeouts.connect, KEEPALIVE_EXPIRY_S)
         # Per engine URL: its origin and the request head up to the per-request
         # headers, built once (URL parsing was a visible per-request cost).
-        self._posts: dict[str, tuple[Origin, bytes]] = {}
+        self._posts: dict[tuple[str, int | None], tuple[Origin, bytes]] = {}
         # An injected transport (tests, benchmarks) goes through httpx instead.
         self._transport = transport
         self._timeout = httpx.Timeout(timeouts.idle, connect=timeouts.connect)
@@ -249,15 +262,17 @@ class UpstreamClient:
     def _new_httpx(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(transport=self._transport, timeout=self._timeout)
 
-    def _post_head(self, url: str) -> tuple[Origin, bytes]:
-        known = self._posts.get(url)
+    def _post_head(self, url: str, rank: int | None) -> tuple[Origin, bytes]:
+        known = self._posts.get((url, rank))
         if known is None:
             origin, target = split_url(url)
             head = (
                 f"POST {target} HTTP/1.1\r\nhost: {origin.netloc}\r\n"
                 f"content-type: application/json\r\n{self._auth}"
             )
-            known = self._posts[url] = (origin, head.encode("latin-1"))
+            if rank is not None:
+                head += f"{DP_RANK_HEADER}: {rank}\r\n"
+            known = self._posts[(url, rank)] = (origin, head.encode("latin-1"))
         return known
 
     def within(
@@ -287,14 +302,14 @@ class UpstreamClient:
         url = engine.url + path
         if self._httpx is not None:
             return await self._open_httpx(engine, url, content, request_id, timeout, traceparent)
-        origin, head = self._post_head(url)
+        origin, head = self._post_head(url, engine.rank)
         if traceparent is not None:
             head += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
         head += b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
             request_id.encode("latin-1"),
             len(content),
         )
-        errors = functools.partial(_translate, str(engine.role), engine.url)
+        errors = functools.partial(_translate, str(engine.role), engine.key)
         return await self._pool.request(origin, head, content, timeout, errors)
 
     async def call(
@@ -326,6 +341,8 @@ class UpstreamClient:
         headers = {"content-type": "application/json", "x-request-id": request_id}
         if traceparent is not None:
             headers["traceparent"] = traceparent
+        if engine.rank is not None:
+            headers[DP_RANK_HEADER] = str(engine.rank)
         if self._key:
             headers["authorization"] = f"Bearer {self._key}"
         request = self._httpx.build_request(
@@ -335,8 +352,8 @@ class UpstreamClient:
         try:
             response = await self._httpx.send(request, stream=True)
         except (httpx.TransportError, httpx.StreamError) as exc:
-            raise _translate(role, engine.url, exc) from exc
-        return _HttpxStream(response, role, engine.url, self._spawn_close)
+            raise _translate(role, engine.key, exc) from exc
+        return _HttpxStream(response, role, engine.key, self._spawn_close)
 
     def _spawn_close(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -351,11 +368,11 @@ class UpstreamClient:
             try:
                 answer = await self._httpx.get(url, timeout=timeout)
             except (httpx.TransportError, httpx.StreamError) as exc:
-                raise _translate(role, engine.url, exc) from exc
+                raise _translate(role, engine.key, exc) from exc
             return answer.status_code, answer.content
         origin, target = split_url(url)
         head = f"GET {target} HTTP/1.1\r\nhost: {origin.netloc}\r\n{self._auth}\r\n"
-        errors = functools.partial(_translate, role, engine.url)
+        errors = functools.partial(_translate, role, engine.key)
         try:
             async with asyncio.timeout(timeout):
                 response = await self._pool.request(

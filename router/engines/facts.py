@@ -131,7 +131,7 @@ class FactsReader:
             log.info(
                 "event=engine_adapters role=%s engine=%s adapters=%s",
                 inst.role,
-                inst.url,
+                inst.key,
                 ",".join(sorted(adapters)) or "-",
             )
 
@@ -152,7 +152,7 @@ class FactsReader:
             log.info(
                 "event=engine_facts role=%s engine=%s vllm_version=%s block_size=%s",
                 inst.role,
-                inst.url,
+                inst.key,
                 after.version,
                 after.block_size,
             )
