@@ -53,7 +53,8 @@ def parse_engine_load(text: str, rank: int | None = None) -> EngineLoad | None:
             field = _WANTED.get(family.name)
             if field is None:
                 continue
-            found[field] = sum(
+            # Added up: a page may list a family in several runs (one per rank).
+            found[field] = found.get(field, 0.0) + sum(
                 s.value
                 for s in family.samples
                 if s.name == family.name and (engine is None or s.labels.get("engine") == engine)
