@@ -557,14 +557,27 @@ class ModelConfig(_Strict):
                     f"{role} {inst.base_url}: kv_port {inst.kv_port} leaves no side-channel "
                     f"port for data-parallel rank {last} (the port plus {last * step})"
                 )
-            if self.kv_events.enabled and inst.kv_events_endpoint is None:
-                top = max(self.kv_events.port, self.kv_events.replay_port or 0)
-                if top + last > 65535:
-                    raise ValueError(
-                        f"{role} {inst.base_url}: kv_events port {top} leaves no port for "
-                        f"data-parallel rank {last} (each rank publishes on the port plus "
-                        "its rank)"
-                    )
+            self._check_events_ports(f"{role} {inst.base_url}", inst, last)
+
+    def _check_events_ports(
+        self, name: str, inst: PrefillInstanceConfig | DecodeInstanceConfig, last: int
+    ) -> None:
+        """The model's KV-events ports, offset by each rank up to ``last``: distinct, in range."""
+        ev = self.kv_events
+        if not ev.enabled or inst.kv_events_endpoint is not None:
+            return
+        if ev.replay_port is not None and abs(ev.port - ev.replay_port) <= last:
+            raise ValueError(
+                f"{name}: kv_events port {ev.port} and replay_port {ev.replay_port} must be "
+                f"at least data_parallel_size ({inst.data_parallel_size}) apart: each rank "
+                "binds both plus its rank"
+            )
+        top = max(ev.port, ev.replay_port or 0)
+        if top + last > 65535:
+            raise ValueError(
+                f"{name}: kv_events port {top} leaves no port for data-parallel rank {last} "
+                "(each rank publishes on the port plus its rank)"
+            )
 
     def _check_context(self) -> None:
         """Thresholds in tokens that a prompt must reach, against the context it must fit."""

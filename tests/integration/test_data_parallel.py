@@ -228,6 +228,11 @@ async def test_the_fake_answers_like_vllm_s_api_server(dp: DP, client: httpx.Asy
             "pull",
             "must be tcp:// with data_parallel_size above 1",
         ),
+        (
+            {"data_parallel_size": 2},
+            "pull",
+            "must be at least data_parallel_size (2) apart",
+        ),
     ],
 )
 def test_bad_data_parallel_entries_are_refused(
@@ -240,6 +245,7 @@ def test_bad_data_parallel_entries_are_refused(
             {
                 "name": "tiny",
                 "mode": mode,
+                "kv_events": {"enabled": True},
                 "prefill": [{"url": "http://p:8000", **entry}],
                 "decode": [{"url": "http://d:8000"}],
             }

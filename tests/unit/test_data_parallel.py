@@ -86,14 +86,14 @@ def test_each_rank_follows_its_own_kv_events_ports() -> None:
         "pull",
         {"data_parallel_size": 2},
         {"data_parallel_size": 2, "kv_events_endpoint": "tcp://d:6000"},
-        kv_events={"enabled": True, "port": 5557, "replay_port": 5558},
+        kv_events={"enabled": True, "port": 5557, "replay_port": 5567},
     )
     got = {k: (s.endpoint, s.replay) for k, s in sources(cfg.models[0]).items()}
     assert got == {
-        "http://p:8000#dp0": ("tcp://p:5557", "tcp://p:5558"),
-        "http://p:8000#dp1": ("tcp://p:5558", "tcp://p:5559"),
-        "http://d:8000#dp0": ("tcp://d:6000", "tcp://d:5558"),
-        "http://d:8000#dp1": ("tcp://d:6001", "tcp://d:5559"),
+        "http://p:8000#dp0": ("tcp://p:5557", "tcp://p:5567"),
+        "http://p:8000#dp1": ("tcp://p:5558", "tcp://p:5568"),
+        "http://d:8000#dp0": ("tcp://d:6000", "tcp://d:5567"),
+        "http://d:8000#dp1": ("tcp://d:6001", "tcp://d:5568"),
     }
     assert rank_endpoint("tcp://*:0", 3) == "tcp://*:0"
     assert rank_endpoint("inproc://cache", 1) == "inproc://cache_dp1"
