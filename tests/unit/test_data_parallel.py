@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 
 from router.config import RouterConfig, engine_key, parse_config, split_engine_key
+from router.engines.breaker import Breaker
+from router.engines.facts import parse_engine_ranks, rank_mismatch
 from router.engines.health import parse_engine_load
+from router.engines.instance import Instance, Role
 from router.kvindex.index import rank_endpoint, sources
 from router.registry import Registry
 
@@ -113,3 +116,19 @@ def test_a_rank_s_load_is_its_own_series_of_the_engine_s_metrics() -> None:
     assert whole is not None and (whole.running, whole.waiting) == (4, 1)
     missing = parse_engine_load(page, 2)
     assert missing is not None and missing.running == 0
+
+
+def test_a_declared_size_the_engine_contradicts_is_named() -> None:
+    """The size is declared; the engine's own ``engine`` labels only tell the operator."""
+    page = "".join(f'vllm:num_requests_running{{engine="{r}"}} 0\n' for r in (0, 1))
+    ranks = parse_engine_ranks(page)
+    assert ranks == {"0", "1"}
+
+    def inst(rank: int | None) -> Instance:
+        return Instance("http://h:1", Role.DECODE, "m", Breaker(5, 10.0), rank=rank)
+
+    assert rank_mismatch(inst(1), ranks) is None
+    assert rank_mismatch(inst(2), ranks) == "it reports no rank 2 (ranks 0,1)"
+    assert "declare data_parallel_size" in str(rank_mismatch(inst(None), ranks))
+    assert rank_mismatch(inst(None), {"0"}) is None
+    assert rank_mismatch(inst(None), parse_engine_ranks("vllm:num_requests_running 0\n")) is None
