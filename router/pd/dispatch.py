@@ -24,7 +24,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from router.client_request import ClientRequest
-from router.config import RetryConfig, TracingConfig
+from router.config import RetryConfig, TracingConfig, split_engine_key
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
@@ -33,6 +33,7 @@ from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Deadline, Reservation
 from router.errors import (
     DeadlineExceeded,
+    Fault,
     NoCapacity,
     NoHealthyEngine,
     QueueFull,
@@ -139,7 +140,7 @@ class Dispatcher:
                     return await self._attempt(pool, creq, decision, route, avoid)
             except UpstreamError as exc:
                 self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
-                avoid = avoid | {i for i in _all(pool) if i.key == exc.instance}
+                avoid = avoid | _failed(pool, exc)
                 retry = (
                     exc.retryable and attempt < attempts and pool.has_alternative(exc.role, avoid)
                 )
@@ -682,6 +683,13 @@ async def _client_left(
         return
     await discard_decode(d_task)
     await cancel_task(p_task)
+
+
+def _failed(pool: ModelPool, exc: UpstreamError) -> set[Instance]:
+    """The engines a retry avoids after ``exc``: the one that failed; where nothing listened
+    at its URL, every data-parallel rank behind that URL too (one API server serves them all)."""
+    url = split_engine_key(exc.instance)[0] if exc.fault is Fault.REFUSED else None
+    return {i for i in _all(pool) if i.key == exc.instance or i.url == url}
 
 
 def _all(pool: ModelPool) -> list[Instance]:

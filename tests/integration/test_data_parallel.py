@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from router.app import create_app
 from router.config import parse_config
 from tests.conftest import Cluster, assert_nothing_leaked, eventually, metric
 from tests.fakes.fake_dp import FakeDPEngine
@@ -254,3 +256,24 @@ def test_bad_data_parallel_entries_are_refused(
     with pytest.raises(ConfigError) as err:
         parse_config(cfg)
     assert message in str(err.value)
+
+
+async def test_a_retry_skips_every_rank_of_a_url_nothing_listens_on(
+    dp: DP, client: httpx.AsyncClient
+) -> None:
+    """A refused connection says the API server is gone, and with it all its ranks: no retry
+    is spent on the next rank behind the same dead URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cfg = dp.cluster.config("pull", retries={"max_attempts": 3})
+    cfg["models"][0]["prefill"] = [{"url": dead, "data_parallel_size": 2}]
+    app = create_app(parse_config(cfg), health_checks=False)
+    url = await dp.cluster.stack.enter_async_context(serve(app))
+    ctx = app.state.ctx
+    dp.cluster.routers.append(ctx)
+    r = await client.post(url + "/v1/completions", json={**STREAM, "stream": False})
+    assert r.status_code == 502, r.text
+    assert metric(ctx, "pdrouter_retries_total") == 0
+    assert metric(ctx, "pdrouter_upstream_errors_total") == 1
+    assert all(not f.received for f in dp.d.ranks)
