@@ -164,7 +164,7 @@ class KeptTurns:
     async def _check(
         self, pool: ModelPool, creq: ClientRequest, p: Instance, kept: KeptTurn
     ) -> tuple[KeptTurnResult, dict[str, Any] | None]:
-        d = next((i for i in pool.decode if i.key == kept.decode_url), None)
+        d = next((i for i in pool.decode if i.key == kept.decode_key), None)
         if d is None or d.healthy is False:
             return KeptTurnResult.UNAVAILABLE, None
         prompt_ids = await self._prompt_ids(p, creq)
