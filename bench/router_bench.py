@@ -194,8 +194,15 @@ def _router_config(
     otlp: str | None = None,
     access_log: bool = False,
     lora: bool = False,
+    dp: int = 1,
 ) -> str:
-    prefill = f'[{{url: "{p_url}", engine_id: "fake-p", kv_host: 127.0.0.1, kv_port: 12000}}]'
+    """``dp``: P and D declared as ``--data-parallel-size dp`` engines (each rank routed as an
+    engine of its own, every leg pinned by its header; the fake engines ignore it), the decode
+    slots split between the ranks."""
+    sized = f", data_parallel_size: {dp}" if dp > 1 else ""
+    prefill = (
+        f'[{{url: "{p_url}", engine_id: "fake-p", kv_host: 127.0.0.1, kv_port: 12000{sized}}}]'
+    )
     tracing = f'tracing: {{endpoint: "{otlp}"}}\n' if otlp else ""
     tracing += "logging: {access: true}\n" if access_log else ""
     return (
@@ -205,7 +212,7 @@ def _router_config(
         f"  - name: fake\n    mode: {mode}\n"
         + ("    lora: {enabled: true}\n" if lora else "")
         + f"    prefill: {prefill}\n"
-        f'    decode: [{{url: "{d_url}", slots: 16384}}]\n'
+        f'    decode: [{{url: "{d_url}", slots: {16384 // dp}{sized}}}]\n'
         "admission: {queue_size: 16384}\n" + tracing
     )
 
@@ -233,11 +240,11 @@ def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
     suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
     into the target's log file), ``+httpx`` (engine calls through httpx instead of the
-    router's HTTP/1.1 client: ``bench/httpx_router.py``) or ``+lora`` (LoRA routing on, every
-    request naming the adapter both fake engines list: :data:`ADAPTER`) is not part of the
-    mode."""
-    spec = spec.removesuffix("+lora")
-    spec = spec.removesuffix("+traced").removesuffix("+logged").removesuffix("+httpx")
+    router's HTTP/1.1 client: ``bench/httpx_router.py``), ``+lora`` (LoRA routing on, every
+    request naming the adapter both fake engines list: :data:`ADAPTER`) or ``+dp`` (P and D
+    declared data-parallel, size 2: :func:`_router_config`) is not part of the mode."""
+    for suffix in ("+lora", "+dp", "+traced", "+logged", "+httpx"):
+        spec = spec.replace(suffix, "")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
 
@@ -261,9 +268,10 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
                 sink = sink or _otlp_sink(args.port_base + 9)
                 otlp = sink
             logged = name.endswith("+logged")
-            lora = name.endswith("+lora")
+            lora = "+lora" in name
+            dp = 2 if "+dp" in name else 1
             cfg.write_text(
-                _router_config(mode, port, p_url, d_url, args.log_level, otlp, logged, lora)
+                _router_config(mode, port, p_url, d_url, args.log_level, otlp, logged, lora, dp)
             )
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if spec.endswith("+httpx"):
@@ -360,7 +368,7 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
         "--prompt-chars",
         str(args.prompt_chars),
     ]
-    if target.name.endswith("+lora"):
+    if "+lora" in target.name:
         lg += ["--model", ADAPTER]
     if args.client_cpus:
         lg = ["taskset", "-c", args.client_cpus, *lg]

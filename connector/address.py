@@ -45,6 +45,20 @@ class NixlAddress:
             engine_id, host, port, _size(params.get("tp_size")), _size(params.get("pp_size"))
         )
 
+    def of_rank(self, rank: int, port_step: int = 1) -> NixlAddress:
+        """Data-parallel rank ``rank`` of the engine this address names as ``vllm serve`` was
+        given it (its ``engine_id`` and side-channel port): vLLM names the rank
+        ``<engine_id>_dp<rank>`` and offsets its side-channel port by ``rank x port_step``
+        (vLLM's NIXL connectors: 1; this project's connector: the rank's TP x PP workers,
+        ``metadata.engine_address``)."""
+        return NixlAddress(
+            f"{self.engine_id}_dp{rank}",
+            self.host,
+            self.port + rank * port_step,
+            self.tp_size,
+            self.pp_size,
+        )
+
     def as_params(self, *, with_layout: bool = False) -> dict[str, Any]:
         """The ``remote_*`` fields naming this engine (and its layout, for vLLM's push)."""
         out: dict[str, Any] = {

@@ -26,11 +26,21 @@ from typing import Protocol
 from router.errors import Fault, UpstreamError, UpstreamTimeout
 from router.http1 import ConnectError, Http1Pool, Http1Timeout, Origin, ReadTimeout, split_url
 
-__all__ = ["Carrier", "Engine", "Http1Carrier", "UpstreamStream", "transport_error"]
+__all__ = [
+    "DP_RANK_HEADER",
+    "Carrier",
+    "Engine",
+    "Http1Carrier",
+    "UpstreamStream",
+    "transport_error",
+]
 
 # Below vLLM's (uvicorn's) 5 s keep-alive timeout: the router drops an idle
 # connection before the engine would close it under a request being written.
 KEEPALIVE_EXPIRY_S = 4.0
+
+# vLLM's API server runs a request on this data-parallel rank (generate/base/serving.py).
+DP_RANK_HEADER = "x-data-parallel-rank"
 
 
 class Engine(Protocol):
@@ -38,6 +48,16 @@ class Engine(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def rank(self) -> int | None:
+        """The data-parallel rank every POST pins (``X-data-parallel-rank``); None: none."""
+        ...
+
+    @property
+    def key(self) -> str:
+        """The engine's name in errors (its URL, or the URL and its rank)."""
+        ...
 
     @property
     def role(self) -> str: ...
@@ -151,17 +171,19 @@ class Http1Carrier:
     def __init__(self, connect_timeout: float, upstream_key: str | None = None) -> None:
         self._auth = f"authorization: Bearer {upstream_key}\r\n" if upstream_key else ""
         self._pool = Http1Pool(connect_timeout, KEEPALIVE_EXPIRY_S)
-        self._posts: dict[str, tuple[Origin, bytes]] = {}
+        self._posts: dict[tuple[str, int | None], tuple[Origin, bytes]] = {}
 
-    def _post_head(self, url: str) -> tuple[Origin, bytes]:
-        known = self._posts.get(url)
+    def _post_head(self, url: str, rank: int | None) -> tuple[Origin, bytes]:
+        known = self._posts.get((url, rank))
         if known is None:
             origin, target = split_url(url)
             head = (
                 f"POST {target} HTTP/1.1\r\nhost: {origin.netloc}\r\n"
                 f"content-type: application/json\r\n{self._auth}"
             )
-            known = self._posts[url] = (origin, head.encode("latin-1"))
+            if rank is not None:
+                head += f"{DP_RANK_HEADER}: {rank}\r\n"
+            known = self._posts[(url, rank)] = (origin, head.encode("latin-1"))
         return known
 
     async def post(
@@ -173,20 +195,20 @@ class Http1Carrier:
         timeout: float,
         traceparent: str | None,
     ) -> UpstreamStream:
-        origin, head = self._post_head(url)
+        origin, head = self._post_head(url, engine.rank)
         if traceparent is not None:
             head += b"traceparent: %s\r\n" % traceparent.encode("latin-1")
         head += b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (
             request_id.encode("latin-1"),
             len(content),
         )
-        errors = functools.partial(_translate, str(engine.role), engine.url)
+        errors = functools.partial(_translate, str(engine.role), engine.key)
         return await self._pool.request(origin, head, content, timeout, errors)
 
     async def get(self, engine: Engine, url: str, timeout: float) -> tuple[int, bytes]:
         origin, target = split_url(url)
         head = f"GET {target} HTTP/1.1\r\nhost: {origin.netloc}\r\n{self._auth}\r\n"
-        errors = functools.partial(_translate, str(engine.role), engine.url)
+        errors = functools.partial(_translate, str(engine.role), engine.key)
         try:
             async with asyncio.timeout(timeout):
                 response = await self._pool.request(

@@ -33,10 +33,15 @@ def _load_or_exit(path: str) -> RouterConfig:
 def _summary(cfg: RouterConfig) -> str:
     lines = [f"listen {cfg.listen.host}:{cfg.listen.port}"]
     for m in cfg.models:
-        slots = sum(d.slots for d in m.decode)
+        slots = sum(d.slots * d.data_parallel_size for d in m.decode)
+        p_ranks = sum(p.data_parallel_size for p in m.prefill)
+        d_ranks = sum(d.data_parallel_size for d in m.decode)
+        ranks = ""
+        if p_ranks > len(m.prefill) or d_ranks > len(m.decode):
+            ranks = f", data-parallel ranks: {p_ranks} prefill, {d_ranks} decode"
         lines.append(
             f"model {m.name!r}: mode {m.mode.value}, {len(m.prefill)} prefill, "
-            f"{len(m.decode)} decode ({slots} slots)"
+            f"{len(m.decode)} decode ({slots} slots){ranks}"
         )
     return "\n".join(lines)
 

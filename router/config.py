@@ -110,8 +110,32 @@ class ListenConfig(_Strict):
 _ZMQ_ENDPOINT = r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}|ipc://\S+)$"
 
 
+# The most data-parallel ranks one entry may declare: each rank is an instance of its own (and
+# a value of the bounded ``rank`` metrics label), so a typo like 80 for 8 is refused here.
+MAX_DATA_PARALLEL_SIZE = 64
+
+
+def engine_key(base_url: str, rank: int | None) -> str:
+    """The name of one routed engine: its URL, or with data parallelism one rank behind it
+    (``<url>#dp<rank>``). The router keys every per-engine table by it (slots, breakers,
+    sessions, the KV index, kept turns)."""
+    return base_url if rank is None else f"{base_url}#dp{rank}"
+
+
+def split_engine_key(key: str) -> tuple[str, str]:
+    """(URL, rank label) of an :func:`engine_key`: the rank as a string, "" without one."""
+    url, sep, rank = key.rpartition("#dp")
+    return (url, rank) if sep and rank.isdigit() else (key, "")
+
+
 class _InstanceConfig(_Strict):
     url: AnyHttpUrl
+    # The engine's ``--data-parallel-size``: one API server at ``url``, this many engine
+    # cores behind it, each routed as an engine of its own (its legs pinned by the
+    # ``X-data-parallel-rank`` header). Declared, not learned: vLLM reports it only on its
+    # dev-mode ``/server_info``, and the ledger must know a rank's slots before its first
+    # request (docs/deployment.md, "Data-parallel engines").
+    data_parallel_size: int = Field(default=1, ge=1, le=MAX_DATA_PARALLEL_SIZE)
     # vLLM's KV events of this engine (kv_events in the model): its publisher and replay
     # endpoints; None: the URL's host with the model's kv_events ports.
     kv_events_endpoint: str | None = None
@@ -135,9 +159,24 @@ class _InstanceConfig(_Strict):
     def base_url(self) -> str:
         return str(self.url).rstrip("/")
 
+    @property
+    def ranks(self) -> list[int | None]:
+        """The engines this entry routes to: None (the URL's one engine, legs sent without
+        a rank), or each data-parallel rank."""
+        if self.data_parallel_size == 1:
+            return [None]
+        return list(range(self.data_parallel_size))
+
+    @property
+    def keys(self) -> list[str]:
+        """:func:`engine_key` of each of :attr:`ranks`."""
+        return [engine_key(self.base_url, r) for r in self.ranks]
+
 
 class PrefillInstanceConfig(_InstanceConfig):
-    """A prefill engine. The NIXL identity is optional: learned from P's responses."""
+    """A prefill engine. The NIXL identity is optional: learned from P's responses. With
+    ``data_parallel_size`` above 1, ``engine_id`` and ``kv_port`` are the ones given to
+    ``vllm serve``: rank ``r`` is ``<engine_id>_dp<r>`` at a port offset by ``r``."""
 
     engine_id: str | None = None
     kv_host: str | None = None
@@ -147,12 +186,17 @@ class PrefillInstanceConfig(_InstanceConfig):
 
 
 class DecodeInstanceConfig(_InstanceConfig):
-    """A decode engine and the number of concurrent requests the router may place on it."""
+    """A decode engine and the number of concurrent requests the router may place on it
+    (on each of its data-parallel ranks, with ``data_parallel_size`` above 1)."""
 
     slots: int = Field(default=64, ge=1)
     engine_id: str | None = None  # pipelined mode: D's NIXL identity, sent to P
     kv_host: str | None = None
     kv_port: int | None = Field(default=None, ge=1, le=65535)
+    # Pipelined mode with data_parallel_size above 1: this project's connector offsets each
+    # rank's side-channel port by its TP x PP workers (connector/metadata.py).
+    tp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
 
 
 class PolicyConfig(_Strict):
@@ -482,12 +526,58 @@ class ModelConfig(_Strict):
                         f"{role} {inst.base_url}: mode 'pipelined' needs engine_id, kv_host "
                         "and kv_port"
                     )
+        self._check_data_parallel()
         urls = [i.base_url for i in (*self.prefill, *self.decode)]
         dup = {u for u in urls if urls.count(u) > 1}
         if dup:
             raise ValueError(f"instance URL listed twice: {sorted(dup)}")
         self._check_context()
         return self
+
+    def _check_data_parallel(self) -> None:
+        """Every rank's ports must fit: its KV-events ports and its side-channel port are the
+        engine's plus the rank (plus TP x PP workers per rank, this project's connector)."""
+        insts: list[PrefillInstanceConfig | DecodeInstanceConfig] = [*self.prefill, *self.decode]
+        for inst in insts:
+            last = inst.data_parallel_size - 1
+            if last == 0:
+                continue
+            role = "prefill" if isinstance(inst, PrefillInstanceConfig) else "decode"
+            for name in ("kv_events_endpoint", "kv_events_replay"):
+                endpoint = getattr(inst, name)
+                if endpoint is not None and not endpoint.startswith("tcp://"):
+                    raise ValueError(
+                        f"{role} {inst.base_url}: {name} must be tcp:// with "
+                        "data_parallel_size above 1 (vLLM offsets each rank's port; it "
+                        "refuses other transports)"
+                    )
+            step = inst.tp_size * inst.pp_size if self.mode is Mode.PIPELINED else 1
+            if inst.kv_port is not None and inst.kv_port + last * step > 65535:
+                raise ValueError(
+                    f"{role} {inst.base_url}: kv_port {inst.kv_port} leaves no side-channel "
+                    f"port for data-parallel rank {last} (the port plus {last * step})"
+                )
+            self._check_events_ports(f"{role} {inst.base_url}", inst, last)
+
+    def _check_events_ports(
+        self, name: str, inst: PrefillInstanceConfig | DecodeInstanceConfig, last: int
+    ) -> None:
+        """The model's KV-events ports, offset by each rank up to ``last``: distinct, in range."""
+        ev = self.kv_events
+        if not ev.enabled or inst.kv_events_endpoint is not None:
+            return
+        if ev.replay_port is not None and abs(ev.port - ev.replay_port) <= last:
+            raise ValueError(
+                f"{name}: kv_events port {ev.port} and replay_port {ev.replay_port} must be "
+                f"at least data_parallel_size ({inst.data_parallel_size}) apart: each rank "
+                "binds both plus its rank"
+            )
+        top = max(ev.port, ev.replay_port or 0)
+        if top + last > 65535:
+            raise ValueError(
+                f"{name}: kv_events port {top} leaves no port for data-parallel rank {last} "
+                "(each rank publishes on the port plus its rank)"
+            )
 
     def _check_context(self) -> None:
         """Thresholds in tokens that a prompt must reach, against the context it must fit."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from router.carrier import Engine, UpstreamStream, transport_error
+from router.carrier import DP_RANK_HEADER, Engine, UpstreamStream, transport_error
 from router.errors import UpstreamError
 
 __all__ = ["HttpxCarrier"]
@@ -102,6 +102,8 @@ class HttpxCarrier:
         headers = {"content-type": "application/json", "x-request-id": request_id}
         if traceparent is not None:
             headers["traceparent"] = traceparent
+        if engine.rank is not None:
+            headers[DP_RANK_HEADER] = str(engine.rank)
         if self._key:
             headers["authorization"] = f"Bearer {self._key}"
         request = self._client.build_request(
@@ -111,8 +113,8 @@ class HttpxCarrier:
         try:
             response = await self._client.send(request, stream=True)
         except _FAILURES as exc:
-            raise _translate(role, engine.url, exc) from exc
-        return _HttpxStream(response, role, engine.url, self._spawn_close)
+            raise _translate(role, engine.key, exc) from exc
+        return _HttpxStream(response, role, engine.key, self._spawn_close)
 
     def _spawn_close(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -123,7 +125,7 @@ class HttpxCarrier:
         try:
             answer = await self._client.get(url, timeout=timeout)
         except _FAILURES as exc:
-            raise _translate(str(engine.role), engine.url, exc) from exc
+            raise _translate(str(engine.role), engine.key, exc) from exc
         return answer.status_code, answer.content
 
     async def aclose(self) -> None:

@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from router.config import split_engine_key
 from router.demand import demands, desired_or_nan
 from router.engines.adapters import AdapterLabels
 from router.engines.affinity import Placement
@@ -158,10 +159,12 @@ class StateCollector(Collector):
             yield from self._slots()
             return
         slots = GaugeMetricFamily(
-            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine"]
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine", "rank"]
         )
         in_use = GaugeMetricFamily(
-            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "engine"]
+            "pdrouter_decode_slots_in_use",
+            "Decode slots reserved",
+            labels=["model", "engine", "rank"],
         )
         queue = GaugeMetricFamily(
             "pdrouter_queue_depth", "Requests waiting for a decode slot", labels=["model"]
@@ -169,22 +172,22 @@ class StateCollector(Collector):
         inflight = GaugeMetricFamily(
             "pdrouter_prefill_in_flight",
             "Prefill legs in flight, and requests P serves alone (adaptive)",
-            labels=["model", "engine"],
+            labels=["model", "engine", "rank"],
         )
         breaker = GaugeMetricFamily(
             "pdrouter_breaker_state",
             "Circuit breaker state (0 closed, 1 open, 2 half-open)",
-            labels=["model", "role", "engine"],
+            labels=["model", "role", "engine", "rank"],
         )
         healthy = GaugeMetricFamily(
             "pdrouter_engine_healthy",
             "Active health check result (1 healthy, 0 unhealthy, -1 unknown)",
-            labels=["model", "role", "engine"],
+            labels=["model", "role", "engine", "rank"],
         )
         degraded = GaugeMetricFamily(
             "pdrouter_engine_degraded",
             "1 while a decode engine holds leaked KV blocks and is out of rotation",
-            labels=["model", "engine"],
+            labels=["model", "engine", "rank"],
         )
         sessions = GaugeMetricFamily(
             "pdrouter_sessions", "Sessions in the affinity table", labels=["model"]
@@ -192,12 +195,12 @@ class StateCollector(Collector):
         info = GaugeMetricFamily(
             "pdrouter_engine_info",
             "What an engine runs, as read from it ('' until read); always 1",
-            labels=["model", "role", "engine", "vllm_version", "block_size"],
+            labels=["model", "role", "engine", "rank", "vllm_version", "block_size"],
         )
         unpaired = GaugeMetricFamily(
             "pdrouter_engine_unpaired",
             "1 while no engine of the other role can pair with this one (out of rotation)",
-            labels=["model", "role", "engine"],
+            labels=["model", "role", "engine", "rank"],
         )
         engines, desired = _demand_families()
         now = self._clock()
@@ -208,13 +211,13 @@ class StateCollector(Collector):
             queue.add_metric([pool.name], pool.ledger.queue_depth)
             sessions.add_metric([pool.name], len(pool.affinity))
             for d in pool.decode:
-                slots.add_metric([pool.name, d.url], d.slots)
-                in_use.add_metric([pool.name, d.url], d.in_use)
-                degraded.add_metric([pool.name, d.url], 1 if d.degraded else 0)
+                slots.add_metric([pool.name, d.url, d.rank_label], d.slots)
+                in_use.add_metric([pool.name, d.url, d.rank_label], d.in_use)
+                degraded.add_metric([pool.name, d.url, d.rank_label], 1 if d.degraded else 0)
             for p in pool.prefill:
-                inflight.add_metric([pool.name, p.url], p.load)
+                inflight.add_metric([pool.name, p.url, p.rank_label], p.load)
             for inst in (*pool.prefill, *pool.decode):
-                labels = [pool.name, inst.role.value, inst.url]
+                labels = [pool.name, inst.role.value, inst.url, inst.rank_label]
                 breaker.add_metric(labels, int(inst.breaker.state))
                 health = -1 if inst.healthy is None else int(inst.healthy)
                 healthy.add_metric(labels, health)
@@ -225,15 +228,17 @@ class StateCollector(Collector):
 
     def _slots(self) -> Iterator[Metric]:
         slots = GaugeMetricFamily(
-            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine"]
+            "pdrouter_decode_slots", "Decode slots offered", labels=["model", "engine", "rank"]
         )
         in_use = GaugeMetricFamily(
-            "pdrouter_decode_slots_in_use", "Decode slots reserved", labels=["model", "engine"]
+            "pdrouter_decode_slots_in_use",
+            "Decode slots reserved",
+            labels=["model", "engine", "rank"],
         )
         for pool in self._pools():
             for d in pool.decode:
-                slots.add_metric([pool.name, d.url], d.slots)
-                in_use.add_metric([pool.name, d.url], d.in_use)
+                slots.add_metric([pool.name, d.url, d.rank_label], d.slots)
+                in_use.add_metric([pool.name, d.url, d.rank_label], d.in_use)
         yield from (slots, in_use)
 
 
@@ -267,7 +272,7 @@ class KvIndexCollector(Collector):
         self._streams = streams
 
     def collect(self) -> Iterator[Metric]:
-        e = ["engine"]
+        e = ["engine", "rank"]
         known = GaugeMetricFamily(
             "pdrouter_kv_index_known",
             "1 while the index holds the engine's whole cache; 0: unknown, routed as without "
@@ -287,39 +292,40 @@ class KvIndexCollector(Collector):
         events = CounterMetricFamily(
             "pdrouter_kv_index_events",
             "KV events applied, in blocks (stored, removed) or events (cleared, unknown kinds)",
-            labels=["engine", "kind"],
+            labels=["engine", "rank", "kind"],
         )
         gaps = CounterMetricFamily(
             "pdrouter_kv_index_gaps",
             "Missing event sequence numbers: found, filled by a replay, or not (unfilled)",
-            labels=["engine", "result"],
+            labels=["engine", "rank", "result"],
         )
         counters = {
             attr: CounterMetricFamily(name, doc, labels=e) for attr, name, doc in self._COUNTERS
         }
         states = {"known": 0, "unknown": 0}
         for stream in self._streams():
-            index, stats, url = stream.index, stream.index.stats, stream.url
+            index, stats = stream.index, stream.index.stats
+            url = list(split_engine_key(stream.url))
             states["known" if index.known else "unknown"] += 1
-            known.add_metric([url], 1 if index.known else 0)
-            blocks.add_metric([url], index.blocks)
-            bound.add_metric([url], index.max_blocks)
-            seq.add_metric([url], stream.next_seq)
+            known.add_metric(url, 1 if index.known else 0)
+            blocks.add_metric(url, index.blocks)
+            bound.add_metric(url, index.max_blocks)
+            seq.add_metric(url, stream.next_seq)
             for kind, value in (
                 ("stored", stats.stored),
                 ("removed", stats.removed),
                 ("cleared", stats.cleared),
                 ("unknown", stats.unknown_events),
             ):
-                events.add_metric([url, kind], value)
+                events.add_metric([*url, kind], value)
             for result, value in (
                 ("found", stats.gaps),
                 ("filled", stats.gaps_filled),
                 ("unfilled", stats.gaps_unfilled),
             ):
-                gaps.add_metric([url, result], value)
+                gaps.add_metric([*url, result], value)
             for attr, family in counters.items():
-                family.add_metric([url], getattr(stats, attr))
+                family.add_metric(url, getattr(stats, attr))
         for state, count in states.items():
             engines.add_metric([state], count)
         yield from (known, engines, blocks, bound, seq, events, gaps, *counters.values())
@@ -329,7 +335,7 @@ class WorkerStateGauges:
     """One worker's own state as multiprocess gauges, merged over live workers."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        mi, mri = ["model", "engine"], ["model", "role", "engine"]
+        mi, mri = ["model", "engine", "rank"], ["model", "role", "engine", "rank"]
         self.queue = _Gauge(
             "pdrouter_queue_depth",
             "Requests waiting for a decode slot",
@@ -414,11 +420,11 @@ class WorkerStateGauges:
             self.queue.labels(pool.name).set(pool.ledger.queue_depth)
             self.sessions.labels(pool.name).set(len(pool.affinity))
             for d in pool.decode:
-                self.degraded.labels(pool.name, d.url).set(1 if d.degraded else 0)
+                self.degraded.labels(pool.name, d.url, d.rank_label).set(1 if d.degraded else 0)
             for p in pool.prefill:
-                self.prefill.labels(pool.name, p.url).set(p.load)
+                self.prefill.labels(pool.name, p.url, p.rank_label).set(p.load)
             for inst in (*pool.prefill, *pool.decode):
-                labels = (pool.name, inst.role.value, inst.url)
+                labels = (pool.name, inst.role.value, inst.url, inst.rank_label)
                 self.breaker.labels(*labels).set(int(inst.breaker.state))
                 self.healthy.labels(*labels).set(-1 if inst.healthy is None else int(inst.healthy))
                 self.info.labels(*labels, *_facts(inst)).set(1)
@@ -481,7 +487,7 @@ class Metrics:
         self.kv_params_missing = _Counter(
             "pdrouter_kv_params_missing",
             "Prefill responses without kv_transfer_params",
-            ["model", "engine"],
+            ["model", "engine", "rank"],
             registry=r,
         )
         self.disconnects = _Counter(
@@ -718,7 +724,7 @@ class Metrics:
                 cfg.kv_events.enabled,
                 cfg.adaptive.enabled,
             )
-            key = (pool.name, pool.mode.value, tuple(p.url for p in pool.prefill), flags)
+            key = (pool.name, pool.mode.value, tuple(p.key for p in pool.prefill), flags)
             if key in self._zeroed:
                 continue
             self._zeroed.add(key)
@@ -732,7 +738,7 @@ class Metrics:
             for cause in MIGRATION_CAUSES:
                 self.migrations.labels(pool.name, pool.mode.value, cause)
             for p in pool.prefill:
-                self.kv_params_missing.labels(pool.name, p.url)
+                self.kv_params_missing.labels(pool.name, p.url, p.rank_label)
 
     def _zero_turns(self, pool: ModelPool) -> None:
         """Session placements and kept turns, where the model has them on."""

@@ -84,6 +84,6 @@ class PassThrough:
         if status >= 500:
             role = inst.role.value
             raise UpstreamError(
-                f"{role} engine returned HTTP {status}", role=role, instance=inst.url
+                f"{role} engine returned HTTP {status}", role=role, instance=inst.key
             )
         return status, content, media_type

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from connector.address import NixlAddress
 from router.config import (
@@ -22,6 +22,7 @@ from router.config import (
     ModelConfig,
     PrefillInstanceConfig,
     RouterConfig,
+    engine_key,
 )
 from router.engines.adapters import Adapter
 from router.engines.affinity import Affinity, Placement
@@ -38,6 +39,8 @@ from router.errors import Fault
 from router.shared_slots import WorkerSlots
 
 __all__ = ["ModelPool", "PrefillLease", "Registry"]
+
+_C = TypeVar("_C", PrefillInstanceConfig, DecodeInstanceConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,19 +256,32 @@ def _why_unpaired(reasons: Sequence[str | None]) -> str | None:
 
 
 def _reconcile(
-    current: Sequence[Instance], wanted: Sequence[str], make: Callable[[str], Instance]
+    current: Sequence[Instance],
+    wanted: Sequence[tuple[str, int | None]],
+    make: Callable[[str, int | None], Instance],
 ) -> list[Instance]:
-    by_url = {i.url: i for i in current}
-    return [by_url.get(url) or make(url) for url in wanted]
+    by_key = {i.key: i for i in current}
+    return [by_key.get(engine_key(url, rank)) or make(url, rank) for url, rank in wanted]
 
 
-def _nixl(cfg: PrefillInstanceConfig | DecodeInstanceConfig) -> NixlAddress | None:
-    """The configured (or discovered) NIXL address, if the config names one."""
+def _ranks(configs: Sequence[_C]) -> list[tuple[_C, str, int | None]]:
+    """(config, URL, rank) of every engine the entries route to, a DP entry's ranks in order."""
+    return [(c, c.base_url, r) for c in configs for r in c.ranks]
+
+
+def _nixl(
+    cfg: PrefillInstanceConfig | DecodeInstanceConfig, rank: int | None, mode: Mode
+) -> NixlAddress | None:
+    """The configured (or discovered) NIXL address of the engine (of its data-parallel
+    ``rank``), if the config names one."""
     if not (cfg.engine_id and cfg.kv_host and cfg.kv_port):
         return None
-    if isinstance(cfg, PrefillInstanceConfig):
-        return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port, cfg.tp_size, cfg.pp_size)
-    return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port)
+    address = NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port, cfg.tp_size, cfg.pp_size)
+    if rank is None:
+        return address
+    # This project's connector (pipelined) gives each rank's TP x PP workers a port each.
+    step = cfg.tp_size * cfg.pp_size if mode is Mode.PIPELINED else 1
+    return address.of_rank(rank, step)
 
 
 class Registry:
@@ -357,25 +373,26 @@ class Registry:
             self._update_settings(pool, model_config)
         cfg = pool.config.model_copy(update={"prefill": list(prefill), "decode": list(decode)})
         pool.config = cfg
-        before = {i.url for i in (*pool.prefill, *pool.decode)}
+        before = {i.key for i in (*pool.prefill, *pool.decode)}
+        p_ranks, d_ranks = _ranks(prefill), _ranks(decode)
         pool.prefill = _reconcile(
             pool.prefill,
-            [p.base_url for p in prefill],
-            lambda u: self._instance(u, Role.PREFILL, model),
+            [(u, r) for _, u, r in p_ranks],
+            lambda u, r: self._instance(u, Role.PREFILL, model, r),
         )
         pool.decode = _reconcile(
             pool.decode,
-            [d.base_url for d in decode],
-            lambda u: self._instance(u, Role.DECODE, model),
+            [(u, r) for _, u, r in d_ranks],
+            lambda u, r: self._instance(u, Role.DECODE, model, r),
         )
-        for p_inst, p_cfg in zip(pool.prefill, prefill, strict=True):
-            p_inst.configure_nixl(_nixl(p_cfg), p_cfg.kv_host)
-        for d_inst, d_cfg in zip(pool.decode, decode, strict=True):
+        for p_inst, (p_cfg, _, rank) in zip(pool.prefill, p_ranks, strict=True):
+            p_inst.configure_nixl(_nixl(p_cfg, rank, cfg.mode), p_cfg.kv_host)
+        for d_inst, (d_cfg, _, rank) in zip(pool.decode, d_ranks, strict=True):
             d_inst.set_slots(d_cfg.slots)
-            d_inst.configure_nixl(_nixl(d_cfg), d_cfg.kv_host)
+            d_inst.configure_nixl(_nixl(d_cfg, rank, cfg.mode), d_cfg.kv_host)
         pool.check_pairs()
         pool.ledger.set_instances(pool.decode)
-        after = {i.url for i in (*pool.prefill, *pool.decode)}
+        after = {i.key for i in (*pool.prefill, *pool.decode)}
         self.on_change()
         return [f"model {model!r}: + {u}" for u in sorted(after - before)] + [
             f"model {model!r}: - {u}" for u in sorted(before - after)
@@ -426,7 +443,7 @@ class Registry:
             load=self._load or own_load,
         )
 
-    def _instance(self, url: str, role: Role, model: str) -> Instance:
+    def _instance(self, url: str, role: Role, model: str, rank: int | None) -> Instance:
         b = self._config.breaker
         breaker = Breaker(
             b.failure_threshold,
@@ -434,4 +451,4 @@ class Registry:
             self._clock,
             answer_threshold=b.consecutive_5xx,
         )
-        return Instance(url, role, model, breaker)
+        return Instance(url, role, model, breaker, rank=rank)

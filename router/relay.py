@@ -390,7 +390,7 @@ class RelayResponse(Response):
                 event,
                 dispatch.request_id,
                 self._client_id,
-                dispatch.leg.instance.url,
+                dispatch.leg.instance.key,
             )
             return
         log.warning(

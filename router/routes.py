@@ -166,6 +166,7 @@ def _readiness(ctx: AppContext, detail: bool) -> Response:
             "instances": [
                 {
                     "url": i.url,
+                    "rank": i.rank,
                     "role": i.role.value,
                     "healthy": i.healthy,
                     "degraded": i.degraded,

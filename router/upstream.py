@@ -21,11 +21,11 @@ from typing import Any
 
 import orjson
 
-from router.carrier import Carrier, Engine, UpstreamStream
+from router.carrier import DP_RANK_HEADER, Carrier, Engine, UpstreamStream
 from router.config import TimeoutConfig
 from router.errors import UpstreamTimeout
 
-__all__ = ["Answer", "Engine", "UpstreamClient", "UpstreamStream"]
+__all__ = ["DP_RANK_HEADER", "Answer", "Engine", "UpstreamClient", "UpstreamStream"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +43,14 @@ def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
         return UpstreamTimeout(
             f"{role} engine stopped answering health checks",
             role=role,
-            instance=engine.url,
+            instance=engine.key,
             code=f"{role}_unhealthy",
         )
     message = f"{role} engine did not answer in time"
     return UpstreamTimeout(
         message if code is None else f"{message} ({code})",
         role=role,
-        instance=engine.url,
+        instance=engine.key,
         code=f"{role}_timeout" if code is None else code,
     )
 

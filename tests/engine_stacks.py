@@ -86,6 +86,7 @@ KINDS = [
     "smol-push",
     "smol-pipelined",
     "connector-pair",
+    "dp-aggregated",
 ]
 NEEDS_REFERENCE = frozenset(KINDS[:6])
 MAIN = ("pull", "push", "pipelined")
@@ -156,6 +157,16 @@ def _stack_for(kind: str, otlp_url: str | None) -> Any:
         kept = mode == "pull"
         return Stack(
             variant=DEFAULT_VARIANT, mode=mode, max_model_len=SMOL_MAX_MODEL_LEN, kept_turns=kept
+        )
+    if kind == "dp-aggregated":
+        # One ``vllm serve --data-parallel-size 2``, a core for each rank ("0|1": vLLM gives each
+        # rank its part of VLLM_CPU_OMP_THREADS_BIND; "0-1" leaves rank 1 none, and its engine
+        # core refuses to start): tests/e2e/test_data_parallel_real.py routes to each rank.
+        return Stack(
+            variant=MODEL,
+            mode="aggregated",
+            aggregated_cpus="0|1",
+            engine_args={"aggregated-0": ("--data-parallel-size", "2")},
         )
     raise ValueError(f"unknown stack kind {kind!r}")
 

@@ -14,8 +14,10 @@ annotation                       meaning                               default
 ``pd-router.io/kv-port``         NIXL side-channel port                ``kv_port_default``
 ``pd-router.io/slots``           decode slots offered to the router    ``slots_default``
 ``pd-router.io/port``            engine HTTP port                      ``port``
-``pd-router.io/tp-size``         prefill tensor-parallel size          1
-``pd-router.io/pp-size``         prefill pipeline-parallel size        1
+``pd-router.io/tp-size``         tensor-parallel size                  1
+``pd-router.io/pp-size``         pipeline-parallel size                1
+``pd-router.io/data-parallel-    ``--data-parallel-size``: each rank   1
+size``                           routed as an engine (at most 64)
 ===============================  ====================================  ==========
 
 The pod IP is both the HTTP host and ``kv_host``: the engine entry point binds
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.config import (
+    MAX_DATA_PARALLEL_SIZE,
     DecodeInstanceConfig,
     KubernetesDiscoveryConfig,
     PrefillInstanceConfig,
@@ -63,6 +66,7 @@ class PodEndpoint:
     slots: int
     tp_size: int
     pp_size: int
+    data_parallel_size: int = 1
 
 
 def pod_name(pod: Pod) -> str:
@@ -105,16 +109,28 @@ def endpoint(pod: Pod, cfg: KubernetesDiscoveryConfig) -> PodEndpoint | None:
         slots = _int_annotation(annotations, "slots", cfg.slots_default)
         tp_size = _int_annotation(annotations, "tp-size", 1)
         pp_size = _int_annotation(annotations, "pp-size", 1)
+        dp_size = _int_annotation(annotations, "data-parallel-size", 1)
     except ValueError as exc:
         log.warning("pod %s ignored: bad annotation: %s", name, exc)
         return None
-    if port > 65535 or kv_port > 65535:
+    if dp_size > MAX_DATA_PARALLEL_SIZE:
+        log.warning(
+            "pod %s ignored: %sdata-parallel-size %d is above %d",
+            name,
+            ANNOTATION_PREFIX,
+            dp_size,
+            MAX_DATA_PARALLEL_SIZE,
+        )
+        return None
+    # Each data-parallel rank's side-channel port is the pod's plus its rank (times its
+    # TP x PP workers with this project's connector): the last one must exist too.
+    if port > 65535 or kv_port + (dp_size - 1) * tp_size * pp_size > 65535:
         log.warning("pod %s ignored: port out of range", name)
         return None
     host = f"[{ip}]" if ":" in ip else ip  # IPv6 pod IPs need brackets in a URL
     engine_id = annotations.get(ANNOTATION_PREFIX + "engine-id") or name
     return PodEndpoint(
-        name, f"http://{host}:{port}", ip, kv_port, engine_id, slots, tp_size, pp_size
+        name, f"http://{host}:{port}", ip, kv_port, engine_id, slots, tp_size, pp_size, dp_size
     )
 
 
@@ -142,6 +158,7 @@ def prefill_configs(eps: Iterable[PodEndpoint]) -> list[PrefillInstanceConfig]:
                 "kv_port": e.kv_port,
                 "tp_size": e.tp_size,
                 "pp_size": e.pp_size,
+                "data_parallel_size": e.data_parallel_size,
             }
         )
         for e in eps
@@ -157,6 +174,9 @@ def decode_configs(eps: Iterable[PodEndpoint]) -> list[DecodeInstanceConfig]:
                 "engine_id": e.engine_id,
                 "kv_host": e.kv_host,
                 "kv_port": e.kv_port,
+                "tp_size": e.tp_size,
+                "pp_size": e.pp_size,
+                "data_parallel_size": e.data_parallel_size,
             }
         )
         for e in eps

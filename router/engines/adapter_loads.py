@@ -67,7 +67,7 @@ class AdapterLoader:
         except TimeoutError:
             late = next(e for e, t in zip(missing, tasks, strict=True) if not t.done())
             raise AdapterLoadFailed(
-                adapter, late.role.value, late.url, f"no answer within {timeout:g}s", True
+                adapter, late.role.value, late.key, f"no answer within {timeout:g}s", True
             ) from None
 
     def _task(
@@ -97,20 +97,20 @@ class AdapterLoader:
         try:
             answer = await self._upstream.call(inst, _LOAD_PATH, body, f"lora-{adapter}", timeout)
         except UpstreamError as exc:
-            raise AdapterLoadFailed(adapter, role, inst.url, str(exc), exc.retryable) from exc
+            raise AdapterLoadFailed(adapter, role, inst.key, str(exc), exc.retryable) from exc
         why = _message(answer.content)
         if answer.status != 200 and not (answer.status == 400 and _ALREADY in why):
             log.error(
                 "event=lora_load_failed role=%s engine=%s adapter=%s status=%d reason=%r",
                 role,
-                inst.url,
+                inst.key,
                 adapter,
                 answer.status,
                 why,
             )
             retryable = answer.status >= 500
-            raise AdapterLoadFailed(adapter, role, inst.url, why or str(answer.status), retryable)
-        log.info("event=lora_loaded role=%s engine=%s adapter=%s", role, inst.url, adapter)
+            raise AdapterLoadFailed(adapter, role, inst.key, why or str(answer.status), retryable)
+        log.info("event=lora_loaded role=%s engine=%s adapter=%s", role, inst.key, adapter)
         inst.learn_adapters({**inst.adapters, adapter: Adapter(adapter, model, path)})
 
 

@@ -97,17 +97,17 @@ class Affinity:
         remembered = None
         if entry is not None:
             url = entry.urls.get(role)
-            remembered = next((i for i in candidates if i.url == url), None)
+            remembered = next((i for i in candidates if i.key == url), None)
         if remembered is not None and self._has_room(remembered):
             chosen, how = remembered, Placement.HIT
         else:
-            ranked = sorted(candidates, key=lambda i: _rank(key, i.url), reverse=True)
+            ranked = sorted(candidates, key=lambda i: _rank(key, i.key), reverse=True)
             chosen = next((i for i in ranked if self._has_room(i)), None) or min(
                 ranked, key=self._load
             )
             over = remembered if remembered is not None else ranked[0]
             how = Placement.SPILLED if chosen is not over else Placement.PLACED
-        self._remember(key, role, chosen.url, now)
+        self._remember(key, role, chosen.key, now)
         return chosen, how
 
     def limit(self, inst: Instance) -> int:

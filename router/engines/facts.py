@@ -20,7 +20,7 @@ from router.engines.instance import Instance
 from router.errors import UpstreamError
 from router.upstream import UpstreamClient
 
-__all__ = ["FactsReader", "parse_block_size", "parse_version"]
+__all__ = ["FactsReader", "parse_block_size", "parse_engine_ranks", "parse_version"]
 
 log = logging.getLogger("pd_router.health")
 
@@ -56,6 +56,32 @@ def parse_block_size(text: str) -> int | None:
                         return int(value)
     except ValueError:
         return None
+    return None
+
+
+def parse_engine_ranks(text: str) -> set[str]:
+    """The data-parallel ranks a ``/metrics`` page reports: the ``engine`` label values of
+    ``vllm:num_requests_running`` (vLLM labels each engine core's series with its rank)."""
+    ranks: set[str] = set()
+    try:
+        for family in text_string_to_metric_families(text):
+            if family.name == "vllm:num_requests_running":  # in one run or several
+                ranks.update(s.labels["engine"] for s in family.samples if "engine" in s.labels)
+    except ValueError:
+        return set()
+    return ranks
+
+
+def rank_mismatch(inst: Instance, ranks: set[str]) -> str | None:
+    """Why the engine's reported ranks contradict the declared ``data_parallel_size`` (None:
+    they agree, or the page names none). The size is declared, not learned (docs/deployment.md,
+    "Data-parallel engines"): this only tells the operator."""
+    if not ranks:
+        return None
+    if inst.rank is None and len(ranks) > 1:
+        return f"it reports {len(ranks)} data-parallel ranks; declare data_parallel_size"
+    if inst.rank is not None and str(inst.rank) not in ranks:
+        return f"it reports no rank {inst.rank} (ranks {','.join(sorted(ranks))})"
     return None
 
 
@@ -131,7 +157,7 @@ class FactsReader:
             log.info(
                 "event=engine_adapters role=%s engine=%s adapters=%s",
                 inst.role,
-                inst.url,
+                inst.key,
                 ",".join(sorted(adapters)) or "-",
             )
 
@@ -144,7 +170,16 @@ class FactsReader:
         self._since[inst] = 0
         before = inst.facts
         inst.learn_version(parse_version(version))
-        size = parse_block_size(metrics.decode("utf-8", "replace"))
+        text = metrics.decode("utf-8", "replace")
+        why = rank_mismatch(inst, parse_engine_ranks(text))
+        if why is not None:
+            log.warning(
+                "event=data_parallel_mismatch role=%s engine=%s reason=%r",
+                inst.role,
+                inst.key,
+                why,
+            )
+        size = parse_block_size(text)
         if size is not None:
             inst.learn_block_size(size)
         after = inst.facts
@@ -152,7 +187,7 @@ class FactsReader:
             log.info(
                 "event=engine_facts role=%s engine=%s vllm_version=%s block_size=%s",
                 inst.role,
-                inst.url,
+                inst.key,
                 after.version,
                 after.block_size,
             )

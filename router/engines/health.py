@@ -41,16 +41,24 @@ _WANTED = {
 }
 
 
-def parse_engine_load(text: str) -> EngineLoad | None:
+def parse_engine_load(text: str, rank: int | None = None) -> EngineLoad | None:
     """Running/waiting requests and KV usage from a vLLM ``/metrics`` page; None if the
-    page lacks one of them or is not Prometheus text."""
+    page lacks one of them or is not Prometheus text. ``rank``: only that data-parallel
+    rank's samples (vLLM labels each engine core's series ``engine="<rank>"``); None: the
+    page's sum."""
     found: dict[str, float] = {}
+    engine = None if rank is None else str(rank)
     try:
         for family in text_string_to_metric_families(text):
             field = _WANTED.get(family.name)
             if field is None:
                 continue
-            found[field] = sum(s.value for s in family.samples if s.name == family.name)
+            # Added up: a page may list a family in several runs (one per rank).
+            found[field] = found.get(field, 0.0) + sum(
+                s.value
+                for s in family.samples
+                if s.name == family.name and (engine is None or s.labels.get("engine") == engine)
+            )
     except ValueError:
         return None
     if len(found) != len(_WANTED):
@@ -100,14 +108,14 @@ class HealthMonitor:
             self._on_facts()
         if ok:
             if inst.healthy is False:
-                log.warning("event=healthy role=%s engine=%s", inst.role, inst.url)
+                log.warning("event=healthy role=%s engine=%s", inst.role, inst.key)
             inst.healthy = True
         elif failures >= self._config.unhealthy_after or inst.healthy is None:
             if inst.healthy is not False:
                 log.warning(
                     "event=unhealthy role=%s engine=%s failed_checks=%d",
                     inst.role,
-                    inst.url,
+                    inst.key,
                     failures,
                 )
             inst.healthy = False
@@ -127,7 +135,9 @@ class HealthMonitor:
             status, body = await self._upstream.get(inst, "/metrics", self._config.timeout)
         except UpstreamError:
             return
-        load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
+        load = (
+            parse_engine_load(body.decode("utf-8", "replace"), inst.rank) if status == 200 else None
+        )
         if load is None:
             return
         if load.running or load.waiting:
@@ -137,10 +147,10 @@ class HealthMonitor:
         if leaked and not inst.degraded:
             log.error(
                 "event=degraded role=decode engine=%s kv_usage=%.4f reason=%r",
-                inst.url,
+                inst.key,
                 load.kv_usage,
                 "holds KV blocks with no request running or waiting",
             )
         if not leaked and inst.degraded:
-            log.warning("event=degraded_cleared role=decode engine=%s", inst.url)
+            log.warning("event=degraded_cleared role=decode engine=%s", inst.key)
         inst.leak_checked(leaked)

@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from connector.address import NixlAddress
+from router.config import engine_key
 from router.engines.adapters import Adapter
 from router.engines.breaker import Breaker, BreakerState
 from router.engines.pairing import EngineFacts
@@ -120,8 +121,14 @@ class Instance:
         *,
         slots: int = 0,
         healthy: bool | None = None,
+        rank: int | None = None,
     ) -> None:
+        # ``url``: where its API server answers (shared by the ranks of a data-parallel
+        # engine); ``rank``: the data-parallel rank every leg pins (None: no DP); ``key``:
+        # this engine's own name, in every per-engine table and log line.
         self.url = url
+        self.rank = rank
+        self.key = engine_key(url, rank)
         self.role = role
         self.model = model
         self.breaker = breaker
@@ -156,10 +163,15 @@ class Instance:
         # Streams told when this engine is ejected or fails its health checks (migration).
         self._leaving: set[Callable[[], None]] = set()
         breaker.on_change = self._changed
-        breaker.name = f"role={role} engine={url}"
+        breaker.name = f"role={role} engine={self.key}"
 
     def __repr__(self) -> str:
-        return f"Instance({self.role.value} {self.url})"
+        return f"Instance({self.role.value} {self.key})"
+
+    @property
+    def rank_label(self) -> str:
+        """The ``rank`` label of its metrics: the data-parallel rank, "" without one."""
+        return "" if self.rank is None else str(self.rank)
 
     # -- state with side effects ----------------------------------------------
 
@@ -211,12 +223,12 @@ class Instance:
         if now != self._in_rotation:
             self._in_rotation = now
             if now:
-                log.warning("event=rotation_in role=%s engine=%s", self.role, self.url)
+                log.warning("event=rotation_in role=%s engine=%s", self.role, self.key)
             else:
                 log.warning(
                     "event=rotation_out role=%s engine=%s reason=%r",
                     self.role,
-                    self.url,
+                    self.key,
                     self.why_out(),
                 )
                 if self._leaving and self.ejected:

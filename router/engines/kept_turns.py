@@ -37,7 +37,7 @@ class KeptTurn:
 
     params: dict[str, Any]
     token_ids: tuple[int, ...]
-    decode_url: str
+    decode_key: str
     expires_at: float
 
 
@@ -52,12 +52,12 @@ class KeptTurnTable:
         return len(self._entries)
 
     def keep(self, config: KeptTurnsConfig, session: str, params: dict[str, Any],
-             token_ids: Sequence[int], decode_url: str) -> None:  # fmt: skip
+             token_ids: Sequence[int], decode_key: str) -> None:  # fmt: skip
         """Record a finished turn for ``session`` (replacing an older one: D frees that
         one at its own TTL); the least recently kept entries go first past the bound."""
         expires = self._clock() + config.ttl_seconds
         self._entries.pop(session, None)
-        self._entries[session] = KeptTurn(dict(params), tuple(token_ids), decode_url, expires)
+        self._entries[session] = KeptTurn(dict(params), tuple(token_ids), decode_key, expires)
         while len(self._entries) > config.max_entries:
             self._entries.popitem(last=False)
 

@@ -335,7 +335,7 @@ class SlotLedger:
         else:
             del self._held[reservation.tenant]
         if self._shared is not None:
-            self._shared.release(slot_key(self.model, inst.url))
+            self._shared.release(slot_key(self.model, inst.key))
         self.poke()
 
     def _observe_hold(self, seconds: float) -> None:
@@ -448,7 +448,7 @@ class SlotLedger:
         """Take the slot router-wide (always granted without a shared table)."""
         if self._shared is None:
             return True
-        return self._shared.try_acquire(slot_key(self.model, inst.url), inst.limit)
+        return self._shared.try_acquire(slot_key(self.model, inst.key), inst.limit)
 
     def _attach(self, instances: Sequence[Instance]) -> None:
         """Make ``free_slots`` of these instances read the shared total."""
@@ -456,7 +456,7 @@ class SlotLedger:
         if shared is None:
             return
         for inst in instances:
-            inst.share_slots(functools.partial(shared.total, slot_key(self.model, inst.url)))
+            inst.share_slots(functools.partial(shared.total, slot_key(self.model, inst.key)))
 
     def _schedule_poll(self) -> None:
         if self._shared is not None and self._poll is None:

@@ -86,12 +86,12 @@ class LoadWatcher:
         # of the other replicas' load errs on the high side.
         ours = min(sent_before, inst.at_engine)
         if reported is None:
-            failures = self._failures.get(inst.url, 0) + 1
-            self._failures[inst.url] = failures
+            failures = self._failures.get(inst.key, 0) + 1
+            self._failures[inst.key] = failures
             if failures >= _STALE_AFTER:
                 inst.cap = static_share(inst.slots, self._replicas)
         else:
-            self._failures[inst.url] = 0
+            self._failures[inst.key] = 0
             others = max(0, reported - ours)
             free = max(0, inst.slots - inst.slots_held - others)
             inst.cap = inst.slots_held + math.ceil(free / self._replicas)
@@ -101,5 +101,7 @@ class LoadWatcher:
             status, body = await self._upstream.get(inst, "/metrics", self._timeout)
         except UpstreamError:
             return None
-        load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
+        load = (
+            parse_engine_load(body.decode("utf-8", "replace"), inst.rank) if status == 200 else None
+        )
         return None if load is None else round(load.running + load.waiting)

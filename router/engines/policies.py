@@ -94,7 +94,7 @@ class PrefixHash:
         if key is None:
             return min(candidates, key=_load)
         data = key.encode("utf-8", "replace")
-        return max(candidates, key=lambda c: zlib.crc32(c.url.encode() + data))
+        return max(candidates, key=lambda c: zlib.crc32(c.key.encode() + data))
 
 
 _POLICIES: dict[str, type[RoundRobin | LeastLoaded | PowerOfTwo | Random | PrefixHash]] = {

@@ -61,7 +61,7 @@ class EngineLoads:
     def load(self, inst: Instance) -> int:
         """Requests on ``inst`` from every replica, as of the last report plus this
         replica's changes since."""
-        report = self._reports.get(inst.url)
+        report = self._reports.get(inst.key)
         others = report.others if report is not None and report.failures < _STALE_AFTER else 0
         return own_load(inst) + others
 
@@ -74,7 +74,7 @@ class EngineLoads:
     async def read_all(self, engines: Iterable[Instance]) -> None:
         """Read every engine of ``engines`` once (and forget the others' reports)."""
         instances = list(engines)
-        wanted = {i.url for i in instances}
+        wanted = {i.key for i in instances}
         for url in set(self._reports) - wanted:
             del self._reports[url]
         await asyncio.gather(*(self._read(i) for i in instances))
@@ -83,18 +83,20 @@ class EngineLoads:
         before = _own_at_engine(inst)
         reported = await self._reported(inst)
         if reported is None:
-            report = self._reports.get(inst.url)
+            report = self._reports.get(inst.key)
             if report is not None:
                 report.failures += 1
             return
         # The smaller sample counts the fewest of ours in the report: others err high.
         ours = min(before, _own_at_engine(inst))
-        self._reports[inst.url] = _Report(max(0, reported - ours))
+        self._reports[inst.key] = _Report(max(0, reported - ours))
 
     async def _reported(self, inst: Instance) -> int | None:
         try:
             status, body = await self._upstream.get(inst, "/metrics", self._timeout)
         except Exception:
             return None
-        load = parse_engine_load(body.decode("utf-8", "replace")) if status == 200 else None
+        load = (
+            parse_engine_load(body.decode("utf-8", "replace"), inst.rank) if status == 200 else None
+        )
         return None if load is None else round(load.running + load.waiting)

@@ -1,6 +1,7 @@
 """Every engine's KV index and the stream that feeds it, kept in step with the registry.
 
-:class:`KvIndex` is the only owner of the streams and their indexes, by engine URL. It follows
+:class:`KvIndex` is the only owner of the streams and their indexes, by engine (its URL, and
+with data parallelism its rank: each rank publishes on ports of its own). It follows
 the registry (:meth:`KvIndex.follow`): whenever the instance lists change (start, config
 reload, Kubernetes discovery), :meth:`KvIndex.sync` starts a stream for each P and D of a model
 with ``kv_events`` on, restarts one whose endpoints or settings changed (its index starts
@@ -25,7 +26,7 @@ from router.kvindex.engine import EngineIndex
 from router.kvindex.stream import Source, Stream
 from router.registry import ModelPool, Registry
 
-__all__ = ["KvIndex", "sources"]
+__all__ = ["KvIndex", "rank_endpoint", "sources"]
 
 log = logging.getLogger("pd_router.kv_events")
 
@@ -47,15 +48,28 @@ def sources(model: ModelConfig) -> dict[str, Source]:
         replay = inst.kv_events_replay
         if replay is None and ev.replay_port is not None:
             replay = f"tcp://{host}:{ev.replay_port}"
-        out[inst.base_url] = Source(
-            endpoint,
-            replay,
-            ev.topic,
-            ev.max_blocks_per_engine,
-            ev.verify_interval,
-            ev.replay_timeout,
-        )
+        for rank, key in zip(inst.ranks, inst.keys, strict=True):
+            out[key] = Source(
+                rank_endpoint(endpoint, rank),
+                None if replay is None else rank_endpoint(replay, rank),
+                ev.topic,
+                ev.max_blocks_per_engine,
+                ev.verify_interval,
+                ev.replay_timeout,
+            )
     return out
+
+
+def rank_endpoint(endpoint: str, rank: int | None) -> str:
+    """Where data-parallel rank ``rank`` binds the engine's ``endpoint``, as vLLM's publisher
+    offsets it (``vllm/distributed/kv_events.py``, ``offset_endpoint_port``): a TCP port plus
+    the rank (a port 0 is left to the OS), another transport's name suffixed ``_dp<rank>``."""
+    if not rank:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 @dataclass(slots=True)
@@ -65,7 +79,7 @@ class _Followed:
 
 
 class KvIndex:
-    """The engines' KV indexes by URL (see module doc)."""
+    """The engines' KV indexes by engine key (:func:`router.config.engine_key`) (see module doc)."""
 
     def __init__(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None

@@ -90,7 +90,7 @@ class CacheRoute:
         self.results: dict[Role, Result] = {}
 
     def __call__(self, role: Role, cands: Sequence[Instance]) -> Instance | None:
-        views = [self._view(c.url) for c in cands]
+        views = [self._view(c.key) for c in cands]
         known = [v for v in views if v is not None and v.known]
         if len(known) != len(cands):
             self.results[role] = Result.UNKNOWN
@@ -103,7 +103,7 @@ class CacheRoute:
             if load + 1 > cap:
                 continue
             cached = self.cached_tokens(index)
-            key = (-(len(self.tokens) - cached + self._cost * load), _rank(self._tie, inst.url))
+            key = (-(len(self.tokens) - cached + self._cost * load), _rank(self._tie, inst.key))
             if best is None or key > best:
                 best, chosen = key, (inst, cached)
         assert chosen is not None  # the least loaded candidate is within the bound
@@ -136,11 +136,11 @@ class CacheRoute:
         best: tuple[int, bytes] | None = None
         found = None
         for inst in instances:
-            index = self._view(inst.url)
+            index = self._view(inst.key)
             if index is None or not index.known:
                 continue
             cached = self.cached_tokens(index)
-            key = (cached, _rank(self._tie, inst.url))
+            key = (cached, _rank(self._tie, inst.key))
             if cached >= min_tokens and (best is None or key > best):
                 best, found = key, inst
         return found

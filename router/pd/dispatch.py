@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from router.client_request import ClientRequest
-from router.config import RetryConfig, TracingConfig
+from router.config import RetryConfig, TracingConfig, split_engine_key
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
@@ -34,6 +34,7 @@ from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Deadline, Reservation
 from router.errors import (
     DeadlineExceeded,
+    Fault,
     NoCapacity,
     NoHealthyEngine,
     QueueFull,
@@ -137,7 +138,7 @@ class Dispatcher:
                     return await self._attempt(pool, creq, decision, route, avoid)
             except UpstreamError as exc:
                 self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
-                avoid = avoid | {i for i in _all(pool) if i.url == exc.instance}
+                avoid = avoid | _failed(pool, exc)
                 retry = (
                     exc.retryable and attempt < attempts and pool.has_alternative(exc.role, avoid)
                 )
@@ -276,7 +277,7 @@ class Dispatcher:
         """No P in rotation; or, given D, none of those in rotation pairs with it (its
         partners are out: the engines of other versions serve other Ds)."""
         if d is not None and candidates(pool.prefill):
-            why = f"none in rotation pairs with decode engine {d.url} ({d.facts.describe()})"
+            why = f"none in rotation pairs with decode engine {d.key} ({d.facts.describe()})"
             return NoHealthyEngine(Role.PREFILL.value, pool.name, self._probe_interval, why)
         return refusal(Role.PREFILL, pool.name, pool.prefill, self._clock(), self._probe_interval)
 
@@ -316,7 +317,7 @@ class Dispatcher:
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:
             self._tracing.set(
-                pdrouter__decode=reservation.instance.url,
+                pdrouter__decode=reservation.instance.key,
                 pdrouter__request_id=ids.request_id,
                 pdrouter__transfer_id=ids.transfer_id,
             )
@@ -349,7 +350,7 @@ class Dispatcher:
         self._count_choice(pool, Role.PREFILL, route.cache)
         ids = kp.new_dispatch_ids()
         if self._tracing.enabled:
-            self._tracing.set(pdrouter__prefill=p.url, pdrouter__request_id=ids.request_id)
+            self._tracing.set(pdrouter__prefill=p.key, pdrouter__request_id=ids.request_id)
         try:
             await self._load_adapter(pool, creq, p)
             body = kp.aggregated_body(creq.body)
@@ -357,7 +358,7 @@ class Dispatcher:
         except UpstreamError as exc:
             exc.request_id = ids.request_id  # for the attempt's log line
             raise
-        return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill=p.url)
+        return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill=p.key)
 
     async def _reserve(
         self, pool: ModelPool, creq: ClientRequest, route: Route, avoid: frozenset[Instance]
@@ -417,7 +418,7 @@ class Dispatcher:
         self._count_choice(pool, Role.PREFILL, route.cache)
         await self._load_adapter(pool, creq, p, d)
         pair = Pair(creq, ids, p, reservation.instance)
-        self._tracing.set(pdrouter__prefill=p.url)
+        self._tracing.set(pdrouter__prefill=p.key)
         plan = self._plans[decision]
         turn = self._turns.plan(pool, creq, route.cache, reservation.instance)
         if plan.concurrent(pair):
@@ -445,7 +446,7 @@ class Dispatcher:
         self._turns.keep(pool, pair.creq, turn, leg, result.prompt_ids)
         self._observe_handoff(pool, result.finished_at)
         return Dispatch(
-            res, leg, decision, pair.ids.request_id, prefill=pair.prefill.url, prefill_result=result
+            res, leg, decision, pair.ids.request_id, prefill=pair.prefill.key, prefill_result=result
         )
 
     async def _prefill_turn(
@@ -466,7 +467,7 @@ class Dispatcher:
             log.warning(
                 "event=kept_turn_failed request_id=%s engine=%s status=%d",
                 pair.ids.request_id,
-                pair.prefill.url,
+                pair.prefill.key,
                 exc.status,
             )
             return await self._prefill(pool, plan, pair, params, ids)
@@ -500,7 +501,7 @@ class Dispatcher:
             decision,
             pair.ids.request_id,
             p_task,
-            prefill=pair.prefill.url,
+            prefill=pair.prefill.key,
             on_clean_end=on_clean_end,
         )
         if not p_task.done():
@@ -583,7 +584,7 @@ class Dispatcher:
         tokens = pair.creq.estimated_prompt_tokens()
         pool.timings.prefill_tokens.add(started, tokens)  # P's demand (router/demand.py)
         try:
-            with self._tracing.span("prefill", {"pdrouter.engine": p.url}):
+            with self._tracing.span("prefill", {"pdrouter.engine": p.key}):
                 result = await self._legs.prefill(
                     pool.name,
                     p,
@@ -624,7 +625,7 @@ class Dispatcher:
         started = self._clock()
         first = alone and _computes_nothing(d)
         try:
-            with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.url}):
+            with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.key}):
                 leg = await self._legs.open_decode(
                     d,
                     creq.endpoint,
@@ -775,6 +776,13 @@ async def _client_left(
         return
     await discard_decode(d_task)
     await cancel_task(p_task)
+
+
+def _failed(pool: ModelPool, exc: UpstreamError) -> set[Instance]:
+    """The engines a retry avoids after ``exc``: the one that failed; where nothing listened
+    at its URL, every data-parallel rank behind that URL too (one API server serves them all)."""
+    url = split_engine_key(exc.instance)[0] if exc.fault is Fault.REFUSED else None
+    return {i for i in _all(pool) if i.key == exc.instance or i.url == url}
 
 
 def _all(pool: ModelPool) -> list[Instance]:

@@ -164,7 +164,7 @@ class KeptTurns:
     async def _check(
         self, pool: ModelPool, creq: ClientRequest, p: Instance, kept: KeptTurn
     ) -> tuple[KeptTurnResult, dict[str, Any] | None]:
-        d = next((i for i in pool.decode if i.url == kept.decode_url), None)
+        d = next((i for i in pool.decode if i.key == kept.decode_key), None)
         if d is None or d.healthy is False:
             return KeptTurnResult.UNAVAILABLE, None
         prompt_ids = await self._prompt_ids(p, creq)
@@ -209,13 +209,13 @@ class KeptTurns:
             return
         if leg.rest is not None:
             if turn.streamed and prompt_ids:
-                url = leg.instance.url
+                url = leg.instance.key
                 leg.on_params = lambda raw: self._keep_stream(pool, turn, raw, prompt_ids, url)
             return
         found, leg.first = kept_from_response(leg.first, bool(creq.body.get("return_token_ids")))
         if found is not None:
             params, token_ids = found
-            kept = pool.config.kept_turns, turn.session, params, token_ids, leg.instance.url
+            kept = pool.config.kept_turns, turn.session, params, token_ids, leg.instance.key
             pool.kept_turns.keep(*kept)
             self._count(pool, KeptTurnResult.KEPT)
 

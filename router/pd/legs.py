@@ -253,12 +253,12 @@ class LegRunner:
         doc = _json(content)
         params = _kv_params(doc)
         if require_params and params is None:
-            self._metrics.kv_params_missing.labels(model, inst.url).inc()
+            self._metrics.kv_params_missing.labels(model, inst.url, inst.rank_label).inc()
             raise UpstreamError(
                 "prefill engine returned no kv_transfer_params "
                 "(is it running a NIXL connector with kv_role kv_producer?)",
                 role=Role.PREFILL,
-                instance=inst.url,
+                instance=inst.key,
                 code="kv_transfer_params_missing",
             )
         return PrefillResult(
@@ -280,7 +280,7 @@ class LegRunner:
             )
         if answer.status != 200:
             raise UpstreamStatus(
-                answer.status, answer.content, role=Role.PREFILL, instance=inst.url
+                answer.status, answer.content, role=Role.PREFILL, instance=inst.key
             )
         return answer.content
 
@@ -324,14 +324,14 @@ class LegRunner:
         if opened.status >= 400 or not stream:
             content = await _read_bounded(opened)
             if opened.status >= 400:
-                raise UpstreamStatus(opened.status, content, role=inst.role, instance=inst.url)
+                raise UpstreamStatus(opened.status, content, role=inst.role, instance=inst.key)
             return DecodeLeg(inst, opened, content, None, self._clock)
         rest = opened.chunks().__aiter__()
         first = await anext(rest, b"")
         if first.startswith(ENGINE_ERROR_EVENT):
             paused = _paused_event(first)
             if paused is not None:  # nothing sent yet: load, tried on another engine
-                raise UpstreamStatus(503, paused, role=inst.role, instance=inst.url, paused=True)
+                raise UpstreamStatus(503, paused, role=inst.role, instance=inst.key, paused=True)
         return DecodeLeg(inst, opened, first, rest, self._clock)
 
 

@@ -292,7 +292,7 @@ class Migration:
         error = UpstreamTimeout(
             f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
             role=str(inst.role),
-            instance=inst.url,
+            instance=inst.key,
             code="decode_stalled",
         )
         return Cut("stall", error, Fault.ENGINE)
@@ -303,7 +303,7 @@ class Migration:
             "disconnect": f"{inst.role} engine closed its stream before the end",
             "error_event": f"{inst.role} engine sent an error event",
         }[cause]
-        error = UpstreamError(message, role=str(inst.role), instance=inst.url, fault=fault)
+        error = UpstreamError(message, role=str(inst.role), instance=inst.key, fault=fault)
         return Cut(cause, error, fault, event)
 
     def _client_bytes(self, events: list[bytes]) -> tuple[bytes, bool, bytes | None]:

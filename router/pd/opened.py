@@ -80,7 +80,7 @@ class Dispatch:
     @property
     def decode(self) -> str | None:
         """D's URL (None: P served the request alone)."""
-        return None if self.reservation is None else self.leg.instance.url
+        return None if self.reservation is None else self.leg.instance.key
 
     @property
     def verdict(self) -> Fault | None:

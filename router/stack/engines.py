@@ -193,11 +193,13 @@ def kv_events_endpoints(spec: EngineSpec) -> dict[str, str]:
 
 
 def cpu_set(core: int | str) -> frozenset[int]:
-    """The CPUs of an ``EngineSpec.core``: ``1`` or a list such as ``"0-1"`` or ``"0,2-3"``."""
+    """The CPUs of an ``EngineSpec.core``: ``1`` or a list such as ``"0-1"`` or ``"0,2-3"``, or
+    one list per rank apart by ``|`` (``"0|1"``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for an
+    engine of two data-parallel or tensor-parallel ranks)."""
     if isinstance(core, int):
         return frozenset({core})
     cpus: set[int] = set()
-    for part in core.split(","):
+    for part in core.replace("|", ",").split(","):
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return frozenset(cpus)

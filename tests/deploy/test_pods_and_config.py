@@ -77,7 +77,28 @@ def test_only_ready_running_pods_with_an_ip_serve(change: Any) -> None:
     assert not is_serving(p) and endpoint(p, CFG) is None
 
 
-@pytest.mark.parametrize("bad", [{"slots": "many"}, {"kv-port": "0"}, {"port": "70000"}])
+def test_a_data_parallel_pod_declares_its_size() -> None:
+    ep = endpoint(pod(**{"data-parallel-size": "4", "kv-port": "7000"}), CFG)
+    assert ep is not None and ep.data_parallel_size == 4
+    [p] = prefill_configs([ep])
+    [d] = decode_configs([ep])
+    assert p.data_parallel_size == d.data_parallel_size == 4
+    assert d.keys == [f"http://10.0.0.5:8000#dp{r}" for r in range(4)]
+    ep = endpoint(pod(), CFG)
+    assert ep is not None and ep.data_parallel_size == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"slots": "many"},
+        {"kv-port": "0"},
+        {"port": "70000"},
+        {"data-parallel-size": "0"},
+        {"data-parallel-size": "65"},
+        {"data-parallel-size": "4", "kv-port": "65533"},  # rank 3's side channel: 65536
+    ],
+)
 def test_mis_annotated_pods_are_skipped(bad: dict[str, str]) -> None:
     assert endpoint(pod(**bad), CFG) is None
 

@@ -185,6 +185,7 @@ def test_cpu_lists() -> None:
     assert eng.cpu_set(1) == {1}
     assert eng.cpu_set("0-1") == {0, 1}
     assert eng.cpu_set("0,2-3") == {0, 2, 3}
+    assert eng.cpu_set("0|1") == {0, 1}  # one list per rank
     (agg,) = eng.plan_engines(Mode.AGGREGATED, [8101], [5601], ENGINE_ID, aggregated_cpus="0-1")
     assert agg.core == "0-1"
 

@@ -301,13 +301,7 @@ class FakeEngine:
             ]
             await _respond(send, 200, json.dumps({"object": "list", "data": cards}).encode())
         elif path == "/metrics":
-            text = (
-                f'vllm:num_requests_running{{model_name="tiny"}} {b.running + self.active}\n'
-                f'vllm:num_requests_waiting{{model_name="tiny"}} {b.waiting}\n'
-                f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {b.kv_usage}\n'
-                f'vllm:cache_config_info{{block_size="{b.block_size}"}} 1.0\n'
-            )
-            await _respond(send, 200, text.encode(), b"text/plain")
+            await _respond(send, 200, self.metrics_text().encode(), b"text/plain")
         elif path.startswith("/kv/"):
             ready = self.bus.done.get(path.removeprefix("/kv/"))
             await _respond(send, 200 if ready is not None and ready.is_set() else 404, b"")
@@ -315,6 +309,18 @@ class FakeEngine:
             await _respond(send, 200, json.dumps({"version": b.version}).encode())
         else:
             await _respond(send, 404, b'{"error": {"message": "not found"}}')
+
+    def metrics_text(self, engine: str | None = None) -> str:
+        """This engine's ``/metrics`` page; ``engine``: the ``engine`` label vLLM gives each
+        data-parallel rank's series (tests/fakes/fake_dp.py)."""
+        b = self.behaviour
+        labels = 'model_name="tiny"' + ("" if engine is None else f',engine="{engine}"')
+        return (
+            f"vllm:num_requests_running{{{labels}}} {b.running + self.active}\n"
+            f"vllm:num_requests_waiting{{{labels}}} {b.waiting}\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {b.kv_usage}\n"
+            f'vllm:cache_config_info{{block_size="{b.block_size}"}} 1.0\n'
+        )
 
     async def _load_lora(self, rec: Received, send: Send) -> None:
         """vLLM 0.32's ``/v1/load_lora_adapter`` (``vllm/entrypoints/openai/models/
