@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from typing import Any
 
@@ -161,9 +162,15 @@ def main() -> None:
     if sys.argv[1] == "refusals":
         print(json.dumps(refusals(json.load(sys.stdin))))
         return
-    port = int(sys.argv[1])
     overrides = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    uvicorn.run(build(overrides), host="127.0.0.1", port=port, log_level="warning")
+    # Port 0 here, told on stdout once bound: a port the parent picked as free could be
+    # taken by another test's server before this one binds it (the parent then compared
+    # the router with whatever answered there).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", int(sys.argv[1])))
+    print(sock.getsockname()[1], flush=True)
+    config = uvicorn.Config(build(overrides), log_level="warning")
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import pytest
 from router.app import create_app
 from router.config import parse_config
 from tests.conftest import Cluster, metric, serve
-from tests.fakes.router_proc import free_port
 from tests.needs import missing
 
 PROMPT = {"model": "tiny", "prompt": "hello there", "max_tokens": 3}
@@ -190,18 +189,20 @@ async def test_cors_opened_by_the_config(cluster: Cluster, client: httpx.AsyncCl
 @contextlib.asynccontextmanager
 async def _vllm_middleware(overrides: dict[str, object]) -> AsyncIterator[str]:
     """vLLM's own middleware stack (tests/fakes/vllm_reference.py) in a process of its own."""
-    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "tests.fakes.vllm_reference",
-        str(port),
+        "0",
         json.dumps(overrides),
-        stdout=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 90)  # importing vLLM: seconds
+        assert line.strip().isdigit(), await proc.stderr.read()  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{int(line)}"
         async with httpx.AsyncClient() as c:
             deadline = time.monotonic() + 90  # importing vLLM takes seconds
             while True:
