@@ -1,7 +1,8 @@
 """Which P worker writes which KV heads into which D worker, for P and D of different TP sizes.
 
-Pure: no NIXL, no torch. With tensor parallelism each worker holds ``H / tp`` of a model's ``H``
-KV heads (worker ``r`` the ``r``-th run of them); vLLM's NixlConnector maps them the same way
+Pure: no NIXL, no torch; ``pair_mismatches`` is the handshake's check of two workers. With
+tensor parallelism each worker holds ``H / tp`` of a model's ``H`` KV heads (worker ``r`` the
+``r``-th run of them); vLLM's NixlConnector maps them the same way
 ("heterogeneous TP", ``nixl/base_worker.py``). For P at ``tp_p`` and D at ``tp_d`` workers:
 
 * equal sizes: P worker ``r`` writes its whole blocks into D worker ``r`` (the path of old);
@@ -21,9 +22,20 @@ pipeline-parallel sizes are refused with ``TpMapError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["HeadSlice", "TpMapError", "byte_part", "check", "sources", "targets"]
+from connector.metadata import Compat
+
+__all__ = [
+    "HeadSlice",
+    "TpMapError",
+    "TpPlace",
+    "byte_part",
+    "check",
+    "pair_mismatches",
+    "sources",
+    "targets",
+]
 
 
 class TpMapError(ValueError):
@@ -39,6 +51,25 @@ class HeadSlice:
     src_head: int
     dst_head: int
     heads: int
+
+
+@dataclass(frozen=True, slots=True)
+class TpPlace:
+    """A worker's place for the map: its TP rank and size, the model's KV heads in all (per
+    worker times TP; 1 for MLA) and whether the cache is MLA's replicated latent."""
+
+    rank: int = 0
+    size: int = 1
+    total_heads: int = 1
+    mla: bool = False
+
+    def targets(self, d_tp: int) -> list[HeadSlice]:
+        """As P: the D workers (of ``d_tp``) this worker writes, and the heads of each."""
+        return targets(self.size, d_tp, self.rank, self.total_heads, self.mla)
+
+    def sources(self, p_tp: int) -> list[int]:
+        """As D: the P workers (of ``p_tp``) that write this worker."""
+        return sources(p_tp, self.size, self.rank, self.total_heads, self.mla)
 
 
 def check(tp_p: int, tp_d: int, total_heads: int, mla: bool, pp_p: int = 1, pp_d: int = 1) -> None:
@@ -111,3 +142,48 @@ def byte_part(
 def _check_rank(rank: int, size: int, side: str) -> None:
     if not 0 <= rank < size:
         raise TpMapError(f"{side} rank {rank} out of range for tensor-parallel size {size}")
+
+
+def pair_mismatches(
+    mine: Compat, peer: Compat, me: str, them: str, my_head_bytes: int, peer_head_bytes: int
+) -> list[str]:
+    """What keeps two workers' caches from being paired, labelled like ``Compat.mismatches``
+    (empty: they pair). Equal TP sizes compare every field; unequal ones compare all but the
+    per-worker fields (TP size, KV heads, block bytes) and instead require a mappable ratio,
+    the same KV heads in all and bytes per head, and, unless MLA, heads outermost in a block
+    on both (``head_bytes``: an HND layout, no kernel blocks)."""
+    if mine.tp_size == peer.tp_size:
+        return mine.mismatches(peer, me, them)
+    bad = mine.mismatches(
+        replace(
+            peer, tp_size=mine.tp_size, num_kv_heads=mine.num_kv_heads, block_bytes=mine.block_bytes
+        ),
+        me,
+        them,
+    )
+    if mine.use_mla != peer.use_mla:
+        return bad
+    mla = mine.use_mla
+    total = 1 if mla else mine.num_kv_heads * mine.tp_size
+    total_peer = 1 if mla else peer.num_kv_heads * peer.tp_size
+    try:
+        check(mine.tp_size, peer.tp_size, total, mla, mine.pp_size, peer.pp_size)
+    except TpMapError as exc:
+        bad.append(f"tp_size: {me}={mine.tp_size} {them}={peer.tp_size}: {exc}")
+    if total != total_peer:
+        bad.append(
+            f"KV heads in all (per worker x TP): {me}={total} {them}={total_peer}"
+            " (replicated heads map only between equal tensor-parallel sizes)"
+        )
+    if mine.block_bytes * peer.num_kv_heads != peer.block_bytes * mine.num_kv_heads:
+        bad.append(
+            f"bytes per KV head of a block: {me}={mine.block_bytes // mine.num_kv_heads}"
+            f" {them}={peer.block_bytes // peer.num_kv_heads}"
+        )
+    if not mla and not (my_head_bytes and peer_head_bytes):
+        bad.append(
+            f"head slices: {me}={my_head_bytes} {them}={peer_head_bytes}: unequal tensor-parallel"
+            " sizes write runs of heads, which needs the head axis outermost in a block on both"
+            " engines (VLLM_KV_CACHE_LAYOUT=LBHNC or BLHNC, no kernel blocks)"
+        )
+    return bad
