@@ -131,7 +131,9 @@ class CacheLayout:
 def _head_bytes(t: Any, num_blocks: int, piece: int) -> int:
     """``CacheLayout.head_bytes`` of view ``t`` (``[B, H, N, C]``) whose block is ``piece``
     bytes: the head stride if heads are the block's outermost axis, else 0."""
-    heads = int(t.shape[1]) if len(t.shape) > 1 else 1
+    if len(t.shape) != 4:  # MLA's [B, N, C]: the latent is the one head
+        return piece
+    heads = int(t.shape[1])
     if heads == 1:
         return piece
     if t.shape[0] != num_blocks:  # kernel blocks: a block holds several runs of the heads

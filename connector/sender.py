@@ -327,14 +327,15 @@ class Sender:
         if peer.tp_size in (0, tp.size):
             return [(self._ctx.peers.ensure(peer).name, None, tp.rank)]
         layout = self._ctx.layout
-        head_bytes = layout.head_bytes if layout is not None else 0
-        if not head_bytes and not tp.mla:
+        block = layout.block_bytes if layout is not None else 0
+        # MLA: the latent is written whole, one "head" the size of the block.
+        head_bytes = block if tp.mla else layout.head_bytes if layout is not None else 0
+        if not head_bytes:
             raise TpMapError(
                 "this engine's KV cache layout has no head axis outermost in a block, so it"
                 " cannot write the head slices unequal tensor-parallel sizes need"
                 " (VLLM_KV_CACHE_LAYOUT=LBHNC or BLHNC)"
             )
-        block = layout.block_bytes if layout is not None else 0
         out: list[tuple[str, tuple[int, int, int] | None, int]] = []
         for s in tp.targets(peer.tp_size):
             d_block = head_bytes * (1 if tp.mla else tp.total_heads // peer.tp_size)
