@@ -153,6 +153,9 @@ class DecodeInstanceConfig(_InstanceConfig):
     engine_id: str | None = None  # pipelined mode: D's NIXL identity, sent to P
     kv_host: str | None = None
     kv_port: int | None = Field(default=None, ge=1, le=65535)
+    # Pipelined mode: sent to P where they differ from P's (the connector maps KV heads).
+    tp_size: int = Field(default=1, ge=1)
+    pp_size: int = Field(default=1, ge=1)
 
 
 class PolicyConfig(_Strict):

@@ -263,9 +263,7 @@ def _nixl(cfg: PrefillInstanceConfig | DecodeInstanceConfig) -> NixlAddress | No
     """The configured (or discovered) NIXL address, if the config names one."""
     if not (cfg.engine_id and cfg.kv_host and cfg.kv_port):
         return None
-    if isinstance(cfg, PrefillInstanceConfig):
-        return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port, cfg.tp_size, cfg.pp_size)
-    return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port)
+    return NixlAddress(cfg.engine_id, cfg.kv_host, cfg.kv_port, cfg.tp_size, cfg.pp_size)
 
 
 class Registry:

@@ -14,8 +14,8 @@ annotation                       meaning                               default
 ``pd-router.io/kv-port``         NIXL side-channel port                ``kv_port_default``
 ``pd-router.io/slots``           decode slots offered to the router    ``slots_default``
 ``pd-router.io/port``            engine HTTP port                      ``port``
-``pd-router.io/tp-size``         prefill tensor-parallel size          1
-``pd-router.io/pp-size``         prefill pipeline-parallel size        1
+``pd-router.io/tp-size``         tensor-parallel size                  1
+``pd-router.io/pp-size``         pipeline-parallel size                1
 ===============================  ====================================  ==========
 
 The pod IP is both the HTTP host and ``kv_host``: the engine entry point binds
@@ -157,6 +157,8 @@ def decode_configs(eps: Iterable[PodEndpoint]) -> list[DecodeInstanceConfig]:
                 "engine_id": e.engine_id,
                 "kv_host": e.kv_host,
                 "kv_port": e.kv_port,
+                "tp_size": e.tp_size,
+                "pp_size": e.pp_size,
             }
         )
         for e in eps
