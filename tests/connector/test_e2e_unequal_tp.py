@@ -1,10 +1,11 @@
 """End-to-end on real vLLM CPU engines (tiny model: 2 KV heads) with P at tensor-parallel
-size 1 and D at 2, both legs driven like the router's pipelined mode (each naming the other's
-size): D's greedy outputs equal D's own aggregated outputs, the KV was moved (every byte P
-wrote D received, none recomputed on D), and both engines end idle (no block left behind).
+size 1 and D at 2, and P at 2 and D at 1, both legs driven like the router's pipelined mode
+(each naming the other's size): D's greedy outputs equal both engines' aggregated outputs,
+the KV was moved (every byte P wrote D received), and both engines end idle (no block left
+behind).
 
-vLLM's CPU build runs TP 2 with one worker per core (``VLLM_CPU_OMP_THREADS_BIND=0|1``); P
-shares core 0 with D's first worker.
+vLLM's CPU build runs TP 2 with one worker per core (``VLLM_CPU_OMP_THREADS_BIND=0|1``),
+sharing the two cores with the other engine's worker.
 """
 
 from __future__ import annotations
@@ -26,23 +27,23 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def p_tp1_d_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["p-tp1-d-tp2", "p-tp2-d-tp1"])
+def unequal(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[Engine, Engine]]:
     run_dir = Path(tmp_path_factory.mktemp("unequal-tp"))
     # Three workers on two shared cores: the first handshakes take longer than the default 5 s.
     extra = {**CONNECTOR_EXTRA, "handshake_timeout_s": 60}
     # float32: TP 1 and TP 2 compute the same K and V to the bit (bf16 GEMMs of other shapes
     # may round apart, and a random model's near-tied logits then pick other tokens).
     args = (*CONNECTOR_FLAGS, "--dtype", "float32")
-    with engine_pair(run_dir, extra=extra, engine_args=args, tp=(1, 2)) as (p, d):
+    with engine_pair(run_dir, extra=extra, engine_args=args, tp=request.param) as (p, d):
         pipelined(p, d, "warm up")  # the first request pays the NIXL handshakes
         yield p, d
 
 
-def test_p_tp1_d_tp2_outputs_equal_aggregated_and_kv_moved(
-    p_tp1_d_tp2: tuple[Engine, Engine],
-) -> None:
-    p, d = p_tp1_d_tp2
+def test_outputs_equal_aggregated_and_kv_moved(unequal: tuple[Engine, Engine]) -> None:
+    p, d = unequal
     sent0 = p.metrics().total("vllm:pdr_bytes_written_total")
     recv0 = d.metrics().total("vllm:pdr_bytes_received_total")
     for prompt in PROMPTS:
@@ -51,6 +52,6 @@ def test_p_tp1_d_tp2_outputs_equal_aggregated_and_kv_moved(
         assert res.text == local(d, prompt, max_tokens=16) == local(p, prompt, max_tokens=16)
     written = p.metrics().total("vllm:pdr_bytes_written_total") - sent0
     received = d.metrics().total("vllm:pdr_bytes_received_total") - recv0
-    # P's one worker wrote both halves of every block; D's two workers each received theirs.
+    # Every head P's workers wrote, D's workers received: nothing lost, nothing twice.
     assert written > 0 and written == received
     assert wait_idle(p) and wait_idle(d)
