@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from connector.layout import CacheLayout
 from connector.peers import PeerTable
 from connector.stats import WorkerStats
+from connector.tp_map import TpPlace
 from connector.transport import NixlAgent
 from connector.writer import BlockWriter
 
@@ -42,10 +43,16 @@ class WorkerContext:
     """One rank's shared resources. Single-threaded, like everything on the worker side."""
 
     def __init__(
-        self, agent: NixlAgent, tp_rank: int, timeouts: Timeouts, clock: Callable[[], float]
+        self,
+        agent: NixlAgent,
+        tp_rank: int,
+        timeouts: Timeouts,
+        clock: Callable[[], float],
+        tp: TpPlace | None = None,
     ) -> None:
         self.agent = agent
         self.rank = tp_rank
+        self.tp = tp or TpPlace()  # where this worker sits in the head map (tp_map)
         self.t = timeouts
         self.clock = clock
         self.stats = WorkerStats()

@@ -53,6 +53,10 @@ class CacheLayout:
     block_stride: int
     device_id: int
     mem_type: str
+    # Bytes from one KV head to the next inside a block when the head axis is the block's
+    # outermost (HND layouts: a run of heads is one sub-piece, what unequal TP sizes write);
+    # 0 when it is not (NHD, kernel blocks), so a block cannot be written by head slices.
+    head_bytes: int = 0
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -62,6 +66,7 @@ class CacheLayout:
             "block_stride": self.block_stride,
             "device_id": self.device_id,
             "mem_type": self.mem_type,
+            "head_bytes": self.head_bytes,
         }
 
     @classmethod
@@ -73,12 +78,17 @@ class CacheLayout:
             int(obj["block_stride"]),
             int(obj["device_id"]),
             str(obj["mem_type"]),
+            int(obj.get("head_bytes", 0)),
         )
 
-    def block_rows(self) -> list[Blocks]:
-        """Every block of every layer, one strided row per layer: the list prepared once."""
+    def block_rows(self, part: tuple[int, int] | None = None) -> list[Blocks]:
+        """Every block of every layer, one strided row per layer: the list prepared once.
+        ``part`` (offset, length): only those bytes of each block (a run of heads)."""
+        offset, length = part if part is not None else (0, self.block_bytes)
+        if offset < 0 or length <= 0 or offset + length > self.block_bytes:
+            raise ValueError(f"bytes {offset}+{length} outside a block of {self.block_bytes}")
         return [
-            (base, self.block_bytes, self.device_id, self.block_stride, self.num_blocks)
+            (base + offset, length, self.device_id, self.block_stride, self.num_blocks)
             for base in self.layers
         ]
 
@@ -114,7 +124,22 @@ class CacheLayout:
             _check_inside_storage(t, num_blocks, piece, stride)
         device = max(first.get_device(), 0)
         bases = tuple(int(t.data_ptr()) for t in tensors)
-        return cls(bases, num_blocks, piece, stride, device, mem_type)
+        heads = _head_bytes(first, num_blocks, piece)
+        return cls(bases, num_blocks, piece, stride, device, mem_type, heads)
+
+
+def _head_bytes(t: Any, num_blocks: int, piece: int) -> int:
+    """``CacheLayout.head_bytes`` of view ``t`` (``[B, H, N, C]``) whose block is ``piece``
+    bytes: the head stride if heads are the block's outermost axis, else 0."""
+    if len(t.shape) != 4:  # MLA's [B, N, C]: the latent is the one head
+        return piece
+    heads = int(t.shape[1])
+    if heads == 1:
+        return piece
+    if t.shape[0] != num_blocks:  # kernel blocks: a block holds several runs of the heads
+        return 0
+    head = int(t.stride()[1]) * int(t.element_size())
+    return head if head * heads == piece else 0
 
 
 def _geometry(t: Any, num_blocks: int) -> tuple[int, int]:

@@ -6,9 +6,14 @@ the other's agent metadata from its NIXL listener and push their own, then each 
 soon as it can reach the peer. A link is READY once the peer's HELLO has been checked; it
 carries the peer's KV layout (what P writes into, or a kept turn's D writes into on P).
 
+A worker links to the peer's worker at its own place when both run the same TP size, else to
+the workers ``tp_map`` names (``ensure``'s ``tp_rank``/``tp_size``: the peer's); HELLO carries
+the sender's TP rank, so a link the peer opened reaches back to the right listener.
+
 A HELLO whose ``Compat`` differs (model, layout, attention backend, dtypes, memory type,
-parallel sizes...) is refused: this side logs the differing fields with both engines' values
-and sends them in ``REFUSE``, which the peer logs too.
+parallel sizes the map cannot bridge: ``tp_map.pair_mismatches``) is refused: this side logs
+the differing fields with both engines' values and sends them in ``REFUSE``, which the peer
+logs too.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from connector.address import NixlAddress
 from connector.layout import CacheLayout
 from connector.metadata import Compat, Kind, Message, WorkerRank, encode
+from connector.tp_map import pair_mismatches
 from connector.transport import NixlAgent
 
 __all__ = ["Link", "LinkState", "PeerTable"]
@@ -50,6 +56,8 @@ class Link:
     layout: CacheLayout | None = None
     reason: str = ""
     handshake_s: float = 0.0
+    port: int = 0  # the peer worker's NIXL listener
+    peer_tp: int = 0  # the peer engine's TP size, from its HELLO (0 until then)
 
     @property
     def settled(self) -> bool:
@@ -84,19 +92,27 @@ class PeerTable:
     def get(self, name: str) -> Link | None:
         return self._links.get(name)
 
-    def ensure(self, addr: NixlAddress) -> Link:
-        """The link to ``addr``'s rank, starting the metadata exchange on first use."""
-        name = self._rank.agent_name(addr.engine_id)
+    def ensure(
+        self, addr: NixlAddress, tp_rank: int | None = None, tp_size: int | None = None
+    ) -> Link:
+        """The link to ``addr``'s worker at TP rank ``tp_rank`` of ``tp_size`` (None: ours,
+        the equal-TP pairing), starting the metadata exchange on first use."""
+        peer = WorkerRank(
+            self._rank.tp_rank if tp_rank is None else tp_rank,
+            self._rank.pp_rank,
+            self._rank.tp_size if tp_size is None else tp_size,
+        )
+        name = peer.agent_name(addr.engine_id)
         link = self._links.get(name)
         if link is not None and link.state is LinkState.FAILED:
             del self._links[name]  # a failed peer may have restarted: try again
             link = None
         if link is None:
-            link = Link(name, addr, self._clock())
+            link = Link(name, addr, self._clock(), port=addr.port + peer.index)
             self._links[name] = link
             self._connect(link)
         elif link.addr is None:
-            link.addr = addr
+            link.addr, link.port = addr, addr.port + peer.index
             self._connect(link)
         return link
 
@@ -149,7 +165,7 @@ class PeerTable:
 
     def _connect(self, link: Link) -> None:
         assert link.addr is not None
-        port = link.addr.port + self._rank.index
+        port = link.port
         try:
             self._agent.fetch_remote(link.name, link.addr.host, port)
             self._agent.send_local(link.addr.host, port)
@@ -163,7 +179,15 @@ class PeerTable:
         except (KeyError, TypeError, ValueError) as exc:
             self._refuse(link, f"malformed HELLO: {exc}")
             return
-        bad = self._compat.mismatches(peer, self._agent.name, link.name)
+        mine = self._hello.get("layout") or {}
+        bad = pair_mismatches(
+            self._compat,
+            peer,
+            self._agent.name,
+            link.name,
+            int(mine.get("head_bytes", 0)),
+            layout.head_bytes if layout is not None else 0,
+        )
         if bad:
             # Both engines' vLLM versions beside the fields (the connector pairs releases, but
             # an operator reading one refusal should see what each side runs).
@@ -175,8 +199,10 @@ class PeerTable:
             return
         if layout is not None:
             link.layout = layout
+        link.peer_tp = peer.tp_size
         if link.addr is None and body.get("engine_id") is not None:
-            self.ensure(NixlAddress(str(body["engine_id"]), str(body["host"]), int(body["port"])))
+            addr = NixlAddress(str(body["engine_id"]), str(body["host"]), int(body["port"]))
+            self.ensure(addr, int(body.get("tp_rank", self._rank.tp_rank)), peer.tp_size)
         if not link.hello_sent and self.can_notify(link.name):
             self._send(link, encode(Kind.HELLO, **self._hello))
             link.hello_sent = True

@@ -9,6 +9,10 @@ P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also se
 stops writing). A request vLLM aborted while it waited is reported finished, not failed (vLLM has
 already ended it), after an ``ABORT`` to P.
 
+With P and D of unequal TP sizes a D worker hears every P worker ``tp_map`` names (several
+when P's TP is larger): REG goes to each, and the receive is complete once each has sent DONE
+and all their ``W`` notices have landed.
+
 P pulling a kept turn (``RecvSpec.pull``) is a receive too, with ``PULL`` for ``REG`` and the
 kept turn's D writing. A pull that fails is reported finished, with its blocks among the
 load errors (``invalid_blocks``): vLLM computes from the first of them on (with
@@ -18,13 +22,14 @@ load errors (``invalid_blocks``): vLLM computes from the first of them on (with
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from connector.address import NixlAddress
 from connector.context import WorkerContext
 from connector.metadata import Kind, RecvSpec, encode
 from connector.peers import Link, LinkState
+from connector.tp_map import TpMapError
 
 __all__ = ["Receiver"]
 
@@ -35,13 +40,20 @@ log = logging.getLogger(f"vllm.{__name__}")
 @dataclass(slots=True)
 class _Recv:
     spec: RecvSpec
-    link: str
+    links: list[str]  # the P workers that write this worker's blocks (tp_map.sources)
     started: float
-    reg_sent: bool = False
+    peer_tp: int = 0  # P's TP size the map assumed; 0: the same as ours
+    reg_sent: set[str] = field(default_factory=set)
     writes_seen: int = 0
-    expected: int | None = None  # from DONE
+    expected: int = 0  # the sum of the DONEs' counts
+    done_from: set[str] = field(default_factory=set)
     failed: bool = False
     finished: bool = False
+
+    @property
+    def link(self) -> str:
+        """The first source (the only one where P and D run the same TP size)."""
+        return self.links[0]
 
 
 class Receiver:
@@ -62,18 +74,28 @@ class Receiver:
 
     def start(self, spec: RecvSpec) -> None:
         """Begin a receive: connect to P and register the blocks as soon as the link allows."""
-        link = self._ctx.peers.ensure(spec.peer)
-        recv = _Recv(spec, link.name, self._ctx.clock())
+        try:
+            links, error = self._sources(spec), ""
+        except TpMapError as exc:
+            links, error = [spec.peer.engine_id], str(exc)
+        recv = _Recv(spec, links, self._ctx.clock(), 0 if spec.pull else spec.peer.tp_size)
         self._recvs[spec.req_id] = recv
         self._by_tid[spec.tid] = recv
+        if error:
+            self._fail(recv, "refused", error, notify=False)
+            return
         self._try_register(recv)
 
     def decode_aborted(self, req_id: str, tid: str, peer: NixlAddress) -> None:
         """vLLM aborted D's request: ABORT to P (even for a receive never started here)."""
         recv = self._recvs.get(req_id)
         if recv is None:
-            link = self._ctx.peers.ensure(peer)
-            self._ctx.notice(link.name, encode(Kind.ABORT, tid, reason="aborted"))
+            try:
+                names = self._sources(RecvSpec(req_id, tid, peer, 0, [], 0))
+            except TpMapError:
+                names = []  # P's own map refuses the same sizes
+            for name in names:
+                self._ctx.notice(name, encode(Kind.ABORT, tid, reason="aborted"))
             return
         if not recv.finished:
             self._fail(
@@ -90,11 +112,12 @@ class Receiver:
             recv.writes_seen += 1
             self._maybe_complete(recv)
 
-    def on_done(self, tid: str, body: dict[str, Any]) -> None:
-        """P posted all ``body["writes"]`` WRITEs of ``tid``."""
+    def on_done(self, peer: str, tid: str, body: dict[str, Any]) -> None:
+        """P worker ``peer`` posted all its ``body["writes"]`` WRITEs of ``tid``."""
         recv = self._by_tid.get(tid)
-        if recv is not None:
-            recv.expected = int(body.get("writes", 0))
+        if recv is not None and peer not in recv.done_from:
+            recv.done_from.add(peer)
+            recv.expected += int(body.get("writes", 0))
             self._maybe_complete(recv)
 
     def on_fail(self, tid: str, reason: str) -> None:
@@ -106,7 +129,7 @@ class Receiver:
     def on_link_settled(self, link: Link) -> None:
         """Register (or fail) the receives that waited for ``link``."""
         for recv in list(self._recvs.values()):
-            if recv.link == link.name:
+            if link.name in recv.links:
                 self._try_register(recv)
 
     # -- once per step --------------------------------------------------------------------------
@@ -141,27 +164,52 @@ class Receiver:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _sources(self, spec: RecvSpec) -> list[str]:
+        """The agents of the P workers that write this worker for ``spec``: the one at our
+        place where P's TP size is ours (``tp_size`` 0: unnamed, ours; and every pull), else
+        those ``tp_map`` names. Raises ``TpMapError`` when the sizes do not map."""
+        tp, peer = self._ctx.tp, spec.peer
+        if spec.pull or peer.tp_size in (0, tp.size):
+            return [self._ctx.peers.ensure(peer).name]
+        return [
+            self._ctx.peers.ensure(peer, r, peer.tp_size).name for r in tp.sources(peer.tp_size)
+        ]
+
     def _try_register(self, recv: _Recv) -> None:
-        link = self._ctx.peers.get(recv.link)
-        if recv.reg_sent or recv.finished or link is None:
-            return
-        if link.state is LinkState.READY:
-            spec = recv.spec
-            kind = Kind.PULL if spec.pull else Kind.REG
-            self._ctx.notice(
-                link.name, encode(kind, spec.tid, start=spec.start_block, blocks=spec.block_ids)
-            )
-            recv.reg_sent = True
-            log.debug(
-                "pd-connector: REG %s sent %.1f ms after the receive began",
-                spec.tid,
-                1000 * (self._ctx.clock() - recv.started),
-            )
-        elif link.settled:
-            self._fail(recv, link.failure_kind, link.reason, notify=False)
+        for name in recv.links:
+            link = self._ctx.peers.get(name)
+            if name in recv.reg_sent or recv.finished or link is None:
+                continue
+            if link.state is LinkState.READY:
+                expected = recv.peer_tp or self._ctx.tp.size
+                if link.peer_tp and link.peer_tp != expected:
+                    reason = (
+                        f"{link.name} runs tensor-parallel size {link.peer_tp}, the request"
+                        f" named {expected}: set tp_size for both engines in the router's config"
+                    )
+                    self._fail(recv, "refused", reason, notify=True)
+                    return
+                spec = recv.spec
+                kind = Kind.PULL if spec.pull else Kind.REG
+                self._ctx.notice(
+                    link.name,
+                    encode(kind, spec.tid, start=spec.start_block, blocks=spec.block_ids),
+                )
+                recv.reg_sent.add(name)
+                log.debug(
+                    "pd-connector: REG %s to %s sent %.1f ms after the receive began",
+                    spec.tid,
+                    name,
+                    1000 * (self._ctx.clock() - recv.started),
+                )
+            elif link.settled:
+                self._fail(recv, link.failure_kind, link.reason, notify=True)
+                return
 
     def _maybe_complete(self, recv: _Recv) -> None:
-        if recv.finished or recv.expected is None or recv.writes_seen < recv.expected:
+        if recv.finished or len(recv.done_from) < len(recv.links):
+            return
+        if recv.writes_seen < recv.expected:
             return
         recv.finished = True
         log.debug(
@@ -194,4 +242,7 @@ class Receiver:
             "pd-connector: receive %s (tid %s) failed: %s", recv.spec.req_id, recv.spec.tid, reason
         )
         if notify:
-            self._ctx.notice(recv.link, encode(Kind.ABORT, recv.spec.tid, reason=reason))
+            for name in recv.links:  # not those that failed or refused: they are gone
+                link = self._ctx.peers.get(name)
+                if link is not None and link.state in (LinkState.READY, LinkState.CONNECTING):
+                    self._ctx.notice(name, encode(Kind.ABORT, recv.spec.tid, reason=reason))

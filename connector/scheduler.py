@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from connector.address import NixlAddress
@@ -76,6 +76,8 @@ class TransferParams:
                 params,
             )
             return None
+        if "tp_size" not in params:  # the router names the peer's TP only where it differs
+            peer = replace(peer, tp_size=0)  # 0: the same as this engine's
         is_prefill = bool(params.get("do_remote_decode"))
         keep = params.get("keep_turn")
         keep_id = None

@@ -16,6 +16,13 @@ P gives up with ``FAIL`` to D on its request's abort or error, on the registrati
 on a WRITE error or timeout; after D's ``ABORT`` it just stops writing. For ``memory_s`` it
 remembers tids it holds no send for: an early REG (used when the send starts), an ABORT (the send
 starts failed), and a tid it gave up on (a REG arriving later is answered ``FAIL`` at once).
+
+A request's send is one ``_Send`` per D worker it writes (``tp_map``): one, the D worker at
+this worker's place, where P and D run the same TP size; with unequal sizes each D worker the
+map names, each with its own REG, WRITEs of its run of heads (``part``) and DONE. The request
+is reported finished once all of them are settled and drained; a worker the map gives nothing
+to write (MLA with P's TP larger: another P worker holds the same latent) reports it finished
+once vLLM has.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from connector.context import WorkerContext
 from connector.metadata import Kind, SendSpec, encode
 from connector.peers import Link, LinkState
 from connector.readiness import Mark
+from connector.tp_map import TpMapError, byte_part
 
 __all__ = ["Sender"]
 
@@ -52,6 +60,8 @@ class _Send:
     tid: str
     link: str
     started: float
+    part: tuple[int, int, int] | None = None  # bytes of each block written (tp_map.byte_part)
+    peer_tp: int = 0  # the D engine's TP size the map assumed; 0: the same as ours
     queued: list[_Queued] = field(default_factory=list)
     step: tuple[int, list[int]] | None = None  # this step's (first logical block, local ids)
     saved: set[int] = field(default_factory=set)  # layers of this step seen by save_layer
@@ -80,17 +90,19 @@ class Sender:
     def __init__(self, ctx: WorkerContext, per_layer: bool = True) -> None:
         self._ctx = ctx
         self.per_layer = per_layer
-        self._sends: dict[str, _Send] = {}
-        self._by_tid: dict[str, _Send] = {}
-        self._early_regs: dict[str, tuple[str, dict[str, Any], float]] = {}  # D agent, body, at
-        self._aborted_tids: dict[str, float] = {}  # D aborted before P started
+        self._sends: dict[tuple[str, str], _Send] = {}  # (req id, D agent) -> send
+        self._by_tid: dict[tuple[str, str], _Send] = {}  # (tid, D agent) -> send
+        self._reqs: dict[str, list[_Send]] = {}  # req id -> its sends, one per D worker
+        self._nothing: set[str] = set()  # req ids this worker has nothing to write for
+        self._early_regs: dict[tuple[str, str], tuple[dict[str, Any], float]] = {}
+        self._aborted_tids: dict[tuple[str, str], float] = {}  # D aborted before P started
         self._failed_tids: dict[str, float] = {}  # given up on, answered at once
         self._finished_reqs: set[str] = set()  # finished by vLLM, not yet reported
 
     @property
     def busy(self) -> bool:
         """True while any send holds blocks (not yet reported finished)."""
-        return bool(self._sends)
+        return bool(self._reqs or self._nothing)
 
     @property
     def stepping(self) -> bool:
@@ -100,35 +112,46 @@ class Sender:
 
     def knows(self, tid: str) -> bool:
         """True once P holds a send or an early REG for ``tid``."""
-        return tid in self._by_tid or tid in self._early_regs
+        return any(t == tid for t, _ in self._by_tid) or any(t == tid for t, _ in self._early_regs)
 
     # -- the scheduler's plan -------------------------------------------------------------------
 
     def plan(self, spec: SendSpec) -> None:
         """Take this step's blocks of a send, starting the send on its first spec."""
-        send = self._sends.get(spec.req_id)
-        if send is None:
-            send = self._start(spec)
+        sends = self._reqs.get(spec.req_id)
+        if sends is None:
+            if spec.req_id in self._nothing:
+                return
+            sends = self._start(spec)
         elif spec.first_block == 0:
             # Resumed after preemption: queued layers may name blocks vLLM has since freed and
             # reused. Everything is planned again from block 0.
-            send.queued.clear()
-        send.step = (spec.first_block, spec.block_ids)
-        send.step_final = spec.final
-        send.num_tokens = spec.num_tokens
+            for send in sends:
+                send.queued.clear()
+        for send in sends:
+            send.step = (spec.first_block, spec.block_ids)
+            send.step_final = spec.final
+            send.num_tokens = spec.num_tokens
 
     def prefill_failed(self, req_id: str, tid: str, peer: NixlAddress) -> None:
         """P's request was aborted or failed: FAIL to D, even if no send was ever planned."""
-        send = self._sends.get(req_id)
-        if send is not None:
-            self._fail(send, "prefill_abort", "prefill request aborted or failed")
+        sends = self._reqs.get(req_id)
+        if sends:
+            for send in sends:
+                self._fail(send, "prefill_abort", "prefill request aborted or failed")
             return
-        link = self._ctx.peers.ensure(peer)  # never scheduled here: notify D all the same
+        if req_id in self._nothing:
+            return
         self._ctx.stats.failure("prefill_abort")
         self._failed_tids[tid] = self._ctx.clock()
-        self._ctx.notice(
-            link.name, encode(Kind.FAIL, tid, reason="prefill request aborted or failed")
-        )
+        try:
+            names = [name for name, _, _ in self._targets(peer)]
+        except TpMapError:
+            names = []  # D's own map refuses the same sizes and ends its receive
+        for name in names:  # never scheduled here: notify D all the same
+            self._ctx.notice(
+                name, encode(Kind.FAIL, tid, reason="prefill request aborted or failed")
+            )
 
     # -- the forward ----------------------------------------------------------------------------
 
@@ -183,24 +206,24 @@ class Sender:
 
     def on_reg(self, peer: str, tid: str, body: dict[str, Any]) -> None:
         """D's REG from agent ``peer``: its blocks for ``tid``; kept if the send has not started."""
-        send = self._by_tid.get(tid)
+        send = self._by_tid.get((tid, peer))
         if send is None and tid in self._failed_tids:
             self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="prefill already failed"))
             return
         if send is None:
-            self._early_regs[tid] = (peer, body, self._ctx.clock())
+            self._early_regs[(tid, peer)] = (body, self._ctx.clock())
             return
-        send.link = peer
         send.reg = (int(body["start"]), [int(b) for b in body["blocks"]])
         self._flush(send)
         self._maybe_done(send)
 
-    def on_abort(self, tid: str) -> None:
-        """D's ABORT: stop writing ``tid`` (or start it failed, if it has not started)."""
-        send = self._by_tid.get(tid)
+    def on_abort(self, peer: str, tid: str) -> None:
+        """D worker ``peer``'s ABORT: stop writing ``tid`` there (or start it failed, if it has
+        not started)."""
+        send = self._by_tid.get((tid, peer))
         if send is None:
-            self._aborted_tids[tid] = self._ctx.clock()
-            self._early_regs.pop(tid, None)
+            self._aborted_tids[(tid, peer)] = self._ctx.clock()
+            self._early_regs.pop((tid, peer), None)
         else:
             self._fail(send, "decode_abort", "D aborted the transfer", notify=False)
 
@@ -219,7 +242,7 @@ class Sender:
 
     def note_finished(self, req_ids: set[str]) -> None:
         """vLLM finished these requests; only ours are kept (all ids would grow without bound)."""
-        self._finished_reqs |= req_ids & self._sends.keys()
+        self._finished_reqs |= req_ids & (self._reqs.keys() | self._nothing)
 
     def check_writes(self) -> None:
         """Check in-flight WRITEs: a completed one releases its W notice to D when checked
@@ -236,22 +259,31 @@ class Sender:
         for send in list(self._sends.values()):
             self._check_handles(send, now)
             self._check_reg_timeout(send, now)
+        for req_id, sends in list(self._reqs.items()):
             # DONE waits for an empty queue and a failure empties it: settled, nothing is queued.
-            settled = send.failed or send.done_sent
-            if send.req_id in self._finished_reqs and settled and not send.handles:
-                done.add(send.req_id)
-                self._drop(send)
+            drained = all((s.failed or s.done_sent) and not s.handles for s in sends)
+            if req_id in self._finished_reqs and drained:
+                done.add(req_id)
+                for send in sends:
+                    self._drop(send)
+                del self._reqs[req_id]
+                self._finished_reqs.discard(req_id)
+        for req_id in self._nothing & self._finished_reqs:
+            done.add(req_id)
+            self._nothing.discard(req_id)
+            self._finished_reqs.discard(req_id)
         return done
 
     def expire_memory(self) -> None:
         """Forget tids older than ``memory_s``; an unclaimed REG gets a FAIL so D stops waiting."""
         cutoff = self._ctx.clock() - self._ctx.t.memory_s
-        for tid in [t for t, (_, _, at) in self._early_regs.items() if at < cutoff]:
-            peer = self._early_regs.pop(tid)[0]
+        for tid, peer in [k for k, (_, at) in self._early_regs.items() if at < cutoff]:
+            del self._early_regs[(tid, peer)]
             self._ctx.notice(peer, encode(Kind.FAIL, tid, reason="no prefill request for this tid"))
-        for memory in (self._aborted_tids, self._failed_tids):
-            for tid in [t for t, at in memory.items() if at < cutoff]:
-                del memory[tid]
+        for key in [k for k, at in self._aborted_tids.items() if at < cutoff]:
+            del self._aborted_tids[key]
+        for tid in [t for t, at in self._failed_tids.items() if at < cutoff]:
+            del self._failed_tids[tid]
 
     def shutdown(self) -> None:
         """Fail every send, so each D frees its blocks now."""
@@ -260,17 +292,56 @@ class Sender:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start(self, spec: SendSpec) -> _Send:
-        link = self._ctx.peers.ensure(spec.peer)
-        send = _Send(spec.req_id, spec.tid, link.name, self._ctx.clock())
-        self._sends[spec.req_id] = send
-        self._by_tid[spec.tid] = send
-        if self._aborted_tids.pop(send.tid, None) is not None:
-            self._fail(send, "decode_abort", "D aborted before P started", notify=False)
-        early = self._early_regs.pop(send.tid, None)
-        if early is not None:
-            self.on_reg(early[0], send.tid, early[1])
-        return send
+    def _start(self, spec: SendSpec) -> list[_Send]:
+        """One send per D worker this worker writes (none: the request is only reported)."""
+        try:
+            targets = self._targets(spec.peer)
+        except TpMapError as exc:
+            log.error("pd-connector: send %s (tid %s): %s", spec.req_id, spec.tid, exc)
+            self._ctx.stats.failure("refused")
+            targets = []
+        if not targets:
+            self._nothing.add(spec.req_id)
+            return []
+        now = self._ctx.clock()
+        sends = [
+            _Send(spec.req_id, spec.tid, name, now, part, spec.peer.tp_size)
+            for name, part, _ in targets
+        ]
+        self._reqs[spec.req_id] = sends
+        for send in sends:
+            self._sends[(send.req_id, send.link)] = send
+            self._by_tid[(send.tid, send.link)] = send
+            if self._aborted_tids.pop((send.tid, send.link), None) is not None:
+                self._fail(send, "decode_abort", "D aborted before P started", notify=False)
+            early = self._early_regs.pop((send.tid, send.link), None)
+            if early is not None:
+                self.on_reg(send.link, send.tid, early[0])
+        return sends
+
+    def _targets(self, peer: NixlAddress) -> list[tuple[str, tuple[int, int, int] | None, int]]:
+        """(D agent, bytes of each block, D rank) for each D worker this worker writes:
+        the one at our place where D's TP size is ours (``peer.tp_size`` 0: unnamed, ours);
+        else those ``tp_map`` names. Raises ``TpMapError`` when the sizes do not map."""
+        tp = self._ctx.tp
+        if peer.tp_size in (0, tp.size):
+            return [(self._ctx.peers.ensure(peer).name, None, tp.rank)]
+        layout = self._ctx.layout
+        block = layout.block_bytes if layout is not None else 0
+        # MLA: the latent is written whole, one "head" the size of the block.
+        head_bytes = block if tp.mla else layout.head_bytes if layout is not None else 0
+        if not head_bytes:
+            raise TpMapError(
+                "this engine's KV cache layout has no head axis outermost in a block, so it"
+                " cannot write the head slices unequal tensor-parallel sizes need"
+                " (VLLM_KV_CACHE_LAYOUT=LBHNC or BLHNC)"
+            )
+        out: list[tuple[str, tuple[int, int, int] | None, int]] = []
+        for s in tp.targets(peer.tp_size):
+            d_block = head_bytes * (1 if tp.mla else tp.total_heads // peer.tp_size)
+            link = self._ctx.peers.ensure(peer, s.d_rank, peer.tp_size)
+            out.append((link.name, byte_part(s, head_bytes, block, d_block), s.d_rank))
+        return out
 
     def _stepping(self) -> list[_Send]:
         return [s for s in self._sends.values() if s.step is not None and not s.failed]
@@ -285,6 +356,15 @@ class Sender:
             return
         if link.layout is None:
             self._fail(send, "refused", f"peer {link.name} sent no KV layout")
+            return
+        expected = send.peer_tp or self._ctx.tp.size
+        if link.peer_tp and link.peer_tp != expected:
+            self._fail(
+                send,
+                "refused",
+                f"{link.name} runs tensor-parallel size {link.peer_tp}, the request named"
+                f" {expected}: set tp_size for both engines in the router's config",
+            )
             return
         ready: list[_Queued] = []
         waiting: list[_Queued] = []
@@ -304,7 +384,8 @@ class Sender:
         assert link.layout is not None
         writer = self._ctx.writer  # descriptor lists prepared once: only indices per WRITE
         try:
-            handle = writer.write(link.name, link.layout, layer, src, dst, encode(Kind.W, send.tid))
+            notif = encode(Kind.W, send.tid)
+            handle = writer.write(link.name, link.layout, layer, src, dst, notif, send.part)
         except Exception as exc:
             self._fail(send, "write_error", f"posting WRITE failed: {exc}")
             return
@@ -312,7 +393,7 @@ class Sender:
         send.first_post = send.first_post or now
         send.handles.append((handle, now))
         send.writes += 1
-        self._ctx.stats.wrote(writer.bytes_of(len(src)))
+        self._ctx.stats.wrote(writer.bytes_of(len(src), send.part[2] if send.part else None))
 
     def _maybe_done(self, send: _Send) -> None:
         """DONE once the prompt is complete, D's blocks are known and every WRITE is posted."""
@@ -372,9 +453,8 @@ class Sender:
     def _drop(self, send: _Send) -> None:
         if send.failed:
             self._failed_tids[send.tid] = self._ctx.clock()
-        self._sends.pop(send.req_id, None)
-        self._by_tid.pop(send.tid, None)
-        self._finished_reqs.discard(send.req_id)
+        self._sends.pop((send.req_id, send.link), None)
+        self._by_tid.pop((send.tid, send.link), None)
 
 
 def _close_step(send: _Send, step: tuple[int, list[int]], mark: Mark, layers: int) -> None:

@@ -54,6 +54,7 @@ from connector.readiness import Readiness, readiness_for
 from connector.receiver import Receiver
 from connector.sender import Sender
 from connector.stats import WorkerStats
+from connector.tp_map import TpPlace
 from connector.transport import NixlAgent
 from connector.writer import BlockWriter
 
@@ -109,7 +110,10 @@ class WorkerSide:
         device (``layout.memory_type``; None: the cache's)."""
         self._rank = WorkerRank(tp_rank, pp_rank, int(compat_fields.get("tp_size", 1)))
         self._kv_buffer_device = kv_buffer_device
-        self._ctx = WorkerContext(agent, self._rank.index, timeouts, clock)
+        mla = bool(compat_fields.get("use_mla", False))
+        heads = 1 if mla else int(compat_fields.get("num_kv_heads", 1)) * self._rank.tp_size
+        tp = TpPlace(tp_rank, self._rank.tp_size, heads, mla)
+        self._ctx = WorkerContext(agent, self._rank.index, timeouts, clock, tp)
         self._sender = Sender(self._ctx)
         self._write_per_layer = write_per_layer  # applied once the cache's memory is known
         self._receiver = Receiver(self._ctx)
@@ -177,6 +181,7 @@ class WorkerSide:
             "compat": dataclasses.asdict(compat),
             "layout": layout.to_wire(),
             "vllm_version": vllm_version(),
+            "tp_rank": self._rank.tp_rank,  # where a peer reaches back (unequal TP sizes)
             **self._address,
         }
         peers = PeerTable(ctx.agent, self._rank, hello, compat, ctx.t.handshake_s, ctx.clock)
@@ -339,11 +344,11 @@ class WorkerSide:
             case Kind.ABORT if self._keeper.knows(msg.tid):
                 self._keeper.on_abort(peer, msg.tid)
             case Kind.ABORT:
-                self._sender.on_abort(msg.tid)
+                self._sender.on_abort(peer, msg.tid)
             case Kind.W:
                 self._receiver.on_write(msg.tid)
             case Kind.DONE:
-                self._receiver.on_done(msg.tid, msg.body)
+                self._receiver.on_done(peer, msg.tid, msg.body)
             case Kind.FAIL if self._asker.knows(msg.tid):
                 self._asker.on_fail(msg.tid, str(msg.body.get("reason", "")))
             case Kind.FAIL:

@@ -193,8 +193,9 @@ class DecodeInstanceConfig(_InstanceConfig):
     engine_id: str | None = None  # pipelined mode: D's NIXL identity, sent to P
     kv_host: str | None = None
     kv_port: int | None = Field(default=None, ge=1, le=65535)
-    # Pipelined mode with data_parallel_size above 1: this project's connector offsets each
-    # rank's side-channel port by its TP x PP workers (connector/metadata.py).
+    # Pipelined mode: sent to P where they differ from P's (the connector maps KV heads); with
+    # data_parallel_size above 1, each rank's side-channel port is offset by its TP x PP
+    # workers (connector/metadata.py).
     tp_size: int = Field(default=1, ge=1)
     pp_size: int = Field(default=1, ge=1)
 

@@ -270,10 +270,14 @@ class Pipelined(_Defaults):
         return True
 
     def prefill_params(self, pair: Pair) -> dict[str, Any]:
-        return dict(pp.prefill_params(pair.ids.transfer_id, _address(pair.decode)))
+        return dict(
+            pp.prefill_params(pair.ids.transfer_id, _address(pair.decode), _address(pair.prefill))
+        )
 
     def decode_params(self, pair: Pair, p_params: dict[str, Any] | None) -> dict[str, Any]:
-        return dict(pp.decode_params(pair.ids.transfer_id, _address(pair.prefill)))
+        return dict(
+            pp.decode_params(pair.ids.transfer_id, _address(pair.prefill), _address(pair.decode))
+        )
 
 
 def plans(settler: Settler, on_push_fallback: Callable[[str], None]) -> dict[Decision, Plan]:

@@ -83,8 +83,10 @@ def engine_pair(
     extra: dict[str, Any] | None = None,
     engine_args: tuple[str, ...] = (),
     startup_timeout_s: float = 420.0,
+    tp: tuple[int, int] = (1, 1),
 ) -> Iterator[tuple[Engine, Engine]]:
-    """Start P (core 0) and D (core 1); always stops both (process groups) on exit."""
+    """Start P (core 0) and D (core 1); always stops both (process groups) on exit. ``tp``:
+    P's and D's tensor-parallel sizes; an engine at TP 2 runs a worker on each core."""
     model_path = tiny_model.ensure_model(variant)
     per_token = tiny_model.kv_bytes_per_token(model_path)
     opts = eng.EngineOptions(
@@ -93,28 +95,30 @@ def engine_pair(
         kv_cache_bytes=eng.kv_cache_bytes_for(per_token, max_model_len),
     )
     http = pick_ports(2, HTTP_PORTS)
-    kv = pick_ports(2, KV_PORTS)
+    kv = pick_ports(2, range(KV_PORTS.start, KV_PORTS.stop, 4))  # room for 4 workers each
     tag = uuid.uuid4().hex[:6]
     engines: list[Engine] = []
     try:
         for i, (name, role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
             engine_id = f"{name}-{tag}"
             cfg = connector_config(role, engine_id, kv[i], connector, extra)
+            sizes = ("--tensor-parallel-size", str(tp[i])) if tp[i] > 1 else ()
             spec = eng.EngineSpec(
                 f"{name}-0",
                 "prefill" if i == 0 else "decode",
                 http[i],
-                i,
+                i if tp[i] == 1 else "|".join(str(c) for c in range(tp[i])),
                 None,
                 kv[i],
                 engine_id,
-                ("--kv-transfer-config", cfg, *engine_args),
+                ("--kv-transfer-config", cfg, *sizes, *engine_args),
             )
             env = eng.engine_env(spec, os.environ)
             proc = ManagedProcess(
                 spec.name, eng.engine_argv(spec, opts), env, run_dir / f"{spec.name}.log"
             )
-            engines.append(Engine(spec, proc, NixlAddress(engine_id, eng.LOCALHOST, kv[i])))
+            identity = NixlAddress(engine_id, eng.LOCALHOST, kv[i], tp_size=tp[i])
+            engines.append(Engine(spec, proc, identity))
         _wait_healthy(engines, startup_timeout_s)
         yield engines[0], engines[1]
     finally:
@@ -178,10 +182,11 @@ def pipelined(
     """Both legs at once, the way the router's pipelined mode sends them; D streams."""
     xid, tid = uuid.uuid4().hex, f"xfer-{uuid.uuid4().hex}"
     headers = {"X-Request-Id": xid}
-    p_body = {**completion_body(prompt, 1), "kv_transfer_params": prefill_params(tid, d.identity)}
+    p_params = prefill_params(tid, d.identity, p.identity)  # sizes only where they differ
+    p_body = {**completion_body(prompt, 1), "kv_transfer_params": p_params}
     d_body = {
         **completion_body(prompt, max_tokens, stream=True),
-        "kv_transfer_params": decode_params(tid, p.identity),
+        "kv_transfer_params": decode_params(tid, p.identity, d.identity),
     }
     own = pool is None
     pool = pool or cf.ThreadPoolExecutor(1)

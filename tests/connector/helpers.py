@@ -32,21 +32,24 @@ class Clock(fakes_clock.Clock):
         super().__init__(now)
 
 
-def kv_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
+def kv_caches(
+    fill: float | None = None, heads: int = HEADS, seed: int = 7
+) -> dict[str, torch.Tensor]:
     """The KV cache as vLLM 0.32's CPU worker hands it over: one buffer, one ``[B, H, N, C]``
     view per layer in the ``LBHNC`` layout (the only one its CPU attention reads; C is K then
-    V of one head at one token). Random contents unless ``fill`` is given."""
+    V of one head at one token), ``heads`` KV heads. Random contents from ``seed`` unless
+    ``fill`` is given."""
     import torch  # lazily: the pure scheduler tests must run without the engine extra
 
     from tests.connector.layouts import strided_caches
 
-    caches = strided_caches("LBHNC", LAYERS, BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    caches = strided_caches("LBHNC", LAYERS, BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_SIZE)
     buffer = next(iter(caches.values())).untyped_storage()
     flat = torch.empty(0, dtype=torch.float32).set_(buffer)
     if fill is not None:
         flat.fill_(fill)
     else:
-        flat.copy_(torch.rand(flat.shape, generator=torch.Generator().manual_seed(7)))
+        flat.copy_(torch.rand(flat.shape, generator=torch.Generator().manual_seed(seed)))
     return caches
 
 

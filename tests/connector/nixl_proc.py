@@ -21,24 +21,28 @@ def serve(
     fill: float | None,
     timeouts: dict[str, float],
     compat: dict[str, Any],
+    tp_rank: int = 0,
+    seed: int = 7,
 ) -> None:
+    """One worker: TP rank ``tp_rank`` of ``addr``'s engine (listening on its port plus the
+    rank), with ``compat["num_kv_heads"]`` heads, random from ``seed`` unless ``fill``."""
     import torch
 
     from connector.transport import RealNixlAgent
     from connector.worker import Timeouts, WorkerSide
-    from tests.connector.helpers import BLOCKS, compat_fields, kv_caches
+    from tests.connector.helpers import BLOCKS, HEADS, compat_fields, kv_caches
 
-    agent = RealNixlAgent(agent_name(addr.engine_id, 0), addr.port)
+    agent = RealNixlAgent(agent_name(addr.engine_id, tp_rank), addr.port + tp_rank)
     worker = WorkerSide(
         agent,
         engine_id=addr.engine_id,
-        tp_rank=0,
+        tp_rank=tp_rank,
         host=addr.host,
         port=addr.port,
         compat_fields=compat_fields(**compat),
         timeouts=Timeouts(**timeouts),
     )
-    caches = kv_caches(fill)
+    caches = kv_caches(fill, int(compat.get("num_kv_heads", HEADS)), seed)
     worker.register_kv_caches(caches, BLOCKS, "DRAM")
     finished: set[str] = set()
     conn.send("ready")

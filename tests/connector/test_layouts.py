@@ -487,3 +487,27 @@ def test_fake_agents_refuse_lists_outside_registered_memory() -> None:
         agent.prep_blocks(None, [(4096, 128, 0, 128, 9)], "DRAM")
     with pytest.raises(RuntimeError, match="registered"):
         agent.prep_blocks(None, [(4096, 128, 0, 128, 8)], "VRAM")
+
+
+@pytest.mark.parametrize(
+    ("layout", "ratio", "heads_outermost"),
+    [
+        ("LBHNC", 1, True),
+        ("BLHNC", 1, True),
+        ("LBNHC", 1, False),
+        ("BLNHC", 1, False),
+        ("LBHNC", 2, False),
+    ],
+)
+def test_head_bytes_only_where_a_run_of_heads_is_one_piece(
+    layout: str, ratio: int, heads_outermost: bool
+) -> None:
+    """Unequal TP sizes write runs of heads: possible only where the head axis is a block's
+    outermost (HND layouts without kernel blocks); else ``head_bytes`` is 0."""
+    caches = strided_caches(layout, 2, 4, 4, 8, 6, kernel_ratio=ratio)
+    lay = CacheLayout.from_tensors(list(caches.values()), 4, "DRAM")
+    assert lay.head_bytes == (lay.block_bytes // 4 if heads_outermost else 0)
+    one = strided_caches(layout, 2, 4, 1, 8, 6)  # one head (MLA's latent): the whole block
+    assert (
+        CacheLayout.from_tensors(list(one.values()), 4, "DRAM").head_bytes == lay.block_bytes // 4
+    )

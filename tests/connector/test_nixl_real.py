@@ -38,12 +38,13 @@ class Proc:
         fill: float | None,
         timeouts: dict[str, float],
         compat: dict[str, Any],
+        tp_rank: int = 0,
+        seed: int = 7,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=nixl_proc.serve, args=(child, addr, fill, timeouts, compat), daemon=True
-        )
+        args = (child, addr, fill, timeouts, compat, tp_rank, seed)
+        self.proc = ctx.Process(target=nixl_proc.serve, args=args, daemon=True)
         self.proc.start()
         child.close()  # only the child holds its end now: its exit reads as EOF here at once
         try:

@@ -89,7 +89,7 @@ def test_compat_lists_each_mismatch_with_both_engines_values() -> None:
 
 
 def test_layout_travels_in_hello_unchanged() -> None:
-    lay = CacheLayout((4096, 8192), 8, 256, 768, 1, "VRAM")
+    lay = CacheLayout((4096, 8192), 8, 256, 768, 1, "VRAM", 128)
     assert CacheLayout.from_wire(json.loads(json.dumps(lay.to_wire()))) == lay
 
 
@@ -101,3 +101,47 @@ def test_router_params_carry_the_other_engine() -> None:
     assert NixlAddress.from_params(pp) == NixlAddress("decode-0", "10.0.0.2", 6700)
     assert NixlAddress.from_params(dp) == NixlAddress("prefill-0", "10.0.0.1", 6600)
     assert pp["transfer_id"] == dp["transfer_id"] == "x1"
+
+
+def test_router_params_name_the_other_engines_sizes_only_where_they_differ() -> None:
+    """Equal sizes (both at the default too) send what they always did, and the connector
+    takes the other engine's size for its own; unequal ones name it (the head map needs it)."""
+    from connector.scheduler import TransferParams
+
+    d1 = NixlAddress("decode-0", "10.0.0.2", 6700)
+    p1 = NixlAddress("prefill-0", "10.0.0.1", 6600)
+    same = prefill_params("x1", d1, p1)
+    assert "tp_size" not in same and same == prefill_params("x1", d1)
+    parsed = TransferParams.parse("r1", same)
+    assert parsed is not None and parsed.peer.tp_size == 0  # 0: the same as this engine's
+    d2 = NixlAddress("decode-0", "10.0.0.2", 6700, tp_size=2)
+    to_p, to_d = prefill_params("x1", d2, p1), decode_params("x1", p1, d2)
+    assert (to_p["tp_size"], to_d["tp_size"]) == (2, 1)
+    parsed_p, parsed_d = TransferParams.parse("r1", to_p), TransferParams.parse("r2", to_d)
+    assert parsed_p is not None and parsed_p.peer == d2
+    assert parsed_d is not None and parsed_d.peer == p1
+
+
+def test_unequal_tp_sizes_pair_when_their_heads_map() -> None:
+    from connector.tp_map import pair_mismatches
+
+    p = _compat(num_kv_heads=4, block_bytes=4096)  # TP 1: 4 heads of 1024 B a block
+    d = _compat(tp_size=2, num_kv_heads=2, block_bytes=2048)
+    assert pair_mismatches(p, d, "p", "d", 1024, 1024) == []
+    assert pair_mismatches(p, p, "p", "d", 0, 0) == []  # equal sizes: Compat's check alone
+    bad = pair_mismatches(
+        p, _compat(tp_size=2, num_kv_heads=2, block_bytes=4096), "p", "d", 1024, 2048
+    )
+    assert bad == ["bytes per KV head of a block: p=1024 d=2048"]
+    bad = pair_mismatches(p, _compat(tp_size=3, num_kv_heads=2, block_bytes=2048), "p", "d", 1, 1)
+    assert bad[0].startswith("tp_size: p=1 d=3: 4 KV heads do not divide among 3 workers")
+    assert "KV heads in all (per worker x TP): p=4 d=6" in bad[1]
+    bad = pair_mismatches(p, d, "p", "d", 1024, 0)
+    assert len(bad) == 1 and "head axis outermost in a block" in bad[0]
+    mla = _compat(use_mla=True, num_kv_heads=1, block_bytes=1152)
+    assert (
+        pair_mismatches(
+            mla, _compat(use_mla=True, num_kv_heads=1, block_bytes=1152, tp_size=4), "p", "d", 0, 0
+        )
+        == []
+    )

@@ -52,7 +52,7 @@ def test_defaults_and_annotations() -> None:
     [p] = prefill_configs([ep])
     [d] = decode_configs([ep])
     assert (p.engine_id, p.kv_host, p.kv_port, p.tp_size) == ("e1", "10.0.0.5", 7000, 2)
-    assert (d.base_url, d.slots) == ("http://10.0.0.5:9000", 3)
+    assert (d.base_url, d.slots, d.tp_size) == ("http://10.0.0.5:9000", 3, 2)
 
 
 def test_ipv6_pod_ip_is_bracketed() -> None:

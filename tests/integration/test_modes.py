@@ -161,6 +161,23 @@ async def test_pipelined_sends_each_leg_the_other_identity(
     assert d_req.kv["remote_engine_id"] == "P" and d_req.kv["remote_host"] == "10.0.0.1"
     assert p_req.kv["transfer_id"] == d_req.kv["transfer_id"]
     assert p_req.ended is not None and d_req.started < p_req.ended
+    assert "tp_size" not in p_req.kv and "tp_size" not in d_req.kv  # equal sizes: as before
+
+
+async def test_pipelined_names_the_other_engines_tp_size_where_they_differ(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    url, _ = await cluster.router(
+        "pipelined",
+        prefill_extra={"engine_id": "P", "kv_host": "10.0.0.1", "kv_port": 7001},
+        decode_extra={"engine_id": "D", "kv_host": "10.0.0.2", "kv_port": 7002, "tp_size": 2},
+    )
+    r = await overlapping(cluster, client, url, PROMPT)
+    assert r.status_code == 200
+    (p_req,) = cluster.prefill[0].received
+    (d_req,) = cluster.decode[0].received
+    assert (p_req.kv["tp_size"], p_req.kv["pp_size"]) == (2, 1)  # P learns D's size
+    assert (d_req.kv["tp_size"], d_req.kv["pp_size"]) == (1, 1)  # and D P's
 
 
 async def test_aggregated_never_calls_prefill(cluster: Cluster, client: httpx.AsyncClient) -> None:
