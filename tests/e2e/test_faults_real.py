@@ -8,8 +8,9 @@ prompt too long for P alone makes P reject a request. After each fault the tests
 client's answer (status, OpenAI error body or SSE error event, time), the router's decode slots,
 both engines' running/waiting requests and KV usage, and the router's verdict on D.
 
-Router (``ROUTER``): one attempt per request, so the answer is the fault's own (retries are
-covered on fake engines in tests/integration), small timeouts, health checks every 0.5 s.
+Router (``ROUTER``): one attempt per request and no mid-stream migration, so the answer is the
+fault's own (retries are covered on fake engines in tests/integration, migration in
+tests/e2e/test_migration_real.py), small timeouts, health checks every 0.5 s.
 
 Push (``NixlPushConnector``; P's max_model_len 3200, D's 4096):
 
@@ -87,6 +88,9 @@ ROUTER: dict[str, Any] = {
     "retries": {"max_attempts": 1},
     "health": {"interval": 0.5, "timeout": 1.0},
     "admission": {"max_wait": 2},
+    # No mid-stream migration: a D failing after its first byte would be continued on P
+    # alone (tests/e2e/test_migration_real.py), and the answer here is the fault's own.
+    "migration": {"max_attempts": 0},
 }
 LONG, TOO_LONG_FOR_P, SHORT = 2900, 3600, 300  # prompt tokens
 P, D = "prefill-0", "decode-0"
