@@ -60,7 +60,9 @@ class Reference:
     completions: list[h.Output]
     chats: list[h.Output]
     answers: dict[str, cf.Answer]  # the conformance cases (tests/e2e/conformance.py)
-    turns: dict[str, h.Output]  # every request of MULTI_TURN, by its name
+    # Every request of MULTI_TURN, by its name, with each token's two best log-probabilities
+    # (a P/D answer over prefix caches may flip a near-tie: helpers.first_disagreement).
+    turns: dict[str, h.Reply]
     replies: list[h.Reply]  # each turn of the fed-back conversation (feed_back)
 
 
@@ -158,7 +160,7 @@ def _reference_from(cases_url: str, rest_url: str, prompts: list[str]) -> Refere
         client = h.client_for(rest_url)
         completions = [h.complete(client, MODEL, p, stream=False) for p in prompts]
         chats = [h.chat(client, MODEL, c, stream=False) for c in CONVERSATIONS]
-        turns = {n: h.chat(client, MODEL, m, stream=False) for n, m in multi_turn().items()}
+        turns = {n: h.chat_top2(client, MODEL, m) for n, m in multi_turn().items()}
         replies = feed_back(lambda m: h.chat_top2(client, MODEL, m))
         answers = cases.result()
     for out in completions + chats:

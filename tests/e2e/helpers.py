@@ -224,7 +224,7 @@ def chat_top2_streamed(
 NEAR_TIE = 0.1  # nats between the two best tokens: where KV computed elsewhere may flip it
 
 
-def first_disagreement(got: Reply, want: Reply) -> str | None:
+def first_disagreement(got: Reply | Output, want: Reply) -> str | None:
     """None if ``got`` equals ``want`` token for token, or first differs where ``want``'s two
     best tokens were within ``NEAR_TIE`` (KV computed in another order, as any prefix cache
     reuses it, rounds differently: a near-tie may go the other way); else what differs."""

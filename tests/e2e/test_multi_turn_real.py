@@ -4,7 +4,10 @@ pipelined: this project's connector), two conversations of five turns, each turn
 the whole history with the session in ``x-session-id``:
 
 * every answer equals the aggregated engine's (prefix caching off there), turn by turn, and an
-  edited history gets the fresh request's answer;
+  edited history gets the fresh request's answer; where the aggregated engine's two best
+  tokens were a near-tie, the first difference may be there (KV computed in another order,
+  as a prefix cache reuses it, rounds differently: ``helpers.first_disagreement``; seen at
+  one turn of all three modes in a clean-clone run, 2026-12-06);
 * from the second turn on, P finds the history in its prefix cache and computes only the
   rest, and D receives over NIXL only the blocks its own cache lacks: its KV bytes are those
   of the tokens it did not hold, not the whole history's.
@@ -104,11 +107,10 @@ def test_turns_equal_the_aggregated_engine_and_move_only_missing_kv(
         before = after
         got = h.chat(client, MODEL, messages, stream=name.endswith("t1"))
         after = _snapshot(stack)
-        if (got.token_ids, got.text) != (
-            reference.turns[name].token_ids,
-            reference.turns[name].text,
-        ):
-            mismatches.append(f"{name}: {got.text!r} != {reference.turns[name].text!r}")
+        want = reference.turns[name]
+        differs = h.first_disagreement(got, want)
+        if differs is not None:
+            mismatches.append(f"{name}: {differs}: {got.text!r} != {want.text!r}")
         p_hit = h.delta(
             after["prefill-0"], before["prefill-0"], BY_SOURCE, source="local_cache_hit"
         )
