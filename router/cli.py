@@ -18,6 +18,7 @@ from router.config import ConfigError, RouterConfig, load_config
 
 if TYPE_CHECKING:
     import router.plan as plan_module
+    from router.asgi import RouterApp
 
 __all__ = ["main"]
 
@@ -102,11 +103,8 @@ def _quiet_client_logs() -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.access_log import configure_logging
     from router.app import create_app
-    from router.server_options import uvicorn_options
 
     cfg = _load_or_exit(args.config)
     host = args.host or cfg.listen.host
@@ -119,19 +117,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _serve_workers(args, cfg, host, port)
     app = create_app(cfg, config_path=args.config, watch_interval=args.watch_config or None)
     _tune_gc()
-    # uvicorn drains on SIGTERM, then re-raises the signal to the handler that was
-    # installed before it; a no-op one makes a graceful shutdown exit with 0.
-    signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
-    options = uvicorn_options(
-        log_level=cfg.log_level,
-        access_log=args.access_log,
-        grace=args.grace,
-        backlog=_BACKLOG,
-        own_logging=cfg.logging.format == "json",
-        http_protocol=app.http_protocol,
-    )
-    uvicorn.run(app, host=host, port=port, **options)
-    return 0
+    return _run(app, cfg, host, port, access_log=args.access_log, grace=args.grace)
 
 
 def _serve_workers(args: argparse.Namespace, cfg: RouterConfig, host: str, port: int) -> int:
@@ -186,11 +172,8 @@ def _sidecar(text: str) -> tuple[str, str]:
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:
     """``pd-router sidecar``: the router app next to D, running the legs a picker chose."""
-    import uvicorn
-
     from router.access_log import configure_logging
     from router.app import create_app
-    from router.server_options import uvicorn_options
 
     cfg = _load_or_exit(args.config)
     host = args.host or cfg.listen.host
@@ -198,11 +181,24 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
     configure_logging(cfg.log_level, cfg.logging)
     _quiet_client_logs()
     app = create_app(cfg, sidecar=True)
+    return _run(app, cfg, host, port, access_log=False, grace=args.grace)
+
+
+def _run(
+    app: RouterApp, cfg: RouterConfig, host: str, port: int, *, access_log: bool, grace: float
+) -> int:
+    """Serve ``app`` on uvicorn until a signal ends it (the router's and the sidecar's)."""
+    import uvicorn
+
+    from router.server_options import uvicorn_options
+
+    # uvicorn drains on SIGTERM, then re-raises the signal to the handler that was
+    # installed before it; a no-op one makes a graceful shutdown exit with 0.
     signal.signal(signal.SIGTERM, lambda _sig, _frame: None)
     options = uvicorn_options(
         log_level=cfg.log_level,
-        access_log=False,
-        grace=args.grace,
+        access_log=access_log,
+        grace=grace,
         backlog=_BACKLOG,
         own_logging=cfg.logging.format == "json",
         http_protocol=app.http_protocol,
