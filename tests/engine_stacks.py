@@ -222,9 +222,14 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
             running = Running(kind, exits)
             running.pair = exits.enter_context(_connector_pair(run_dir))
         elif kind == "lora-pull":
+            import importlib.util
+
             from router.stack import ensure_model
             from tests.lora_adapters import make_adapters
+            from tests.needs import missing
 
+            if importlib.util.find_spec("peft") is None:  # found, not imported: torch stays out
+                missing("needs peft: run scripts/setup.sh (lora-tests extra)")
             adapters = make_adapters(ensure_model(MODEL), run_dir / "adapters", LORA_SEEDS)
             stack = exits.enter_context(_lora_stack(adapters))
             _warm_up(stack.router_url, stack.model_name)

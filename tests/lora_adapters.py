@@ -44,14 +44,17 @@ def make_adapters(base_model: Path, out_dir: Path, seeds: Mapping[str, int]) -> 
 
 
 def _make(base_model: str, targets: list[tuple[str, int]]) -> None:
+    import copy
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     for folder, seed in targets:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        model = copy.deepcopy(base)  # peft wraps the model it is given in place
         config = LoraConfig(
             r=RANK,
             lora_alpha=ALPHA,
