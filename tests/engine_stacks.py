@@ -91,6 +91,8 @@ KINDS = [
     "connector-pair",
     "dp-aggregated",
     "lora-pull",
+    "lora-push",
+    "lora-pipelined",
 ]
 NEEDS_REFERENCE = frozenset(KINDS[:6])
 MAIN = ("pull", "push", "pipelined")
@@ -191,7 +193,7 @@ LORA_REFRESH_S = 1.0
 LORA_HEALTH_INTERVAL_S = 1.0
 
 
-def _lora_stack(adapters: dict[str, Path]) -> Any:
+def _lora_stack(mode: str, adapters: dict[str, Path]) -> Any:
     from router.stack import Stack
     from tests.lora_adapters import RANK
 
@@ -206,7 +208,7 @@ def _lora_stack(adapters: dict[str, Path]) -> Any:
     }
     return Stack(
         variant=MODEL,
-        mode="pull",
+        mode=mode,
         engine_args={P: flags, D: flags},
         engine_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         model_overrides={"lora": lora},
@@ -221,7 +223,7 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
         if kind == "connector-pair":
             running = Running(kind, exits)
             running.pair = exits.enter_context(_connector_pair(run_dir))
-        elif kind == "lora-pull":
+        elif kind.startswith("lora-"):
             import importlib.util
 
             from router.stack import ensure_model
@@ -231,7 +233,7 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
             if importlib.util.find_spec("peft") is None:  # found, not imported: torch stays out
                 missing("needs peft: run scripts/setup.sh (lora-tests extra)")
             adapters = make_adapters(ensure_model(MODEL), run_dir / "adapters", LORA_SEEDS)
-            stack = exits.enter_context(_lora_stack(adapters))
+            stack = exits.enter_context(_lora_stack(kind.removeprefix("lora-"), adapters))
             _warm_up(stack.router_url, stack.model_name)
             running = Running(kind, exits, stack)
             running.adapters = adapters

@@ -407,10 +407,15 @@ class Stack:
         return ManagedProcess(
             spec.name,
             eng.engine_argv(spec, self._engine_options_used),
-            eng.engine_env(spec, {**os.environ, **self.engine_env}),
+            self.engine_environment(spec),
             self.run_dir / f"{spec.name}.log",
             cpus=eng.cpu_set(spec.core) if self.pin == "engine" else None,
         )
+
+    def engine_environment(self, spec: eng.EngineSpec) -> dict[str, str]:
+        """The environment engine ``spec`` runs with: this process's, ``engine_env`` over it,
+        then the stack's own variables (pinning, side channel, offline mode)."""
+        return eng.engine_env(spec, {**os.environ, **self.engine_env})
 
     def _plan(self) -> list[eng.EngineSpec]:
         http_ports = portmod.pick_ports(2, portmod.ENGINE_HTTP_PORTS)
