@@ -31,6 +31,7 @@ __all__ = [
     "LORA_AT_START",
     "LORA_BY_HAND",
     "LORA_BY_ROUTER",
+    "LORA_NEVER_MADE",
     "NEEDS_REFERENCE",
     "PRIORITY",
     "P_MAX_MODEL_LEN",
@@ -187,6 +188,8 @@ LORA_AT_START = "lora-start"  # ``--lora-modules`` on P and D
 LORA_BY_ROUTER = "lora-router"  # in the router's ``lora.modules``: it loads it at run time
 LORA_BY_HAND = "lora-engines"  # loaded on each engine by a test; the router learns it
 LORA_SEEDS = {LORA_AT_START: 1, LORA_BY_ROUTER: 2, LORA_BY_HAND: 3}
+# In the router's ``lora.modules`` too, at a path where no adapter was made: its load fails.
+LORA_NEVER_MADE = "lora-never-made"
 # The router reads each engine's /v1/models at the first health check this long after the
 # last read: a test sees an adapter loaded by hand within about two seconds.
 LORA_REFRESH_S = 1.0
@@ -198,13 +201,16 @@ def _lora_stack(mode: str, adapters: dict[str, Path]) -> Any:
     from tests.lora_adapters import RANK
 
     flags = (
-        *("--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", str(len(adapters))),
+        *("--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", str(len(LORA_SEEDS))),
         *("--lora-modules", f"{LORA_AT_START}={adapters[LORA_AT_START]}"),
     )
     lora = {
         "enabled": True,
         "refresh_interval": LORA_REFRESH_S,
-        "modules": {LORA_BY_ROUTER: str(adapters[LORA_BY_ROUTER])},
+        "modules": {
+            LORA_BY_ROUTER: str(adapters[LORA_BY_ROUTER]),
+            LORA_NEVER_MADE: str(adapters[LORA_NEVER_MADE]),
+        },
     }
     return Stack(
         variant=MODEL,
@@ -233,6 +239,7 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
             if importlib.util.find_spec("peft") is None:  # found, not imported: torch stays out
                 missing("needs peft: run scripts/setup.sh (lora-tests extra)")
             adapters = make_adapters(ensure_model(MODEL), run_dir / "adapters", LORA_SEEDS)
+            adapters[LORA_NEVER_MADE] = run_dir / "adapters" / LORA_NEVER_MADE
             stack = exits.enter_context(_lora_stack(kind.removeprefix("lora-"), adapters))
             _warm_up(stack.router_url, stack.model_name)
             running = Running(kind, exits, stack)
