@@ -35,7 +35,7 @@ from tests.engine_stacks import (
 
 # The modes run: pull by default, one stack start (218 s of CI, 151 s of it the start, adapters
 # included, on the 2 shared cores at load 10, 2026-12-06). Push and pipelined pass as well, at a
-# stack start each (217 s and 212 s there, before the failed-load test):
+# stack start each (283 s and 239 s there, at load 10 to 12):
 # PD_ROUTER_LORA_MODES=pull,push,pipelined (or "all") runs them.
 _ALL_MODES = ("pull", "push", "pipelined")
 _MODES = os.environ.get("PD_ROUTER_LORA_MODES", "pull").replace(" ", "")
