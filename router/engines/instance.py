@@ -43,6 +43,7 @@ class _RunningLeg:
         self._inst = inst
 
     def __enter__(self) -> None:
+        self._inst.breaker.on_dispatch()
         self._inst._legs_running += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -379,8 +380,10 @@ class Instance:
         return self._slots_held
 
     def take_slot(self) -> None:
-        """The ledger granted a reservation here."""
+        """The ledger granted a reservation here: a request is sent (in the breaker's
+        half-open state, the one trial)."""
         self._slots_held += 1
+        self.breaker.on_dispatch()
 
     def give_slot(self) -> None:
         """The ledger released a reservation here."""
@@ -392,7 +395,9 @@ class Instance:
         return self._legs_running
 
     def running_leg(self) -> AbstractContextManager[None]:
-        """One P leg runs here for the length of the block (router/pd/legs.py)."""
+        """One P leg runs here for the length of the block (router/pd/legs.py); sending it
+        is, in the breaker's half-open state, the one trial. The instance is the breaker's
+        only caller of ``on_dispatch``: here for P, in :meth:`take_slot` for D."""
         return _RunningLeg(self)
 
     @property

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from router.client_request import ClientRequest
 from router.engines.instance import Instance, candidates
+from router.engines.selection import Selection
 from router.kvindex.route import CacheRoute
 from router.registry import ModelPool
 
@@ -50,6 +51,10 @@ class Route:
     cache: CacheRoute | None = None
     prefill_ok: Callable[[Instance], bool] | None = None
     decode_ok: Callable[[Instance], bool] | None = None
+
+    def selection(self, avoid: frozenset[Instance], api_key_name: str = "") -> Selection:
+        """What the choice of an engine for this route depends on (router/engines/selection.py)."""
+        return Selection(self.key, self.session, api_key_name, avoid, self.cache)
 
 
 def prefill_busy(pool: ModelPool) -> bool:
