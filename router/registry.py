@@ -81,8 +81,8 @@ class ModelPool:
         return self.ledger.instances
 
     @property
-    def key_needed(self) -> bool:
-        return self.prefill_policy.needs_key
+    def routing_key_needed(self) -> bool:
+        return self.prefill_policy.needs_routing_key
 
     def select_prefill(
         self,

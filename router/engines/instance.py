@@ -191,13 +191,9 @@ class Instance:
 
     @property
     def degraded(self) -> bool:
+        """Decode: out of rotation while it holds KV blocks with nothing running (a leak);
+        written only by :meth:`leak_checked`."""
         return self._degraded
-
-    @degraded.setter
-    def degraded(self, value: bool) -> None:
-        if value != self._degraded:
-            self._degraded = value
-            self._changed()
 
     @property
     def cap(self) -> int | None:
@@ -436,6 +432,8 @@ class Instance:
         self._health_failures = 0 if ok else self._health_failures + 1
         return self._health_failures
 
+    # -- the leak watch: ``suspect`` and ``degraded``, written by these two methods only --
+
     @property
     def suspect(self) -> bool:
         """Decode: a leg was closed while it waited for KV; it may have leaked blocks
@@ -443,12 +441,17 @@ class Instance:
         return self._suspect
 
     def suspect_leak(self) -> None:
+        """A leg here was closed while it waited for KV (router/pd/plans.py): watch it. Only
+        :meth:`leak_checked` clears the suspicion."""
         self._suspect = True
 
     def leak_checked(self, leaked: bool) -> None:
-        """The health monitor's verdict on an idle engine: ``degraded`` while it leaks."""
-        self.degraded = leaked
+        """The health monitor's verdict on an idle engine: ``degraded`` (and still
+        ``suspect``) while it leaks, cleared of both once it does not."""
         self._suspect = leaked
+        if leaked != self._degraded:
+            self._degraded = leaked
+            self._changed()
 
     @property
     def block_size(self) -> int | None:

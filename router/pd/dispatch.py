@@ -169,7 +169,7 @@ class Dispatcher:
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
         # The key is built at most once, and only if the policy or the session fallback needs it.
-        key = routing_key(creq) if pool.key_needed else None
+        key = routing_key(creq) if pool.routing_key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
         # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
         adapter = requested_adapter(pool.name, creq.body)

@@ -187,7 +187,7 @@ async def test_avoid_is_a_preference_not_a_ban() -> None:
 
 async def test_degraded_instance_is_out_of_rotation() -> None:
     a, b = decode("a", 4), decode("b", 4)
-    a.degraded = True
+    a.leak_checked(True)
     led = ledger(a, b)
     rs = [await led.reserve() for _ in range(4)]
     assert {r.instance for r in rs} == {b}
