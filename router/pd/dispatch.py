@@ -169,7 +169,7 @@ class Dispatcher:
         if self._tracing.enabled:
             self._tracing.set(pdrouter__decision=decision.value)
         # The key is built at most once, and only if the policy or the session fallback needs it.
-        key = routing_key(creq) if pool.key_needed else None
+        key = routing_key(creq) if pool.routing_key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
         # A LoRA adapter's request: only engines that hold it (router/engines/adapters.py).
         adapter = requested_adapter(pool.name, creq.body)
@@ -207,9 +207,7 @@ class Dispatcher:
         if decision.uses_prefill and not [p for p in usable if _ok(route.prefill_ok, p)]:
             raise self._no_prefill(pool)
         if decision is Decision.PREFILL_ALONE:
-            lease = pool.select_prefill(
-                route.key, frozenset(), route.session, route.cache, allowed=route.prefill_ok
-            )
+            lease = pool.select_prefill(route.selection(frozenset()), allowed=route.prefill_ok)
             if lease is None:
                 raise self._no_prefill(pool)
             self._count_placement(pool, Role.PREFILL, lease.placement)
@@ -219,7 +217,7 @@ class Dispatcher:
             return Pick(decision, reservation, reservation.instance, None)
         d = reservation.instance
         lease = pool.select_prefill(
-            route.key, frozenset(), route.session, route.cache, decode=d, allowed=route.prefill_ok
+            route.selection(frozenset()), decode=d, allowed=route.prefill_ok
         )
         if lease is None:
             pool.ledger.release(reservation)
@@ -340,9 +338,7 @@ class Dispatcher:
     ) -> Dispatch:
         """P serves the whole request as an aggregated engine (the client's body, no
         ``kv_transfer_params``); no decode slot is taken, D does no work for it."""
-        lease = pool.select_prefill(
-            route.key, avoid, route.session, route.cache, allowed=route.prefill_ok
-        )
+        lease = pool.select_prefill(route.selection(avoid), allowed=route.prefill_ok)
         if lease is None:
             raise self._no_prefill(pool)
         p = lease.instance
@@ -368,14 +364,10 @@ class Dispatcher:
         with self._tracing.span("slot_wait"):
             try:
                 reservation = await pool.ledger.reserve(
-                    route.key,
-                    avoid,
-                    route.session,
-                    creq.client_key,
-                    route.cache,
-                    creq.priority_level,
-                    _deadline(pool, creq),
-                    route.decode_ok,
+                    route.selection(avoid, creq.client_key),
+                    level=creq.priority_level,
+                    deadline=_deadline(pool, creq),
+                    allowed=route.decode_ok,
                 )
             except (NoCapacity, QueueFull) as exc:
                 self._count_refusal(pool, creq, exc)
@@ -408,9 +400,7 @@ class Dispatcher:
         """A disaggregated attempt, its decode slot held: select a P that can pair with its
         D, run the plan."""
         d = reservation.instance
-        lease = pool.select_prefill(
-            route.key, avoid, route.session, route.cache, decode=d, allowed=route.prefill_ok
-        )
+        lease = pool.select_prefill(route.selection(avoid), decode=d, allowed=route.prefill_ok)
         if lease is None:  # left rotation while this request waited for its slot
             raise self._no_prefill(pool, d)
         p = lease.instance

@@ -247,8 +247,7 @@ class LegRunner:
         With ``require_params``, a response without ``kv_transfer_params`` is an
         error (counted), never a silent recompute on D.
         """
-        inst.breaker.on_dispatch()
-        with inst.running_leg():
+        with inst.running_leg():  # the breaker's half-open trial, if it is one
             content = await self._prefill_call(inst, path, body, request_id, traceparent)
         doc = _json(content)
         params = _kv_params(doc)
