@@ -32,6 +32,7 @@ import http.server
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -137,6 +138,14 @@ def _wait_http(port: int, path: str, proc: subprocess.Popen[bytes], timeout: flo
     raise RuntimeError(f"port {port} not ready in {timeout}s")
 
 
+def _port_free(port: int) -> None:
+    """A target's port must be free before it starts: else its readiness check would be
+    answered by whatever holds the port (another run's router) and that would be measured."""
+    with socket.socket() as sock:
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is taken: --port-base elsewhere")
+
+
 def _wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
     """Until one streamed completion through the target is answered 200: a gateway that
     finds its workers after it reports ready (smg's discovery) is not measured half-up."""
@@ -234,6 +243,7 @@ def _router_config(
     access_log: bool = False,
     lora: bool = False,
     dp: int = 1,
+    migration: bool = True,
 ) -> str:
     """``dp``: P and D declared as ``--data-parallel-size dp`` engines (each rank routed as an
     engine of its own, every leg pinned by its header; the fake engines ignore it), the decode
@@ -252,7 +262,9 @@ def _router_config(
         + ("    lora: {enabled: true}\n" if lora else "")
         + f"    prefill: {prefill}\n"
         f'    decode: [{{url: "{d_url}", slots: {16384 // dp}{sized}}}]\n'
-        "admission: {queue_size: 16384}\n" + tracing
+        "admission: {queue_size: 16384}\n"
+        + ("" if migration else "migration: {max_attempts: 0}\n")
+        + tracing
     )
 
 
@@ -279,10 +291,12 @@ def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
     suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
     into the target's log file), ``+httpx`` (engine calls through httpx instead of the
-    router's HTTP/1.1 client: ``bench/httpx_router.py``), ``+lora`` (LoRA routing on, every
-    request naming the adapter both fake engines list: :data:`ADAPTER`) or ``+dp`` (P and D
-    declared data-parallel, size 2: :func:`_router_config`) is not part of the mode."""
-    for suffix in ("+lora", "+dp", "+traced", "+logged", "+httpx"):
+    router's HTTP/1.1 client: ``bench/httpx_router.py``), ``+nomig`` (mid-stream migration
+    off, as the peers have none: D's stream relayed as read, not event by event), ``+lora``
+    (LoRA routing on, every request naming the adapter both fake engines list:
+    :data:`ADAPTER`) or ``+dp`` (P and D declared data-parallel, size 2:
+    :func:`_router_config`) is not part of the mode."""
+    for suffix in ("+lora", "+dp", "+traced", "+logged", "+httpx", "+nomig"):
         spec = spec.replace(suffix, "")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
@@ -310,7 +324,18 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             lora = "+lora" in name
             dp = 2 if "+dp" in name else 1
             cfg.write_text(
-                _router_config(mode, port, p_url, d_url, args.log_level, otlp, logged, lora, dp)
+                _router_config(
+                    mode,
+                    port,
+                    p_url,
+                    d_url,
+                    args.log_level,
+                    otlp,
+                    logged,
+                    lora,
+                    dp,
+                    migration="+nomig" not in name,
+                )
             )
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if spec.endswith("+httpx"):
@@ -455,9 +480,14 @@ def _measure(args: argparse.Namespace, target: Target, cell: Cell, logdir: Path)
     proc = None
     argv = _cprofiled(args, target, cell)
     if argv is not None:
+        _port_free(target.port)
         proc = _spawn(argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
-        _wait_http(target.port, target.ready_path, proc, 60)
-        _wait_serving(target.port, proc, 60)
+        try:
+            _wait_http(target.port, target.ready_path, proc, 60)
+            _wait_serving(target.port, proc, 60)
+        except BaseException:
+            _stop(proc)  # never left running: the next arm would measure it
+            raise
         if argv is not target.argv:
             proc.send_signal(signal.SIGUSR1)  # start-up left out of the profile
         time.sleep(0.3)
@@ -468,8 +498,9 @@ def _measure(args: argparse.Namespace, target: Target, cell: Cell, logdir: Path)
         sampler.start()
     duration = _duration(args, cell)
     lg = _loadgen_argv(args, target, cell, duration)
-    spy = _profiler(args, target, cell, proc)
+    spy = None
     try:
+        spy = _profiler(args, target, cell, proc)
         done = subprocess.run(lg, capture_output=True, timeout=duration + args.warmup + 120)
     finally:
         if spy is not None:
