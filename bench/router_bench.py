@@ -855,10 +855,10 @@ def main(argv: list[str] | None = None) -> int:
                     _run_one(args, t, cell, rnd, tmp, table[cell][t.name])
         if args.soak_minutes:
             soak = Cell(args.soak_streams, args.prompts[0], args.answers[0], soak=True)
-            table[soak] = {t.name: Stats() for t in targets if t.name != "direct"}
+            # direct too when listed: the control (the fake engines and the client alone).
+            table[soak] = {t.name: Stats() for t in targets}
             for t in targets:
-                if t.name != "direct":
-                    _run_one(args, t, soak, 0, tmp, table[soak][t.name])
+                _run_one(args, t, soak, 0, tmp, table[soak][t.name])
         pace = (
             f"fake engines: {args.itl_ms:g} ms between tokens, prefill "
             f"{args.prefill_us_per_token:g} us a prompt token (4 bytes), KV transfer "
