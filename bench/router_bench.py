@@ -611,9 +611,9 @@ def _cost_report(table: dict[Cell, dict[str, Stats]]) -> str:
     head = (
         "| cell | target | added TTFT p50 ms | added TTFT p99 ms | added e2e p50 ms "
         "| added e2e p99 ms | CPU ms/req | CPU us/token | KB/stream | errors "
-        "| CPU/req vs vllm-router | CPU/req vs smg |"
+        "| CPU/req vs vllm-router | CPU/req vs smg | CPU/req vs its @base |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     cpu = lambda s: s.cpu_ms_per_req  # noqa: E731
     for cell, by_target in table.items():
         if cell.rate or cell.soak:
@@ -630,7 +630,7 @@ def _cost_report(table: dict[Cell, dict[str, Stats]]) -> str:
                 _spread(_per_round(st, by_target.get(peer), cpu, op="/"), 2, "x")
                 if peer in by_target and peer != name
                 else "-"
-                for peer in PEERS
+                for peer in (*PEERS, f"{name}@base")
             ]
             lines.append(
                 f"| {cell.label} | {name} | {' | '.join(added)} "
