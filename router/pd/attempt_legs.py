@@ -1,4 +1,5 @@
-"""One attempt's engine legs, judged and timed: P's call and the opening of D's stream.
+"""One attempt's engine calls: P's leg and the opening of D's stream, judged and timed, and
+the request's LoRA adapter loaded on the chosen engines first.
 
 :class:`AttemptLegs` wraps :class:`~router.pd.legs.LegRunner`'s calls with what every
 attempt does around them: the engine judged by the leg's outcome (``pool.record``), the
@@ -12,30 +13,39 @@ from collections.abc import Callable
 from typing import Any
 
 from router.client_request import ClientRequest
+from router.engines.adapter_loads import AdapterLoader
+from router.engines.adapters import requested_adapter
 from router.engines.breaker import BreakerState
 from router.engines.instance import Instance, Role
 from router.errors import UpstreamError
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
 from router.pd import kv_params as kp
 from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
 from router.pd.plans import Pair, Plan
 from router.registry import ModelPool
-from router.tracing import Tracing
 
-__all__ = ["AttemptLegs", "observe_stream"]
+__all__ = ["DECODE_FIRST_BYTE", "PREFILL", "AttemptLegs", "observe_stream"]
+
+PREFILL = "prefill"  # the phase of P's leg
+DECODE_FIRST_BYTE = "decode_first_byte"  # the phase of D's leg up to its first bytes
 
 
 class AttemptLegs:
     def __init__(
         self,
         legs: LegRunner,
-        metrics: Metrics,
-        tracing: Tracing,
+        lifecycle: Lifecycle,
+        traceparent: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        adapters: AdapterLoader | None = None,
     ) -> None:
+        """``traceparent``: the W3C header naming the current span, for the engine calls
+        (None: tracing off). ``adapters``: loads a model's ``lora.modules`` on the chosen
+        engines that lack them."""
         self._legs = legs
-        self._metrics = metrics
-        self._tracing = tracing
+        self._adapters = adapters
+        self._events = lifecycle
+        self._traceparent = traceparent
         self._clock = clock
 
     async def prefill(
@@ -57,7 +67,7 @@ class AttemptLegs:
         tokens = pair.creq.estimated_prompt_tokens()
         pool.timings.prefill_tokens.add(started, tokens)  # P's demand (router/demand.py)
         try:
-            with self._tracing.span("prefill", {"pdrouter.engine": p.key}):
+            with self._events.phase(PREFILL, {"pdrouter.engine": p.key}):
                 result = await self._legs.prefill(
                     pool.name,
                     p,
@@ -65,7 +75,7 @@ class AttemptLegs:
                     body,
                     pair.ids.request_id,
                     require_params=plan.requires_params,
-                    traceparent=self._tracing.traceparent(),
+                    traceparent=self._traceparent(),
                 )
         except UpstreamError as exc:
             pool.record(p, exc.fault)
@@ -76,9 +86,7 @@ class AttemptLegs:
                 pool.timings.observe_prefill(self._clock() - started, tokens)
             return result
         finally:
-            self._metrics.prefill_duration.labels(pool.name, pool.mode).observe(
-                self._clock() - started
-            )
+            self._events.prefill_done(pool.name, pool.mode, self._clock() - started)
 
     async def decode(
         self,
@@ -98,14 +106,14 @@ class AttemptLegs:
         started = self._clock()
         first = alone and computes_nothing(d)
         try:
-            with self._tracing.span("decode_first_byte", {"pdrouter.engine": d.key}):
+            with self._events.phase(DECODE_FIRST_BYTE, {"pdrouter.engine": d.key}):
                 leg = await self._legs.open_decode(
                     d,
                     creq.endpoint,
                     body,
                     ids.request_id,
                     creq.stream,
-                    self._tracing.traceparent(),
+                    self._traceparent(),
                     computes_prompt=alone,
                 )
         except UpstreamError as exc:
@@ -117,11 +125,21 @@ class AttemptLegs:
             pool.timings.observe_prefill(self._clock() - started, creq.estimated_prompt_tokens())
         return leg
 
+    async def load_adapter(self, pool: ModelPool, creq: ClientRequest, *engines: Instance) -> None:
+        """The request's LoRA adapter, where the router loads it itself (``lora.modules``),
+        loaded on those of the chosen ``engines`` that lack it (router/engines/
+        adapter_loads.py); raises :class:`~router.errors.AdapterLoadFailed`."""
+        adapter = requested_adapter(pool.name, creq.body)
+        lora = pool.config.lora
+        path = lora.modules.get(adapter) if adapter is not None else None
+        if adapter is None or path is None or self._adapters is None:
+            return
+        await self._adapters.ensure(pool.name, adapter, path, engines, lora.load_timeout)
+
     def handed_off(self, pool: ModelPool, prefill_done_at: float) -> None:
         """D's stream opened after P finished at ``prefill_done_at``: the handoff's time."""
         handoff = max(0.0, self._clock() - prefill_done_at)
-        self._metrics.handoff.labels(pool.name, pool.mode).observe(handoff)
-        self._tracing.set(pdrouter__handoff_s=handoff)
+        self._events.handed_off(pool.name, pool.mode, handoff)
 
 
 def computes_nothing(inst: Instance) -> bool:

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 
 from router.client_request import ClientRequest
-from router.config import RetryConfig, TracingConfig
+from router.config import RetryConfig
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.instance import Instance
 from router.kvindex.route import CacheScorer
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
 from router.pd.attempt_legs import AttemptLegs, observe_stream
 from router.pd.kept_turns import KeptTurns
 from router.pd.legs import LegRunner
@@ -40,7 +40,6 @@ from router.pd.run_plan import PlanRunner
 from router.pd.selection import Pick, Selector
 from router.pd.settle import Settler, cancel_task
 from router.registry import ModelPool
-from router.tracing import Tracing
 
 __all__ = ["Dispatcher", "Pick"]
 
@@ -52,24 +51,26 @@ class Dispatcher:
         self,
         legs: LegRunner,
         turns: KeptTurns,
-        metrics: Metrics,
+        lifecycle: Lifecycle,
         retries: RetryConfig,
         clock: Callable[[], float] = time.monotonic,
         probe_interval: float = 5.0,
-        tracing: Tracing | None = None,
+        traceparent: Callable[[], str | None] = lambda: None,
         scorer: CacheScorer | None = None,
         adapters: AdapterLoader | None = None,
     ) -> None:
-        """``probe_interval``: the health-check interval (Retry-After of a refusal).
+        """``lifecycle``: what the dispatch announces to (router/lifecycle.py).
+        ``probe_interval``: the health-check interval (Retry-After of a refusal).
+        ``traceparent``: the W3C header naming the current span, for the engine calls.
         ``scorer``: cache-aware routing for models with ``kv_events`` on. ``adapters``:
         loads a model's ``lora.modules`` on the chosen engines that lack them."""
-        tracing = tracing or Tracing(TracingConfig())
+        self.lifecycle = lifecycle
         self.settler = Settler(legs.timeouts)
-        self._select = Selector(metrics, clock, probe_interval, tracing, scorer)
-        self._retry = Retrier(retries, metrics, tracing)
-        by_decision = plans(self.settler, lambda model: metrics.push_fallbacks.labels(model).inc())
-        attempt_legs = AttemptLegs(legs, metrics, tracing, clock)
-        self._run = PlanRunner(self._select, attempt_legs, by_decision, turns, tracing, adapters)
+        self._select = Selector(lifecycle, clock, probe_interval, scorer)
+        self._retry = Retrier(retries, lifecycle)
+        by_decision = plans(self.settler, lifecycle.push_fallback)
+        attempt_legs = AttemptLegs(legs, lifecycle, traceparent, clock, adapters)
+        self._run = PlanRunner(self._select, attempt_legs, by_decision, turns, lifecycle)
 
     def dispatch(
         self,

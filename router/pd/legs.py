@@ -17,7 +17,7 @@ import orjson
 from router.config import TimeoutConfig
 from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError, UpstreamStatus, engine_paused
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
 from router.pd.scrub import StreamScrub
 from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens, prompt_token_ids
@@ -223,12 +223,12 @@ class LegRunner:
         self,
         upstream: UpstreamClient,
         timeouts: TimeoutConfig,
-        metrics: Metrics,
+        lifecycle: Lifecycle,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._upstream = upstream
         self.timeouts = self._timeouts = timeouts
-        self._metrics = metrics
+        self._events = lifecycle
         self._clock = clock
 
     async def prefill(
@@ -253,7 +253,7 @@ class LegRunner:
         doc = _json(content)
         params = _kv_params(doc)
         if require_params and params is None:
-            self._metrics.kv_params_missing.labels(model, inst.url, inst.rank_label).inc()
+            self._events.kv_params_missing(model, inst.url, inst.rank_label)
             raise UpstreamError(
                 "prefill engine returned no kv_transfer_params "
                 "(is it running a NIXL connector with kv_role kv_producer?)",

@@ -49,7 +49,6 @@ from router.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
-from router.metrics import Metrics
 from router.pd.continuation import Progress, continuation, remaining, with_token_ids
 from router.pd.dispatch import Dispatcher
 from router.pd.legs import DecodeLeg, Send
@@ -57,9 +56,11 @@ from router.pd.opened import Dispatch
 from router.pd.sse import SSE_DONE
 from router.pd.usage import MARKER
 from router.registry import ModelPool
-from router.tracing import Tracing
 
-__all__ = ["Migration", "RelayHooks"]
+__all__ = ["MIGRATION", "STREAM", "Migration", "RelayHooks"]
+
+MIGRATION = "migration"  # the phase of one continuation
+STREAM = "stream"  # the phase of relaying one leg's stream
 
 # Where a continuation goes (Migration._where).
 _RULES, _PREFILL = "rules", "prefill_alone"
@@ -112,12 +113,10 @@ class Migration:
         creq: ClientRequest,
         client_id: str,
         config: MigrationConfig,
-        metrics: Metrics,
-        tracing: Tracing,
     ) -> None:
         self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
         self._client_id = client_id
-        self._config, self._metrics, self._tracing = config, metrics, tracing
+        self._config, self._events = config, dispatcher.lifecycle
         self._progress = Progress.of(creq)
         self._whole = not creq.stream  # assembled here from D's stream (non_streamed)
         self._dispatched = with_token_ids(creq)  # what the first leg is asked
@@ -165,7 +164,7 @@ class Migration:
             await self._fail(send, hooks, cut)
             return None
         self.count += 1
-        self._metrics.migrations.labels(self._pool.name, self._pool.mode.value, cut.cause).inc()
+        self._events.migrated(self._pool.name, self._pool.mode, cut.cause)
         if fresh:
             creq = self._dispatched
         else:
@@ -173,7 +172,7 @@ class Migration:
             creq = continuation(self._dispatched, progress)
         attributes = {"pdrouter.migration": self.count, "pdrouter.cause": cut.cause}
         try:
-            with self._tracing.span("migration", attributes):
+            with self._events.phase(MIGRATION, attributes):
                 async with self._dispatcher.dispatch(
                     self._pool, creq, self._client_id, frozenset(avoid), where is _PREFILL
                 ) as d:
@@ -207,11 +206,12 @@ class Migration:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
         or a cut (returned; nothing of the cut event was sent). ``avoid``: the engines this
         request failed on before (where it could not continue if D were ejected now)."""
-        with self._tracing.span("stream"):
+        with self._events.phase(STREAM):
             cut = await self._relay_leg(d, send, hooks, avoid)
-            self._tracing.set(pdrouter__chunks=d.leg.chunks)
-            if cut is not None:
-                self._tracing.set(pdrouter__cut=cut.cause)
+            if self._events.annotates:
+                self._events.annotate({"pdrouter.chunks": d.leg.chunks})
+                if cut is not None:
+                    self._events.annotate({"pdrouter.cut": cut.cause})
             return cut
 
     async def _relay_leg(

@@ -18,11 +18,12 @@ from typing import TypeVar
 from router.config import RetryConfig, split_engine_key
 from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
 from router.registry import ModelPool
-from router.tracing import Tracing
 
-__all__ = ["Retrier"]
+__all__ = ["ATTEMPT", "Retrier"]
+
+ATTEMPT = "attempt"  # the phase of one attempt
 
 log = logging.getLogger("pd_router.dispatch")
 
@@ -30,10 +31,9 @@ T = TypeVar("T")
 
 
 class Retrier:
-    def __init__(self, retries: RetryConfig, metrics: Metrics, tracing: Tracing) -> None:
+    def __init__(self, retries: RetryConfig, lifecycle: Lifecycle) -> None:
         self._retries = retries
-        self._metrics = metrics
-        self._tracing = tracing
+        self._events = lifecycle
 
     async def run(
         self,
@@ -47,17 +47,16 @@ class Retrier:
         attempts = self._retries.max_attempts
         for n in range(1, attempts + 1):
             try:
-                with self._tracing.span("attempt", {"pdrouter.attempt": n}):
+                with self._events.phase(ATTEMPT, {"pdrouter.attempt": n}):
                     return await attempt(avoid)
             except UpstreamError as exc:
-                self._metrics.upstream_errors.labels(pool.name, exc.role, str(exc.code)).inc()
+                self._events.attempt_failed(pool.name, exc.role, str(exc.code))
                 avoid = avoid | _failed(pool, exc)
                 retry = exc.retryable and n < attempts and pool.has_alternative(exc.role, avoid)
                 _log_failed_attempt(exc, client_id, n, retry)
                 if not retry:
                     raise
-                self._metrics.retries.labels(pool.name).inc()
-                self._tracing.set(pdrouter__retries=n)
+                self._events.retried(pool.name, n)
                 await asyncio.sleep(self._backoff(n))
         raise AssertionError("unreachable")  # pragma: no cover
 

@@ -15,11 +15,10 @@ import logging
 from typing import Any
 
 from router.client_request import ClientRequest
-from router.engines.adapter_loads import AdapterLoader
-from router.engines.adapters import requested_adapter
 from router.engines.instance import Instance
 from router.engines.ledger import Reservation
 from router.errors import UpstreamError, UpstreamStatus
+from router.lifecycle import Lifecycle
 from router.pd import kv_params as kp
 from router.pd.attempt_legs import AttemptLegs
 from router.pd.kept_turns import KeptTurns, TurnPlan
@@ -30,7 +29,6 @@ from router.pd.routing import Route
 from router.pd.selection import Selector
 from router.pd.settle import cancel_task, discard_decode
 from router.registry import ModelPool
-from router.tracing import Tracing
 
 __all__ = ["PlanRunner"]
 
@@ -44,12 +42,10 @@ class PlanRunner:
         legs: AttemptLegs,
         plans: dict[Decision, Plan],
         turns: KeptTurns,
-        tracing: Tracing,
-        adapters: AdapterLoader | None = None,
+        lifecycle: Lifecycle,
     ) -> None:
-        """``adapters``: loads a model's ``lora.modules`` on the chosen engines that lack them."""
         self._select, self._legs, self._plans = select, legs, plans
-        self._turns, self._tracing, self._adapters = turns, tracing, adapters
+        self._turns, self._events = turns, lifecycle
 
     async def attempt(
         self,
@@ -65,16 +61,18 @@ class PlanRunner:
             return await self._prefill_alone(pool, creq, route, avoid)
         reservation = await self._select.reserve(pool, creq, route, avoid)
         ids = kp.new_dispatch_ids()
-        if self._tracing.enabled:
-            self._tracing.set(
-                pdrouter__decode=reservation.instance.key,
-                pdrouter__request_id=ids.request_id,
-                pdrouter__transfer_id=ids.transfer_id,
+        if self._events.annotates:
+            self._events.annotate(
+                {
+                    "pdrouter.decode": reservation.instance.key,
+                    "pdrouter.request_id": ids.request_id,
+                    "pdrouter.transfer_id": ids.transfer_id,
+                }
             )
         try:
             if decision.uses_prefill:
                 return await self._split(pool, creq, decision, route, avoid, reservation, ids)
-            await self._load_adapter(pool, creq, reservation.instance)
+            await self._legs.load_adapter(pool, creq, reservation.instance)
             body = kp.aggregated_body(creq.body)
             leg = await self._legs.decode(pool, reservation.instance, creq, body, ids, alone=True)
             return Dispatch(reservation, leg, decision, ids.request_id)
@@ -92,27 +90,18 @@ class PlanRunner:
         ``kv_transfer_params``); no decode slot is taken, D does no work for it."""
         p = self._select.prefill(pool, route, avoid)
         ids = kp.new_dispatch_ids()
-        if self._tracing.enabled:
-            self._tracing.set(pdrouter__prefill=p.key, pdrouter__request_id=ids.request_id)
+        if self._events.annotates:
+            self._events.annotate(
+                {"pdrouter.prefill": p.key, "pdrouter.request_id": ids.request_id}
+            )
         try:
-            await self._load_adapter(pool, creq, p)
+            await self._legs.load_adapter(pool, creq, p)
             body = kp.aggregated_body(creq.body)
             leg = await self._legs.decode(pool, p, creq, body, ids, alone=True)
         except UpstreamError as exc:
             exc.request_id = ids.request_id  # for the attempt's log line
             raise
         return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill=p.key)
-
-    async def _load_adapter(self, pool: ModelPool, creq: ClientRequest, *engines: Instance) -> None:
-        """The request's LoRA adapter, where the router loads it itself (``lora.modules``),
-        loaded on those of the chosen ``engines`` that lack it (router/engines/
-        adapter_loads.py); raises :class:`~router.errors.AdapterLoadFailed`."""
-        adapter = requested_adapter(pool.name, creq.body)
-        lora = pool.config.lora
-        path = lora.modules.get(adapter) if adapter is not None else None
-        if adapter is None or path is None or self._adapters is None:
-            return
-        await self._adapters.ensure(pool.name, adapter, path, engines, lora.load_timeout)
 
     async def _split(
         self,
@@ -128,9 +117,10 @@ class PlanRunner:
         D, run the plan."""
         d = res.instance
         p = self._select.prefill(pool, route, avoid, d)
-        await self._load_adapter(pool, creq, p, d)
+        await self._legs.load_adapter(pool, creq, p, d)
         pair = Pair(creq, ids, p, d)
-        self._tracing.set(pdrouter__prefill=p.key)
+        if self._events.annotates:
+            self._events.annotate({"pdrouter.prefill": p.key})
         plan = self._plans[decision]
         turn = self._turns.plan(pool, creq, route.cache, d)
         if plan.concurrent(pair):

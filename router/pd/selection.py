@@ -14,21 +14,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from router.client_request import ClientRequest
-from router.config import TracingConfig
 from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Deadline, Reservation
 from router.errors import DeadlineExceeded, NoCapacity, NoHealthyEngine, QueueFull
 from router.kvindex.route import CacheRoute, CacheScorer, Result
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
 from router.pd import adaptive
 from router.pd.plans import Decision, decide
 from router.pd.routing import Route, prefill_busy, routing_key
 from router.registry import ModelPool
-from router.tracing import Tracing
 
-__all__ = ["Pick", "Selector"]
+__all__ = ["SLOT_WAIT", "Pick", "Selector"]
+
+SLOT_WAIT = "slot_wait"  # the phase of waiting for a decode slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +45,16 @@ class Pick:
 class Selector:
     def __init__(
         self,
-        metrics: Metrics,
+        lifecycle: Lifecycle,
         clock: Callable[[], float] = time.monotonic,
         probe_interval: float = 5.0,
-        tracing: Tracing | None = None,
         scorer: CacheScorer | None = None,
     ) -> None:
         """``probe_interval``: the health-check interval (Retry-After of a refusal).
         ``scorer``: cache-aware routing for models with ``kv_events`` on."""
-        self._metrics = metrics
+        self._events = lifecycle
         self._clock = clock
         self._probe_interval = probe_interval
-        self._tracing = tracing or Tracing(TracingConfig())
         self._scorer = scorer
 
     async def route(
@@ -67,9 +65,7 @@ class Selector:
         picker's decision, and its P is the one the picker named. ``prefill_alone``: a
         migration's continuation with no other D to go to, which P serves alone."""
         decision = self._decide(pool, creq, prefill_alone)
-        self._metrics.decisions.labels(pool.name, decision).inc()
-        if self._tracing.enabled:
-            self._tracing.set(pdrouter__decision=decision.value)
+        self._events.decided(pool.name, decision)
         # The key is built at most once, and only if the policy or the session fallback needs it.
         key = routing_key(creq) if pool.key_needed else None
         session = pool.session_key(creq.session, lambda: key or routing_key(creq))
@@ -97,7 +93,7 @@ class Selector:
         if not cfg.enabled or decision.value != pool.mode.value:
             return decision
         choice = adaptive.decide(cfg, pool, creq.estimated_prompt_tokens(), self._clock())
-        self._metrics.route_choices.labels(pool.name, choice).inc()
+        self._events.adapted(pool.name, choice)
         return _ADAPTED.get(choice, decision)
 
     async def _cache_route(self, pool: ModelPool, creq: ClientRequest) -> CacheRoute | None:
@@ -106,7 +102,7 @@ class Selector:
             return None
         started = self._clock()
         route = await self._scorer.route(pool, creq)
-        self._metrics.cache_tokenize.labels(pool.name).observe(self._clock() - started)
+        self._events.cache_scored(pool.name, self._clock() - started)
         return route
 
     async def pick(
@@ -169,7 +165,7 @@ class Selector:
     ) -> Reservation:
         """A decode slot (may queue: the wait is the key's queue-wait metric)."""
         waited_from = self._clock()
-        with self._tracing.span("slot_wait"):
+        with self._events.phase(SLOT_WAIT):
             try:
                 reservation = await pool.ledger.reserve(
                     route.key,
@@ -185,8 +181,8 @@ class Selector:
                 self._count_refusal(pool, creq, exc)
                 raise
         waited = self._clock() - waited_from
-        self._metrics.key_queue_wait.labels(creq.client_key).observe(waited)
-        self._metrics.class_queue_wait.labels(pool.name, creq.priority_class or "-").observe(waited)
+        cls = creq.priority_class or "-"
+        self._events.slot_waited(pool.name, creq.client_key, cls, waited)
         self._count_placement(pool, Role.DECODE, reservation.placement)
         self._count_choice(pool, Role.DECODE, route.cache)
         return reservation
@@ -202,31 +198,26 @@ class Selector:
     def _count_refusal(
         self, pool: ModelPool, creq: ClientRequest, exc: NoCapacity | QueueFull
     ) -> None:
-        cls = creq.priority_class or "-"
-        self._metrics.class_refusals.labels(pool.name, cls, exc.code).inc()
-        if isinstance(exc, DeadlineExceeded):
-            self._metrics.deadline_misses.labels(pool.name, cls).inc()
+        missed = isinstance(exc, DeadlineExceeded)
+        self._events.refused(pool.name, creq.priority_class or "-", exc.code, missed)
 
     def _count_placement(self, pool: ModelPool, role: Role, placement: Placement | None) -> None:
         if placement is not None:
-            self._metrics.session_routes.labels(pool.name, role.value, placement).inc()
+            self._events.routed(pool.name, role, placement)
 
     def _count_choice(self, pool: ModelPool, role: Role, cache: CacheRoute | None) -> None:
         """Count how cache-aware routing chose ``role``'s engine, and what it predicted."""
         if cache is None:
             if pool.config.kv_events.enabled:
-                self._metrics.cache_routes.labels(pool.name, role.value, Result.NO_TOKENS).inc()
+                self._events.cache_routed(pool.name, role, Result.NO_TOKENS)
             return
         result = cache.results.get(role)
         if result is None:
             return
-        self._metrics.cache_routes.labels(pool.name, role.value, result).inc()
+        self._events.cache_routed(pool.name, role, result)
         predicted = cache.predicted.get(role)
         if predicted is not None and result is not Result.UNKNOWN:
-            self._metrics.cache_predicted.labels(pool.name, role.value).observe(predicted)
-            self._metrics.cache_prompt_tokens.labels(pool.name, role.value).inc(len(cache.tokens))
-            if self._tracing.enabled:
-                self._tracing.set(**{f"pdrouter__cached_{role.value}": predicted})
+            self._events.cache_predicted(pool.name, role, predicted, len(cache.tokens))
 
 
 # What each single-engine choice of the adaptive rule runs as (pd: the decision as it was).
