@@ -20,7 +20,8 @@ from router.engines.instance import Instance, Role
 from router.errors import UpstreamError
 from router.lifecycle import Lifecycle
 from router.pd import kv_params as kp
-from router.pd.legs import DecodeLeg, LegRunner, PrefillResult
+from router.pd.decode_leg import DecodeLeg, PrefillResult
+from router.pd.legs import LegRunner
 from router.pd.plans import Pair, Plan
 from router.registry import ModelPool
 

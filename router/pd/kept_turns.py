@@ -42,8 +42,8 @@ from router.engines.vllm_versions import streams_params
 from router.kvindex.route import CacheRoute
 from router.kvindex.tokens import tokenize_query
 from router.lifecycle import Lifecycle
+from router.pd.decode_leg import DecodeLeg
 from router.pd.kept_turn_params import kept_from_response, kept_from_stream, reuse_params
-from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 

@@ -21,10 +21,11 @@ from router.errors import UpstreamError, UpstreamStatus
 from router.lifecycle import Lifecycle
 from router.pd import kv_params as kp
 from router.pd.attempt_legs import AttemptLegs
+from router.pd.decision import Decision
+from router.pd.decode_leg import DecodeLeg, PrefillResult
 from router.pd.kept_turns import KeptTurns, TurnPlan
-from router.pd.legs import DecodeLeg, PrefillResult
 from router.pd.opened import Dispatch
-from router.pd.plans import Decision, Pair, Plan
+from router.pd.plans import Pair, Plan
 from router.pd.routing import Route
 from router.pd.selection import Selector
 from router.pd.settle import cancel_task, discard_decode

@@ -22,7 +22,7 @@ from router.errors import DeadlineExceeded, NoCapacity, NoHealthyEngine, QueueFu
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.lifecycle import Lifecycle
 from router.pd import adaptive
-from router.pd.plans import Decision, decide
+from router.pd.decision import Decision, decide
 from router.pd.routing import Route, prefill_busy, routing_key
 from router.registry import ModelPool
 
