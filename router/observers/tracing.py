@@ -26,7 +26,9 @@ class TracingObserver(Observer):
     def phase(
         self, name: str, attributes: Mapping[str, Any] | None = None
     ) -> AbstractContextManager[Any]:
-        return self._t.span(name, dict(attributes) if attributes is not None else None)
+        if attributes is not None and not isinstance(attributes, dict):
+            attributes = dict(attributes)
+        return self._t.span(name, attributes)
 
     def annotate(self, attributes: Mapping[str, Any]) -> None:
         self._t.set(**{k.replace(".", "__"): v for k, v in attributes.items()})

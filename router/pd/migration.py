@@ -116,11 +116,7 @@ class Migration:
         ids come with its first token: none came)."""
         progress = self._progress
         fresh = not progress.identity
-        if (
-            not fresh
-            and progress.resumable
-            and (progress.finish_reason is not None or remaining(self._creq, progress) == 0)
-        ):
+        if not fresh and self._nothing_left():
             await self._close(send, hooks)
             return None
         where = self._where(avoid, fresh)
@@ -149,6 +145,11 @@ class Migration:
             await self._fail(send, hooks, Cut(cut.cause, error, cut.fault))
             return None
         return next_cut
+
+    def _nothing_left(self) -> bool:
+        """The client has the answer's last token (its final chunk or usage maybe not)."""
+        p = self._progress
+        return p.resumable and (p.finish_reason is not None or remaining(self._creq, p) == 0)
 
     def _where(self, avoid: set[Instance], fresh: bool) -> str | None:
         """Where the request may continue: ``_RULES`` (by the model's rules: a D it has not
@@ -195,11 +196,11 @@ class Migration:
                 ejected()
             return await self._read_leg(d, send, hooks, watch)
 
+    # The reads are inlined, not a generator, and the stall is watched by one timer per
+    # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
     async def _read_leg(
         self, d: Dispatch, send: Send, hooks: RelayHooks, watch: StallWatch
     ) -> Cut | None:
-        # The reads are inlined, not a generator, and the stall is watched by one timer per
-        # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
         leg, events, rest = d.leg, SseEvents(), d.leg.rest
         assert rest is not None
         loop = asyncio.get_running_loop()

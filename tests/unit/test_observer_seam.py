@@ -157,3 +157,32 @@ def test_the_metrics_observer_counts_each_event_in_its_series() -> None:
     )
     assert _sample(metrics, "pdrouter_handoff_seconds_sum", model="m", mode="pull") == 0.25
     assert _sample(metrics, "pdrouter_kept_turns_entries", model="m") == 3
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_app_subscribes_tracing_only_when_it_is_on(traced: bool) -> None:
+    """With tracing off, nothing on the request path builds span attributes for it."""
+    from router.config import parse_config
+    from router.context import build_context
+    from router.observers.tracing import TracingObserver
+
+    data: dict[str, Any] = {
+        "models": [
+            {
+                "name": "tiny",
+                "mode": "pull",
+                "prefill": [{"url": "http://127.0.0.1:8100"}],
+                "decode": [{"url": "http://127.0.0.1:8200"}],
+            }
+        ]
+    }
+    if traced:
+        data["tracing"] = {"endpoint": "http://127.0.0.1:4318/v1/traces"}
+    ctx = build_context(parse_config(data), None, lambda: 0.0)
+    try:
+        lifecycle = ctx.dispatcher.lifecycle
+        kinds = [type(o) for o in lifecycle.observers]
+        assert kinds == ([MetricsObserver, TracingObserver] if traced else [MetricsObserver])
+        assert lifecycle.annotates is traced
+    finally:
+        ctx.tracing.shutdown()
