@@ -120,7 +120,8 @@ class Selector:
             route = replace(route, decode_ok=decode_ok)
         self.check_prefill(pool, decision, route)
         if decision is Decision.PREFILL_ALONE:
-            p = self.prefill(pool, route, frozenset())
+            # (the cache-aware choice of a P alone is not counted here, as it never was)
+            p = self.prefill(pool, route, frozenset(), counted=False)
             return Pick(decision, None, None, p)
         reservation = await self.reserve(pool, creq, route, frozenset())
         if not decision.uses_prefill:
@@ -148,16 +149,19 @@ class Selector:
         route: Route,
         avoid: frozenset[Instance],
         decode: Instance | None = None,
+        counted: bool = True,
     ) -> Instance:
-        """The P for the request (paired with ``decode`` where given; counted), or the
-        :class:`~router.errors.NoHealthyEngine` refusal."""
+        """The P for the request (paired with ``decode`` where given), or the
+        :class:`~router.errors.NoHealthyEngine` refusal; its placement announced, and how
+        cache-aware routing chose it unless not ``counted``."""
         lease = pool.select_prefill(
             route.key, avoid, route.session, route.cache, decode=decode, allowed=route.prefill_ok
         )
         if lease is None:  # or left rotation while this request waited for its slot
             raise self.no_prefill(pool, decode)
         self._count_placement(pool, Role.PREFILL, lease.placement)
-        self._count_choice(pool, Role.PREFILL, route.cache)
+        if counted:
+            self._count_choice(pool, Role.PREFILL, route.cache)
         return lease.instance
 
     async def reserve(
