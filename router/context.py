@@ -27,8 +27,11 @@ from router.guard import ClientEvents
 from router.httpx_carrier import HttpxCarrier
 from router.kvindex.index import KvIndex
 from router.kvindex.route import CacheScorer
+from router.lifecycle import Lifecycle, Observer
 from router.limits import Limiter
 from router.metrics import Metrics
+from router.observers.metrics import MetricsObserver
+from router.observers.tracing import TracingObserver
 from router.orca import LoadReports
 from router.passthrough import PassThrough
 from router.pd.dispatch import Dispatcher
@@ -96,19 +99,20 @@ def build_context(
     metrics.attach_state(registry.pools, clock)
     kv_index = KvIndex()
     metrics.attach_kv_index(kv_index.streams)
-    legs = LegRunner(upstream, config.timeouts, metrics, clock)
     tracing = Tracing(config.tracing)
+    lifecycle = _lifecycle(metrics, tracing)
+    legs = LegRunner(upstream, config.timeouts, lifecycle, clock)
     side_calls = SideCalls(upstream, config.timeouts.connect)
-    turns = KeptTurns(side_calls, metrics)
+    turns = KeptTurns(side_calls, lifecycle)
     scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
         legs,
         turns,
-        metrics,
+        lifecycle,
         config.retries,
         clock,
         config.health.interval,
-        tracing,
+        tracing.traceparent,
         scorer,
         AdapterLoader(upstream),
     )
@@ -154,6 +158,15 @@ def build_context(
         LoadReports(side_calls),
         sidecar,
     )
+
+
+def _lifecycle(metrics: Metrics, tracing: Tracing) -> Lifecycle:
+    """The observers of every request: metrics always; tracing only when it is on, so that
+    with it off the request path builds nothing for it (``Lifecycle.annotates`` false)."""
+    observers: list[Observer] = [MetricsObserver(metrics)]
+    if tracing.enabled:
+        observers.append(TracingObserver(tracing))
+    return Lifecycle(observers)
 
 
 def _lora(registry: Registry, inst: Instance) -> LoraConfig | None:

@@ -141,9 +141,7 @@ class RelayResponse(Response):
         if migration is not None and migration.enabled:
             refused = refusal(creq, pool.config.kept_turns.enabled, migration.non_streamed)
             if refused is None:
-                self._migration = Migration(
-                    dispatcher, pool, creq, self._client_id, migration, metrics, self._tracing
-                )
+                self._migration = Migration(dispatcher, pool, creq, self._client_id, migration)
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
         # A plain function that returns the exchange to await, and the span only when traced:

@@ -1,0 +1,1 @@
+"""The observers of the request's lifecycle (router/lifecycle.py): metrics, tracing."""

@@ -1,0 +1,48 @@
+"""The request's spans and their attributes from its lifecycle events (router/lifecycle.py).
+
+Subscribed only when tracing is on (``router/context.py``): with it off, no event reaches
+this observer and the request path builds no attributes for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+from router.lifecycle import Observer
+from router.tracing import Tracing
+
+__all__ = ["TracingObserver"]
+
+
+class TracingObserver(Observer):
+    """``phase`` a child span of the current one; ``annotate`` and the events with a fact
+    worth a span attribute set it on the current span (``pdrouter.*``)."""
+
+    def __init__(self, tracing: Tracing) -> None:
+        self._t = tracing
+
+    def phase(
+        self, name: str, attributes: Mapping[str, Any] | None = None
+    ) -> AbstractContextManager[Any]:
+        if attributes is not None and not isinstance(attributes, dict):
+            attributes = dict(attributes)
+        return self._t.span(name, attributes)
+
+    def annotate(self, attributes: Mapping[str, Any]) -> None:
+        self._t.set(**{k.replace(".", "__"): v for k, v in attributes.items()})
+
+    # -- dispatch (router/pd) ----------------------------------------------------------------
+
+    def decided(self, model: str, decision: str) -> None:
+        self._t.set(pdrouter__decision=str(decision))
+
+    def cache_predicted(self, model: str, role: str, cached: int, prompt_tokens: int) -> None:
+        self._t.set(**{f"pdrouter__cached_{role}": cached})
+
+    def retried(self, model: str, attempt: int) -> None:
+        self._t.set(pdrouter__retries=attempt)
+
+    def handed_off(self, model: str, mode: str, seconds: float) -> None:
+        self._t.set(pdrouter__handoff_s=seconds)
