@@ -37,7 +37,7 @@ def ended_early(leg: DecodeLeg, watch: StallWatch, count: int, worst: float) -> 
         message = f"{inst.role} engine left rotation ({inst.why_out()}) mid-stream"
         role = str(inst.role)
         code = f"{role}_ejected"
-        error = UpstreamError(message, role=role, instance=inst.url, code=code, fault=Fault.NONE)
+        error = UpstreamError(message, role=role, instance=inst.key, code=code, fault=Fault.NONE)
         return Cut("ejected", error, Fault.NONE)
     leg.read_ended(count, worst, Fault.ENGINE)
     if not watch.fired:
