@@ -24,7 +24,8 @@ def uvicorn_options(
     options: dict[str, Any] = {
         "log_level": log_level,
         "access_log": access_log,
-        "loop": "uvloop",
+        # uvloop, accepting pending connections in batches (router/accept.py).
+        "loop": "router.accept:new_event_loop",
         "http": http_protocol,
         # Clients' X-Forwarded-* headers are not trusted, and the router never uses the
         # client address: skip the middleware that rewrites it on every request.

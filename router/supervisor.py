@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from router.accept import bind
 from router.config import RouterConfig
 from router.server_options import uvicorn_options
 from router.shared_slots import SharedSlotTable
@@ -64,15 +65,8 @@ class ServeOptions:
 
 
 def _bind(host: str, port: int, backlog: int) -> socket.socket:
-    """The one listening socket every worker accepts on."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY on an accepted connection only
-    # when the socket says TCP, and a response written in two parts otherwise waits ~40 ms
-    # for Nagle's algorithm.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
+    """The one listening socket every worker accepts on (in batches: router/accept.py)."""
+    sock = bind(host, port, backlog)
     sock.set_inheritable(True)
     return sock
 

@@ -21,6 +21,7 @@ BESIDE = {
     "supervisor",
     "reload",
     "server_options",
+    "accept",
     "__main__",
     "discovery",
     "stack",
