@@ -141,9 +141,18 @@ class KeptTurnKeeper:
         if kept is not None and kept.asker == peer:
             kept.done = True
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """P ``peer`` restarted: a pull it asked for is never written (its blocks are gone);
+        the kept turn is freed once its WRITEs in flight drain."""
+        for kept in self._kept.values():
+            if kept.link == peer and kept.asked_at is not None:
+                kept.done = True
+        for tid in [t for t, (p, _) in self._early.items() if p == peer]:
+            del self._early[tid]
+
     def on_link_settled(self, link: Link) -> None:
         for kept in list(self._kept.values()):
-            if kept.link == link.name and not kept.written:
+            if kept.link == link.name and not kept.written and not kept.done:
                 self._write(kept)
 
     def collect(self) -> set[str]:
@@ -296,6 +305,12 @@ class KeptTurnAsker:
             log.info("pd-connector: kept turn %s not read: %s", tid, reason)
             self._ctx.stats.kept_missed()
             self._answers[ask.req_id] = None
+
+    def on_peer_restarted(self, peer: str) -> None:
+        """D ``peer`` restarted: an ASK it got is never answered (its kept turns are gone)."""
+        for tid, ask in list(self._asks.items()):
+            if ask.link == peer and ask.sent:
+                self.on_fail(tid, f"D worker {peer} restarted")
 
     def on_link_settled(self, link: Link) -> None:
         for tid, ask in list(self._asks.items()):
