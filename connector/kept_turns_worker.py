@@ -41,10 +41,24 @@ from connector.metadata import KeepSpec, Kind, encode
 from connector.peers import Link, LinkState
 from connector.readiness import Mark
 
-__all__ = ["KeptTurnAsker", "KeptTurnKeeper"]
+__all__ = ["KeptTurnAsker", "KeptTurnKeeper", "unequal_tp"]
 
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+def unequal_tp(p_tp: int, d_tp: int) -> str:
+    """Why a kept turn cannot be read between P at ``p_tp`` and D at ``d_tp`` workers ("" if
+    it can; 0: not known yet). A kept turn is pulled worker by worker, each P worker from the
+    D worker at its own place, whole blocks: unequal sizes would need the head map
+    (``tp_map``) in reverse, which kept turns do not do. P declines at once and computes the
+    turn, instead of waiting for a D worker that does not exist."""
+    if not p_tp or not d_tp or p_tp == d_tp:
+        return ""
+    return (
+        f"kept turns need P and D at the same tensor-parallel size (P {p_tp}, D {d_tp}):"
+        " P computes the turn"
+    )
 
 
 @dataclass(slots=True)
@@ -110,6 +124,11 @@ class KeptTurnKeeper:
     def on_ask(self, peer: str, tid: str) -> None:
         """P asks what ``tid`` holds: HELD (taking the entry), a wait for a turn still
         running (see module doc), or FAIL."""
+        link = self._ctx.peers.get(peer)
+        reason = unequal_tp(link.peer_tp if link is not None else 0, self._ctx.tp.size)
+        if reason:  # the entry is not taken: a P of this engine's size may still read it
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason=reason))
+            return
         kept = self._kept.get(tid)
         now = self._ctx.clock()
         if kept is None or kept.asked_at is not None or kept.done or now >= kept.expires_at:
@@ -332,6 +351,10 @@ class KeptTurnAsker:
         if ask.sent or link is None:
             return
         if link.state is LinkState.READY:
+            reason = unequal_tp(self._ctx.tp.size, link.peer_tp)
+            if reason:  # declined before asking: D's entry stays for a P of its size
+                self.on_fail(tid, reason)
+                return
             self._ctx.notice(ask.link, encode(Kind.ASK, tid))
             ask.sent = True
         elif link.settled:
