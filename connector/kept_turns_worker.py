@@ -41,10 +41,24 @@ from connector.metadata import KeepSpec, Kind, encode
 from connector.peers import Link, LinkState
 from connector.readiness import Mark
 
-__all__ = ["KeptTurnAsker", "KeptTurnKeeper"]
+__all__ = ["KeptTurnAsker", "KeptTurnKeeper", "unequal_tp"]
 
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+def unequal_tp(p_tp: int, d_tp: int) -> str:
+    """Why a kept turn cannot be read between P at ``p_tp`` and D at ``d_tp`` workers ("" if
+    it can; 0: not known yet). A kept turn is pulled worker by worker, each P worker from the
+    D worker at its own place, whole blocks: unequal sizes would need the head map
+    (``tp_map``) in reverse, which kept turns do not do. P declines at once and computes the
+    turn, instead of waiting for a D worker that does not exist."""
+    if not p_tp or not d_tp or p_tp == d_tp:
+        return ""
+    return (
+        f"kept turns need P and D at the same tensor-parallel size (P {p_tp}, D {d_tp}):"
+        " P computes the turn"
+    )
 
 
 @dataclass(slots=True)
@@ -110,6 +124,11 @@ class KeptTurnKeeper:
     def on_ask(self, peer: str, tid: str) -> None:
         """P asks what ``tid`` holds: HELD (taking the entry), a wait for a turn still
         running (see module doc), or FAIL."""
+        link = self._ctx.peers.get(peer)
+        reason = unequal_tp(link.peer_tp if link is not None else 0, self._ctx.tp.size)
+        if reason:  # the entry is not taken: a P of this engine's size may still read it
+            self._ctx.notice(peer, encode(Kind.FAIL, tid, reason=reason))
+            return
         kept = self._kept.get(tid)
         now = self._ctx.clock()
         if kept is None or kept.asked_at is not None or kept.done or now >= kept.expires_at:
@@ -141,9 +160,18 @@ class KeptTurnKeeper:
         if kept is not None and kept.asker == peer:
             kept.done = True
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """P ``peer`` restarted: a pull it asked for is never written (its blocks are gone);
+        the kept turn is freed once its WRITEs in flight drain."""
+        for kept in self._kept.values():
+            if kept.link == peer and kept.asked_at is not None:
+                kept.done = True
+        for tid in [t for t, (p, _) in self._early.items() if p == peer]:
+            del self._early[tid]
+
     def on_link_settled(self, link: Link) -> None:
         for kept in list(self._kept.values()):
-            if kept.link == link.name and not kept.written:
+            if kept.link == link.name and not kept.written and not kept.done:
                 self._write(kept)
 
     def collect(self) -> set[str]:
@@ -297,6 +325,12 @@ class KeptTurnAsker:
             self._ctx.stats.kept_missed()
             self._answers[ask.req_id] = None
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """D ``peer`` restarted: an ASK it got is never answered (its kept turns are gone)."""
+        for tid, ask in list(self._asks.items()):
+            if ask.link == peer and ask.sent:
+                self.on_fail(tid, f"D worker {peer} restarted")
+
     def on_link_settled(self, link: Link) -> None:
         for tid, ask in list(self._asks.items()):
             if ask.link == link.name:
@@ -317,6 +351,10 @@ class KeptTurnAsker:
         if ask.sent or link is None:
             return
         if link.state is LinkState.READY:
+            reason = unequal_tp(self._ctx.tp.size, link.peer_tp)
+            if reason:  # declined before asking: D's entry stays for a P of its size
+                self.on_fail(tid, reason)
+                return
             self._ctx.notice(ask.link, encode(Kind.ASK, tid))
             ask.sent = True
         elif link.settled:

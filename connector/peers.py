@@ -10,6 +10,14 @@ A worker links to the peer's worker at its own place when both run the same TP s
 the workers ``tp_map`` names (``ensure``'s ``tp_rank``/``tp_size``: the peer's); HELLO carries
 the sender's TP rank, so a link the peer opened reaches back to the right listener.
 
+A peer that restarts under the same engine id has the same agent name, and NIXL will not load a
+name it already holds: a link would stay bound to the dead incarnation, and the new one would
+wait for a HELLO this side never sends again. Each HELLO therefore names its sender's
+incarnation (a token drawn per worker start); a HELLO naming another incarnation than the
+link's first one makes this side drop the link: the transfers bound to the old incarnation are
+ended (``on_restart``), the old agent's metadata is removed from ours, and the link starts
+over (metadata fetched again, our HELLO sent once it is loaded).
+
 A HELLO whose ``Compat`` differs (model, layout, attention backend, dtypes, memory type,
 parallel sizes the map cannot bridge: ``tp_map.pair_mismatches``) is refused: this side logs
 the differing fields with both engines' values and sends them in ``REFUSE``, which the peer
@@ -36,6 +44,8 @@ __all__ = ["Link", "LinkState", "PeerTable"]
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
 
+_REFETCH_S = 0.5  # a link without the peer's metadata asks for it again this often
+
 
 class LinkState(enum.Enum):
     CONNECTING = "connecting"
@@ -58,6 +68,9 @@ class Link:
     handshake_s: float = 0.0
     port: int = 0  # the peer worker's NIXL listener
     peer_tp: int = 0  # the peer engine's TP size, from its HELLO (0 until then)
+    incarnation: str | None = None  # the peer's, from its first HELLO (None: not yet, or
+    # a peer that names none)
+    fetched_at: float | None = None  # when its metadata was last asked for
 
     @property
     def settled(self) -> bool:
@@ -80,8 +93,12 @@ class PeerTable:
         compat: Compat,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_restart: Callable[[str], None] = lambda name: None,
     ) -> None:
+        """``on_restart(name)``: peer ``name`` restarted; called before its old metadata is
+        removed, so whatever was bound to the old incarnation can be ended and released."""
         self._agent = agent
+        self._on_restart = on_restart
         self._rank = rank
         self._hello = hello  # our HELLO body: compat, address, layout
         self._compat = compat
@@ -130,6 +147,7 @@ class PeerTable:
         for link in self._links.values():
             if link.state in (LinkState.FAILED, LinkState.REFUSED):
                 continue
+            self._refetch(link, now)
             # A link can be READY (their HELLO checked) before ours could be sent: keep trying.
             if not link.hello_sent and self.can_notify(link.name):
                 self._send(link, encode(Kind.HELLO, **self._hello))
@@ -148,6 +166,7 @@ class PeerTable:
             link = Link(sender, None, self._clock())
             self._links[sender] = link
         if msg.kind is Kind.HELLO:
+            link = self._relink_if_restarted(link, msg.body)
             self._on_hello(link, msg.body)
         elif msg.kind is Kind.VERSION:
             self._refuse(
@@ -166,11 +185,58 @@ class PeerTable:
     def _connect(self, link: Link) -> None:
         assert link.addr is not None
         port = link.port
+        link.fetched_at = self._clock()
         try:
             self._agent.fetch_remote(link.name, link.addr.host, port)
             self._agent.send_local(link.addr.host, port)
         except Exception as exc:  # unreachable host: the handshake timeout reports it
             log.warning("pd-connector: metadata exchange with %s failed: %s", link.name, exc)
+
+    def _relink_if_restarted(self, link: Link, body: dict[str, Any]) -> Link:
+        """``link``, or a fresh one in its place if ``body`` is a HELLO from another
+        incarnation of the peer than the one the link was made with."""
+        incarnation = body.get("incarnation")
+        new = None if incarnation is None else str(incarnation)
+        if link.incarnation is None or new is None or new == link.incarnation:
+            if link.incarnation is None:
+                link.incarnation = new
+            return link
+        log.warning(
+            "pd-connector: peer %s restarted (incarnation %s, was %s): linking again",
+            link.name,
+            new,
+            link.incarnation,
+        )
+        self._on_restart(link.name)
+        try:
+            self._agent.remove_remote(link.name)
+        except Exception as exc:  # not loaded (or gone): nothing to remove
+            log.debug("pd-connector: removing %s's metadata failed: %s", link.name, exc)
+        fresh = Link(link.name, link.addr, self._clock(), port=link.port, incarnation=new)
+        self._links[link.name] = fresh
+        if fresh.addr is not None:  # ours: the new peer fetched it already to say HELLO
+            self._fetch(fresh)
+        return fresh
+
+    def _refetch(self, link: Link, now: float) -> None:
+        """Ask again for the metadata of a link still without it: NIXL's metadata client
+        keeps its socket to a listener, and the first fetch after the peer restarted goes
+        down the dead one (NIXL drops it then: the next fetch connects afresh)."""
+        if (
+            link.addr is not None
+            and link.fetched_at is not None
+            and now - link.fetched_at >= _REFETCH_S
+            and not self.can_notify(link.name)
+        ):
+            self._fetch(link)
+
+    def _fetch(self, link: Link) -> None:
+        assert link.addr is not None
+        link.fetched_at = self._clock()
+        try:
+            self._agent.fetch_remote(link.name, link.addr.host, link.port)
+        except Exception as exc:  # the handshake timeout reports it
+            log.warning("pd-connector: metadata fetch from %s failed: %s", link.name, exc)
 
     def _on_hello(self, link: Link, body: dict[str, Any]) -> None:
         try:

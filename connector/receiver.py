@@ -126,6 +126,13 @@ class Receiver:
         if recv is not None:
             self._fail(recv, "peer_fail", f"P failed the transfer: {reason}", notify=False)
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """P worker ``peer`` restarted: receives (and pulls) it was asked for end, since the
+        old incarnation will never write them; those not registered yet wait for the new one."""
+        for recv in list(self._recvs.values()):
+            if peer in recv.reg_sent:
+                self._fail(recv, "peer_fail", f"P worker {peer} restarted", notify=False)
+
     def on_link_settled(self, link: Link) -> None:
         """Register (or fail) the receives that waited for ``link``."""
         for recv in list(self._recvs.values()):

@@ -227,6 +227,18 @@ class Sender:
         else:
             self._fail(send, "decode_abort", "D aborted the transfer", notify=False)
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """D worker ``peer`` restarted: sends that hold its old incarnation's REG end (those
+        blocks are gone; writing them would land in the new one's memory), as does every REG
+        or ABORT remembered from it; sends still waiting for a REG wait for the new one's."""
+        for send in self._sends.values():
+            if send.link == peer and send.reg is not None:
+                self._fail(send, "peer_fail", f"D worker {peer} restarted", notify=False)
+        for key in [k for k in self._early_regs if k[1] == peer]:
+            del self._early_regs[key]
+        for key in [k for k in self._aborted_tids if k[1] == peer]:
+            del self._aborted_tids[key]
+
     def on_link_settled(self, link: Link) -> None:
         """Post what waited for ``link``; fail its sends if it will never be READY."""
         for send in list(self._sends.values()):

@@ -46,6 +46,10 @@ class NixlAgent(Protocol):
     def has_remote(self, agent: str) -> bool:
         """Whether ``agent``'s metadata is loaded, i.e. we can notify it and write to it."""
 
+    def remove_remote(self, agent: str) -> None:
+        """Forget ``agent``'s metadata and disconnect from it (a peer that restarted under the
+        same name: NIXL refuses to load a name it holds, so the old one must go first)."""
+
     def send_notif(self, agent: str, msg: bytes) -> None:
         """Send a standalone notification; raises on a transport error."""
 
@@ -149,6 +153,9 @@ class RealNixlAgent:
 
     def has_remote(self, agent: str) -> bool:
         return bool(self._agent.check_remote_metadata(agent))
+
+    def remove_remote(self, agent: str) -> None:
+        self._agent.remove_remote_agent(agent)
 
     def send_notif(self, agent: str, msg: bytes) -> None:
         self._agent.send_notif(agent, msg)

@@ -35,6 +35,7 @@ import logging
 import re
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -122,6 +123,8 @@ class WorkerSide:
         self._sleep = sleep
         self._forward_seen = False  # since the last get_finished
         self._address = {"engine_id": engine_id, "host": host, "port": port}  # for our HELLO
+        # Tells a peer this start from an earlier one under the same agent name (peers.py).
+        self._incarnation = uuid.uuid4().hex
         self._compat_fields = compat_fields
         self._layer_idx: dict[str, int] = {}
         self._readiness = readiness  # None until register_kv_caches picks one
@@ -182,9 +185,18 @@ class WorkerSide:
             "layout": layout.to_wire(),
             "vllm_version": vllm_version(),
             "tp_rank": self._rank.tp_rank,  # where a peer reaches back (unequal TP sizes)
+            "incarnation": self._incarnation,
             **self._address,
         }
-        peers = PeerTable(ctx.agent, self._rank, hello, compat, ctx.t.handshake_s, ctx.clock)
+        peers = PeerTable(
+            ctx.agent,
+            self._rank,
+            hello,
+            compat,
+            ctx.t.handshake_s,
+            ctx.clock,
+            on_restart=self._on_peer_restarted,
+        )
         ctx.attach(layout, peers, BlockWriter(ctx.agent, layout))
         log.info(
             "pd-connector: rank %d registered %d layers x %d blocks (%d B/block, %s) as %s",
@@ -363,6 +375,16 @@ class WorkerSide:
     def _marks(self) -> Readiness:
         assert self._readiness is not None, "register_kv_caches must run first"
         return self._readiness
+
+    def _on_peer_restarted(self, name: str) -> None:
+        """Peer agent ``name`` restarted: end what was bound to its old incarnation (its
+        blocks, its registrations, its pulls are gone) and release our list of its memory,
+        before the peer table removes its metadata."""
+        self._sender.on_peer_restarted(name)
+        self._receiver.on_peer_restarted(name)
+        self._keeper.on_peer_restarted(name)
+        self._asker.on_peer_restarted(name)
+        self._ctx.writer.forget(name)
 
     def _on_link_settled(self, link: Link) -> None:
         if link.state is LinkState.READY:

@@ -69,6 +69,12 @@ class BlockWriter:
         part)."""
         return blocks * (self._layout.block_bytes if length is None else length)
 
+    def forget(self, peer: str) -> None:
+        """Release ``peer``'s prepared list, if any (the peer restarted: its memory is gone)."""
+        entry = self._remote.pop(peer, None)
+        if entry is not None:
+            self._release(entry[2])
+
     def close(self) -> None:
         """Release every prepared list (shutdown, before memory is deregistered)."""
         for _, _, handle in self._remote.values():

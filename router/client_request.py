@@ -146,9 +146,12 @@ class ClientRequest:
     ttft_deadline_ms: float | None = None  # the request's TTFT deadline (router/priority.py)
     deadline_at: float | None = None  # when it passes, on the router's clock
     # An endpoint picker's choice, read by a ``pd-router sidecar`` (router/picker): the
-    # decision (a ``Decision`` value) and the P's URL; None: the router chooses.
+    # decision (a ``Decision`` value), the P (its engine key: its URL, ``<url>#dp<r>`` for a
+    # data-parallel rank) and D's data-parallel rank (the picker's slot is on that rank); None:
+    # the router chooses.
     picked_decision: str | None = None
     picked_prefill: str | None = None
+    picked_rank: int | None = None
 
     def estimated_prompt_tokens(self, chars_per_token: float = 4.0) -> int:
         if self.prompt_is_tokens:

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from router.access_log import AccessRecord
+from router.carrier import DP_RANK_HEADER
 from router.chat_batch import BatchChatResponse, parse_chat_batch
 from router.chat_batch import split as split_batch
 from router.client_request import (
@@ -267,11 +268,13 @@ PICKED_PREFILL = "x-pd-prefill-endpoint"
 
 
 def with_pick(creq: ClientRequest, headers: Iterable[tuple[bytes, bytes]]) -> ClientRequest:
-    """``creq`` with the endpoint picker's decision and P, as its headers name them (a
-    sidecar's requests come from the gateway, which the picker told); unchanged without
-    them. A decision the router does not know, or one that needs a P without one named:
-    400."""
-    found = {name: value.decode("latin-1") for name, value in headers if name.startswith(b"x-pd-")}
+    """``creq`` with the endpoint picker's decision, P and D's data-parallel rank
+    (``X-data-parallel-rank``, as vLLM reads it), as its headers name them (a sidecar's
+    requests come from the gateway, which the picker told); unchanged without them. A
+    decision the router does not know, one that needs a P without one named, or a rank that
+    is not a whole number: 400."""
+    wanted = (b"x-pd-", DP_RANK_HEADER.encode())
+    found = {name: value.decode("latin-1") for name, value in headers if name.startswith(wanted)}
     decision = found.get(PICKED_DECISION.encode())
     if decision is None:
         return creq
@@ -282,7 +285,13 @@ def with_pick(creq: ClientRequest, headers: Iterable[tuple[bytes, bytes]]) -> Cl
         raise InvalidRequest(f"{PICKED_DECISION}: unknown decision {decision!r}") from None
     if known.uses_prefill and prefill is None:
         raise InvalidRequest(f"{PICKED_DECISION} {decision} needs {PICKED_PREFILL}")
-    return replace(creq, picked_decision=decision, picked_prefill=prefill)
+    raw_rank = found.get(DP_RANK_HEADER.encode())
+    rank = None
+    if raw_rank is not None:
+        if not raw_rank.strip().isdigit():
+            raise InvalidRequest(f"{DP_RANK_HEADER}: not a data-parallel rank: {raw_rank!r}")
+        rank = int(raw_rank)
+    return replace(creq, picked_decision=decision, picked_prefill=prefill, picked_rank=rank)
 
 
 def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> LoadReport | None:

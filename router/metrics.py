@@ -521,7 +521,7 @@ class Metrics:
         self.kept_turns = _Counter(
             "pdrouter_kept_turns",
             "Finished turns kept on D for the next P, and what became of them "
-            "(kept, reused, partial, mismatch, expired, unavailable, offered)",
+            "(kept, reused, partial, mismatch, expired, unavailable, offered, unequal_tp)",
             ["model", "result"],
             registry=r,
         )

@@ -29,6 +29,7 @@ class KeptTurnResult(enum.StrEnum):
     EXPIRED = "expired"  # taken after its TTL
     UNAVAILABLE = "unavailable"  # D gone or unhealthy, or its block size unknown
     OFFERED = "offered"  # pipelined: handed to P, which checks it (connector/kept_turns.py)
+    UNEQUAL_TP = "unequal_tp"  # pipelined: P and D of unequal TP sizes; P computes the turn
 
 
 @dataclass(frozen=True, slots=True)

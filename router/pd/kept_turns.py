@@ -129,14 +129,22 @@ class KeptTurns:
         """D's ``keep_turn``: the conversation's keep id (pipelined)."""
         return turn.keep_id if turn.keep_id is not None else True
 
-    def offer(self, pool: ModelPool, turn: TurnPlan) -> dict[str, Any] | None:
+    def offer(
+        self, pool: ModelPool, turn: TurnPlan, prefill: Instance | None = None
+    ) -> dict[str, Any] | None:
         """Pipelined: the ``read_kept_turn`` params that name the conversation's kept turn and the D
-        that holds it (module doc), if that D is in rotation with a known NIXL address."""
+        that holds it (module doc), if that D is in rotation with a known NIXL address and
+        runs ``prefill``'s tensor-parallel size (the connector reads a kept turn only
+        between equal sizes; ``unequal_tp`` is counted and P computes the turn)."""
         d = turn.holder
         if turn.keep_id is None or d is None:
             return None
         if d.healthy is False or d.nixl is None:
             self._count(pool, KeptTurnResult.UNAVAILABLE)
+            return None
+        p_nixl = prefill.nixl if prefill is not None else None
+        if p_nixl is not None and p_nixl.tp_size != d.nixl.tp_size:
+            self._count(pool, KeptTurnResult.UNEQUAL_TP)
             return None
         self._count(pool, KeptTurnResult.OFFERED)
         return {"read_kept_turn": {"transfer_id": turn.keep_id, **d.nixl.as_params()}}

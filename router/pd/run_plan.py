@@ -192,7 +192,7 @@ class PlanRunner:
         d_params = plan.decode_params(pair, None)
         on_clean_end = None
         if turn is not None:
-            p_params = {**p_params, **(self._turns.offer(pool, turn) or {})}
+            p_params = {**p_params, **(self._turns.offer(pool, turn, pair.prefill) or {})}
             d_params = {**d_params, "keep_turn": self._turns.keep_value(turn)}
             tid, d = pair.ids.transfer_id, pair.decode
             on_clean_end = functools.partial(self._turns.kept, pool, turn, tid, d)

@@ -74,8 +74,10 @@ class Selector:
         prefill_ok = pool.adapter_filter(adapter, Role.PREFILL, paired=True)
         if creq.picked_prefill is not None:
             prefill_ok = _only(creq.picked_prefill, prefill_ok)
-        cache = await self._cache_route(pool, creq)
         decode_ok = pool.adapter_filter(adapter, Role.DECODE, paired=decision.uses_prefill)
+        if creq.picked_rank is not None:
+            decode_ok = _rank_only(creq.picked_rank, decode_ok)
+        cache = await self._cache_route(pool, creq)
         return decision, Route(key, session, cache, prefill_ok, decode_ok)
 
     def _decide(self, pool: ModelPool, creq: ClientRequest, prefill_alone: bool) -> Decision:
@@ -235,9 +237,17 @@ def _both(
     return lambda inst: _ok(first, inst) and second(inst)
 
 
-def _only(url: str, allowed: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
-    """``allowed`` narrowed to the engine at ``url`` (an endpoint picker's choice)."""
-    return lambda inst: inst.url == url and _ok(allowed, inst)
+def _only(name: str, allowed: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
+    """``allowed`` narrowed to the engine an endpoint picker chose: ``name`` is its key (one
+    data-parallel rank, ``<url>#dp<r>``), or its URL (every rank behind it, as a picker
+    that names URLs only said)."""
+    return lambda inst: name in (inst.key, inst.url) and _ok(allowed, inst)
+
+
+def _rank_only(rank: int, allowed: Callable[[Instance], bool] | None) -> Callable[[Instance], bool]:
+    """``allowed`` narrowed to data-parallel rank ``rank`` (the rank an endpoint picker
+    reserved its slot on; an engine without data parallelism has no rank to narrow)."""
+    return lambda inst: (inst.rank is None or inst.rank == rank) and _ok(allowed, inst)
 
 
 def _deadline(pool: ModelPool, creq: ClientRequest) -> Deadline | None:

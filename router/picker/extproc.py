@@ -11,8 +11,10 @@ FULL_DUPLEX_STREAMED. Per stream (:class:`Exchange`):
   reserves its decode slot first, then chooses P, among the endpoints of the gateway's subset
   hint if it sends one; the answer names the destination (``x-gateway-destination-endpoint``,
   header and ``envoy.lb`` metadata) and what the sidecar's legs need (``x-pd-decision``,
-  ``x-pd-prefill-endpoint``); a refusal is an immediate response with the router's status,
-  headers and OpenAI error body;
+  ``x-pd-prefill-endpoint``: P's engine key, ``<url>#dp<r>`` for a data-parallel rank); with
+  data-parallel engines, ``X-data-parallel-rank`` pins the rank the slot is on (the sidecar
+  runs D's leg there; P serving alone is vLLM itself, which honours it); a refusal is an
+  immediate response with the router's status, headers and OpenAI error body;
 - the slot is given back at the response's end (its body's ``end_of_stream``, or its
   trailers) or when the stream ends any other way (the client reset, the engine failed,
   the gateway gave up): the ``finally`` of :meth:`ExtProc.Process`.
@@ -34,6 +36,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from router.carrier import DP_RANK_HEADER
 from router.chat_batch import parse_chat_batch
 from router.client_request import (
     ClientRequest,
@@ -70,8 +73,9 @@ DESTINATION = "x-gateway-destination-endpoint"  # the extension's header and met
 _LB_NAMESPACE = "envoy.lb"  # the extension's dynamic metadata namespace
 _SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # the gateway's subset of the pool, if it sends one
 _SUBSET = "x-gateway-destination-endpoint-subset"
-# What a client may not set: the picker's own answers to the gateway and the sidecar.
-_OURS = (DESTINATION, PICKED_DECISION, PICKED_PREFILL)
+# What a client may not set: the picker's own answers to the gateway and the sidecar (and the
+# data-parallel rank, which pins the engine the picker reserved: vLLM and the sidecar obey it).
+_OURS = (DESTINATION, PICKED_DECISION, PICKED_PREFILL, DP_RANK_HEADER)
 _ENDPOINTS = {e.value: e for e in Endpoint}
 _FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
@@ -233,7 +237,9 @@ class Exchange:
         self.destination = self._destinations.of(engine)
         legs = {PICKED_DECISION: pick.decision.value}
         if pick.decode is not None and pick.prefill is not None:
-            legs[PICKED_PREFILL] = pick.prefill.url
+            legs[PICKED_PREFILL] = pick.prefill.key  # its URL, and its rank if data-parallel
+        if engine.rank is not None:  # D's sidecar (or P alone, vLLM itself) runs that rank
+            legs[DP_RANK_HEADER] = str(engine.rank)
         return _routed(self.destination, legs)
 
     def _reachable(self) -> Callable[[Instance], bool] | None:

@@ -269,12 +269,13 @@ class Stack:
 
         The router keeps running and sees the engine come back through its health checks.
         A restarted engine is a new incarnation, as at start: an engine without a pinned
-        engine id (D in pull and push mode) gets a fresh NIXL identity from vLLM, and a P (or
-        a pipelined D) gets a fresh pinned one. Reusing P's id breaks its peers: vLLM 0.32's
-        ``NixlConnector`` on D keeps the NIXL agent it cached for that id and fails every READ
-        from the new P with ``NIXL_ERR_REMOTE_DISCONNECT``; this project's connector on P keeps
-        its link to a pipelined D's old agent the same way. The routers learn the new id from a
-        reload of their config (SIGHUP), as they would from discovery, before the engine starts.
+        engine id (D in pull and push mode) gets a fresh NIXL identity from vLLM, and a P gets
+        a fresh pinned one. Reusing P's id breaks its peers: vLLM 0.32's ``NixlConnector`` on
+        D keeps the NIXL agent it cached for that id and fails every READ from the new P with
+        ``NIXL_ERR_REMOTE_DISCONNECT``. The routers learn the new id from a reload of their
+        config (SIGHUP), as they would from discovery, before the new P starts. A pipelined D
+        keeps its pinned id, as a deployment's would: this project's connector on P sees the
+        new incarnation in its HELLO and links to it again (connector/peers.py).
         """
         with self._lock:
             old = self._engine_proc(name)
@@ -299,13 +300,11 @@ class Stack:
         raise StackError(f"{name}: no EngineCore in {_RESTART_LAUNCHES} launches ({proc.log_path})")
 
     def _new_incarnation(self, name: str) -> eng.EngineSpec:
-        """The spec to restart ``name`` with: an engine with a pinned engine id (a P; a
-        pipelined D) gets a new one, which the running routers are given (config rewritten,
-        SIGHUP, the reload seen in each log). A pipelined D restarted with its old id is
-        never written again: P's connector keeps its link to the old incarnation's agent
-        by that id, and D's requests fail with "no handshake ... within 5.0s"."""
+        """The spec to restart ``name`` with: a P gets a new engine id, which the running
+        routers are given (config rewritten, SIGHUP, the reload seen in each log); any other
+        engine restarts as it was (a pipelined D under its pinned id)."""
         spec = self.engine(name)
-        if spec.engine_id is None:
+        if spec.role != "prefill" or spec.engine_id is None:
             return spec
         spec = replace(spec, engine_id=f"{name}-{uuid.uuid4().hex[:8]}")
         self.engines = [spec if s.name == name else s for s in self.engines]

@@ -3,6 +3,7 @@
 Commands (tuples): ``("step", StepMeta | None, forward: bool)`` runs one engine step and replies
 ``get_finished``'s triple; ``("finish", req_id)`` marks a request finished by vLLM;
 ``("blocks", ids)`` replies those blocks of every layer as a tensor; ``("stats",)``;
+``("removed",)`` replies the peer agents whose metadata the worker removed;
 ``("exit",)``.
 """
 
@@ -32,7 +33,14 @@ def serve(
     from connector.worker import Timeouts, WorkerSide
     from tests.connector.helpers import BLOCKS, HEADS, compat_fields, kv_caches
 
-    agent = RealNixlAgent(agent_name(addr.engine_id, tp_rank), addr.port + tp_rank)
+    removed: list[str] = []  # the peers whose metadata the worker removed (``("removed",)``)
+
+    class Agent(RealNixlAgent):
+        def remove_remote(self, agent: str) -> None:
+            removed.append(agent)
+            super().remove_remote(agent)
+
+    agent = Agent(agent_name(addr.engine_id, tp_rank), addr.port + tp_rank)
     worker = WorkerSide(
         agent,
         engine_id=addr.engine_id,
@@ -60,6 +68,8 @@ def serve(
             conn.send(None)
         elif cmd[0] == "blocks":
             conn.send(torch.stack([caches[n][cmd[1]] for n in caches]))
+        elif cmd[0] == "removed":
+            conn.send(list(removed))
         elif cmd[0] == "stats":
             conn.send(worker.stats.take())
         else:

@@ -238,3 +238,44 @@ def test_deregistered_memory_can_no_longer_be_written_from() -> None:
             agent.prep_blocks(None, rows, "DRAM")
     finally:
         agent.close()
+
+
+def _transfer(p: Proc, d: Proc, p_addr: NixlAddress, d_addr: NixlAddress, n: int) -> Any:
+    """One transfer ``t<n>`` of P's blocks 1-2 into D's 10-11, stepped until both ends
+    reported it; returns (D's failed receives, P's stats)."""
+    d.step(StepMeta(recvs=[RecvSpec(f"d{n}", f"t{n}", p_addr, 0, [10, 11], 8)]))
+    p.step(StepMeta(sends=[SendSpec(f"p{n}", f"t{n}", d_addr, 0, [1, 2], 8, True)]), True)
+    p.call("finish", f"p{n}")
+    failed: set[str] = set()
+    sent: set[str] = set()
+
+    def both_done() -> bool:
+        sent.update(p.step()[0])
+        _, recvd, bad = d.step()
+        failed.update(bad)
+        return f"p{n}" in sent and f"d{n}" in recvd
+
+    until(both_done, 20)  # the handshake timeout (5 s) would have failed it before
+    return failed, p.call("stats")
+
+
+def test_decode_restarted_under_the_same_engine_id_is_linked_again() -> None:
+    """D's worker restarts under the same engine id (so the same agent name): P drops its
+    link to the old incarnation (its agent's remote, its prepared list) as soon as the new
+    one says HELLO, and the next transfer lands, instead of D failing every request on a
+    handshake P never answers."""
+    p, d, p_addr, d_addr = _started_pair({}, {})
+    try:
+        failed, _ = _transfer(p, d, p_addr, d_addr, 1)
+        assert failed == set()
+        d.close()
+        d = Proc(d_addr, 0.0, {}, {})  # the same engine id and port: the same agent name
+        failed, stats = _transfer(p, d, p_addr, d_addr, 2)
+        assert failed == set()
+        assert torch.equal(p.call("blocks", [1, 2]), d.call("blocks", [10, 11]))
+        # The old incarnation's metadata was removed once, and nothing failed on P's side.
+        assert p.call("removed") == ["pdr-it-decode-tp0"]
+        assert stats["failures"] == {}
+    finally:
+        p.close()
+        d.close()

@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from connector.address import NixlAddress
-from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, agent_name, decode
+from connector.kept_turns import prefix_hashes
+from connector.metadata import (
+    KeepSpec,
+    Kind,
+    RecvSpec,
+    SendSpec,
+    StepMeta,
+    agent_name,
+    decode,
+    encode,
+)
 from connector.worker import WorkerSide
 from tests.connector.helpers import (
     BLOCK_SIZE,
@@ -205,3 +215,41 @@ def test_a_request_naming_the_wrong_decode_size_fails_saying_what_to_set() -> No
     assert seen[f"{d.sides[0].name}:failed:d1"] == 1  # P's FAIL ends D worker 0's wait
     stats = p0.worker.stats.take()
     assert stats is not None and stats["failures"] == {"refused": 1}
+
+
+@pytest.mark.parametrize(("tp_p", "tp_d"), [(2, 1), (1, 2)])
+def test_a_kept_turn_between_unequal_sizes_is_declined_at_once(tp_p: int, tp_d: int) -> None:
+    """Kept turns are read worker by worker between equal sizes only: P's asking worker
+    declines as soon as its link says D's size (no ASK, no wait for a D worker that does not
+    exist, up to reuse_timeout_s), the miss counted; D's entry is not taken. A P that asks
+    anyway (another version) is refused by D at once, with the reason."""
+    fabric, clock = Fabric(), Clock()
+    p = engine(fabric, P_BASE, clock, tp_p, seed=None)
+    d = engine(fabric, D_BASE, clock, tp_d, seed=7)
+    for s in d.sides:
+        s.worker.bind(StepMeta(keeps=[KeepSpec("d1", "t1", [5, 6], 20, prefix_hashes(TURN))]))
+    for s in p.sides:
+        s.worker.bind(StepMeta(asks={"p2": ("t1", d.addr)}))
+    settle(p, d, 4)  # the clock does not move: declined within the handshake's steps
+    asker = p.sides[0]
+    assert asker.worker.take_answers() == {"p2": None}
+    assert not [m for _, m in asker.agent.sent if _kind(m) is Kind.ASK]
+    stats = asker.worker.stats.take()
+    assert stats is not None and stats["kept_missed"] == 1
+
+    # An ASK sent regardless: D answers FAIL, naming both sizes, and keeps its entry.
+    keeper = d.sides[0]
+    asker.agent.send_notif(keeper.name, encode(Kind.ASK, "t1"))
+    idle(keeper)
+    fails = [decode(m) for a, m in keeper.agent.sent if a == asker.name and _kind(m) is Kind.FAIL]
+    assert len(fails) == 1 and fails[0] is not None
+    assert f"(P {tp_p}, D {tp_d})" in str(fails[0].body["reason"])
+    assert not [m for _, m in keeper.agent.sent if _kind(m) is Kind.HELD]
+
+
+TURN = list(range(20))
+
+
+def _kind(raw: bytes) -> Kind | None:
+    msg = decode(raw)
+    return None if msg is None else msg.kind

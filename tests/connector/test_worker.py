@@ -356,3 +356,33 @@ def test_idle_steps_pause_only_while_waiting_for_a_peer() -> None:
     idle(p)
     idle(d)
     assert len(naps) == 20  # 2 ms in 0.1 ms slices: P has not written yet
+
+
+def test_a_decode_restarted_under_its_engine_id_is_linked_again() -> None:
+    """D's worker restarts with the same engine id (the same agent name): its HELLO names a
+    new incarnation, so P ends the send that holds the old D's REG (its blocks are gone:
+    nothing more is written for it), releases its list of the old memory, removes the old
+    agent's metadata and links afresh; the new D's transfer lands."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=False))
+    assert len(fabric.writes_to(d.name)) == LAYERS
+    old_lists = [h for h in p.agent.prepped if h.owner == d.name]
+
+    d2 = make_side(fabric, D_ADDR, clock, fill=0.0)  # the same name, a new agent
+    assert d2.name == d.name
+    forward(d2, StepMeta(recvs=[RecvSpec("d2", "t2", P_ADDR, 0, [12, 13], 0)]))
+    settle(p, d2)
+    assert p.agent.removed == [d.name]
+    assert old_lists and all(h.released for h in old_lists)
+    forward(p, send("p1", 1, [2], final=True))  # the old send: failed, writes nothing
+    forward(p, StepMeta(sends=[SendSpec("p2", "t2", D_ADDR, 0, [3, 4], 8, True)]))
+    _, finished, failed = idle(d2)
+    assert finished == {"d2"} and failed == set()
+    assert same_blocks(p, d2, [3, 4], [12, 13])
+    assert all(not d2.caches[n][[10, 11]].any() for n in d2.caches)  # nothing of p1 landed
+    p.finished |= {"p1", "p2"}
+    assert idle(p)[0] == {"p1", "p2"}
+    stats = p.worker.stats.take()
+    assert stats is not None and stats["failures"] == {"peer_fail": 1}

@@ -30,10 +30,14 @@ PD_MODES = [
     ("push", "push-sequential"),
     ("pipelined", "pipelined"),
 ]
+# Both indirect, both session-scoped fixtures: pytest gives a parametrize call the narrowest
+# scope of its arguments, and a direct ``router_mode`` made it the function's, which tore the
+# session's engine stack down after every test and started it again for the next (each test
+# of test_pd_modes.py paid a stack start).
 ON_PD_MODES = pytest.mark.parametrize(
     ("engine_stack", "router_mode"),
     PD_MODES,
-    indirect=["engine_stack"],
+    indirect=True,
     ids=[m for _, m in PD_MODES],
 )
 # Token lengths around the CPU KV block size (128) and well past it, plus tiny prompts.
@@ -182,6 +186,14 @@ def reference(request: pytest.FixtureRequest, references: References) -> Referen
     request.getfixturevalue("engine_stack")
     assert references.value is not None, "no stack of this test computed the reference"
     return references.value
+
+
+@pytest.fixture(scope="session")
+def router_mode(request: pytest.FixtureRequest) -> str:
+    """The router mode of ``ON_PD_MODES`` (an indirect parameter, so that the parametrize
+    call keeps the session scope of ``engine_stack``)."""
+    mode: str = request.param
+    return mode
 
 
 @pytest.fixture

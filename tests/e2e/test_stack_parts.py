@@ -286,3 +286,27 @@ def test_a_second_router_refuses_what_the_engines_cannot_serve(
 ) -> None:
     with pytest.raises(StackError, match=refusal):
         stack.start_router("second", mode=mode, kept_turns=kept_turns)
+
+
+def test_every_engine_stack_parametrization_is_all_indirect() -> None:
+    """pytest gives a parametrize call the narrowest scope of its arguments: one that names
+    ``engine_stack`` beside a direct argument is function-scoped, and the session's stack is
+    then stopped after each of its tests and started again for the next (every test of
+    test_pd_modes.py paid a stack start when it set the stack up). Each such call must make
+    every argument indirect (a session-scoped fixture: ``router_mode``)."""
+    import ast
+
+    offenders = []
+    for path in sorted(Path(__file__).parents[1].rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "parametrize"):
+                continue
+            names = node.args[0] if node.args else None
+            named = ast.literal_eval(names) if isinstance(names, ast.Constant | ast.Tuple) else ()
+            named = (named,) if isinstance(named, str) else named
+            if "engine_stack" not in named or len(named) == 1:
+                continue
+            indirect = next((k.value for k in node.keywords if k.arg == "indirect"), None)
+            if not (isinstance(indirect, ast.Constant) and indirect.value is True):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

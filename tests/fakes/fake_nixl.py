@@ -104,6 +104,7 @@ class FakeAgent:
         self.deregistered: list[tuple[Desc, str]] = []
         self.prepped: list[Prepped] = []
         self.sent: list[tuple[str, bytes]] = []
+        self.removed: list[str] = []  # remote agents forgotten (remove_remote), in order
         self.closed = False
 
     def register(self, regions: Sequence[Desc], mem_type: str) -> None:
@@ -127,6 +128,11 @@ class FakeAgent:
             self.known.add(agent)
             self.pending_md.discard(agent)
         return agent in self.known
+
+    def remove_remote(self, agent: str) -> None:
+        self.removed.append(agent)
+        self.known.discard(agent)
+        self.pending_md.discard(agent)
 
     def send_notif(self, agent: str, msg: bytes) -> None:
         if agent not in self.known or agent in self.fabric.dead:

@@ -279,6 +279,24 @@ async def test_pipelined_streamed_turns_hand_p_the_previous_turn_kept_on_d(
     assert keep_id("tiny", "other-key", "conv-1") != kid != keep_id("tiny", "anonymous", "c2")
 
 
+async def test_pipelined_kept_turn_is_not_offered_between_unequal_tp_sizes(
+    cluster: Cluster, client: httpx.AsyncClient
+) -> None:
+    """The connector reads a kept turn only between P and D of one tensor-parallel size: with
+    P at TP 2 and D at TP 1 the router does not offer it (P would decline it anyway) and
+    counts why; D still keeps each turn, for a P of its size."""
+    sizes = {
+        "prefill_extra": {**PIPELINED["prefill_extra"], "tp_size": 2},
+        "decode_extra": PIPELINED["decode_extra"],
+    }
+    url, ctx = await cluster.router("pipelined", model={"kept_turns": {"enabled": True}}, **sizes)
+    await _stream(client, url, HISTORY, "conv-1")
+    await _stream(client, url, _next_turn(), "conv-1")
+    p2, d2 = cluster.prefill[0].received[-1], cluster.decode[0].received[-1]
+    assert "read_kept_turn" not in p2.kv and d2.kv["keep_turn"]
+    assert _result(ctx, "unequal_tp") == 1 and _result(ctx, "offered") == 0
+
+
 async def test_pipelined_turn_is_kept_before_the_client_sees_its_end(
     cluster: Cluster, client: httpx.AsyncClient
 ) -> None:

@@ -28,6 +28,8 @@ from router.engines.instance import Instance
 from router.pd.dispatch import Pick
 from tests.conftest import Cluster, client_leaves, eventually, stream_error
 from tests.fakes.envoy_proc import BODY_MODES, envoy_process
+from tests.fakes.fake_dp import FakeDPEngine
+from tests.fakes.fake_vllm import KvBus
 from tests.fakes.router_proc import free_port, router_command
 from tests.fakes.servers import serve
 from tests.needs import need_module
@@ -449,3 +451,64 @@ async def test_a_request_without_a_body_reaches_a_sidecar_without_a_slot(
         assert r.status_code == 200, r.text
         assert [m["id"] for m in r.json()["data"]] == ["tiny"]
         assert gw.picks == [] and gw.slots() == 0
+
+
+DP_EXTRAS: dict[str, Any] = {
+    "prefill_extra": {"data_parallel_size": 2},
+    "decode_extra": {"data_parallel_size": 2, "slots": 3},
+}
+
+
+async def test_data_parallel_legs_land_on_the_ranks_the_picker_chose(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """With data-parallel engines the picker reserves a slot on one rank: its answer pins
+    that rank (``X-data-parallel-rank``) and names P's rank, so the sidecar runs D's leg on
+    it, not on the rank its own ledger would pick. The sidecar's rank 0 is made busier than
+    the picker knows (two answers held, pinned there directly), so a sidecar choosing for
+    itself would send the picker's rank-0 pick to rank 1."""
+    bus = KvBus()
+    async with contextlib.AsyncExitStack() as stack:
+        p = FakeDPEngine("p", 2, bus, engine_id="P", kv_port=7000)
+        d = FakeDPEngine("d", 2, bus, engine_id="D", kv_port=8000)
+        p_url = await stack.enter_async_context(serve(p))
+        d_url = await stack.enter_async_context(serve(d))
+        cluster = Cluster(p.ranks, d.ranks, [p_url], [d_url], stack)
+        gate = asyncio.Event()
+        for fake in d.ranks:
+            fake.behaviour.gate = gate
+        async with gateway(cluster, tmp_path, "pull", **DP_EXTRAS) as gw:
+            (d0, _) = [i for i in gw.picker.ctx.registry.instances() if i.url == d_url]
+            sidecar = "http://" + gw.destinations.of(d0)
+            pinned = {"x-pd-decision": "decode_alone", "x-data-parallel-rank": "0"}
+            tasks = [
+                asyncio.create_task(
+                    client.post(sidecar + "/v1/completions", json=STREAM, headers=pinned)
+                )
+                for _ in range(2)
+            ]
+            await eventually(lambda: [f.active for f in d.ranks] == [2, 0])
+            served: list[tuple[str, str]] = []  # (the picker's D key, the rank that serves)
+            for n in range(1, 3):  # the picker's second pick is rank 0, whatever its first
+                gw.picks.clear()
+                before = [f.active for f in d.ranks]
+                p_before = [len(f.received) for f in p.ranks]
+                tasks.append(
+                    asyncio.create_task(client.post(gw.url + "/v1/completions", json=STREAM))
+                )
+                await eventually(lambda n=n: sum(f.active for f in d.ranks) == 2 + n)
+                (pick,) = gw.picks
+                assert pick.decode is not None and pick.prefill is not None
+                rank = next(r for r, f in enumerate(d.ranks) if f.active > before[r])
+                served.append((pick.decode.key, f"{d_url}#dp{rank}"))
+                sent = sum(p_before)
+                await eventually(lambda sent=sent: sum(len(f.received) for f in p.ranks) > sent)
+                (p_rank,) = [r for r, f in enumerate(p.ranks) if len(f.received) > p_before[r]]
+                assert pick.prefill.key == f"{p_url}#dp{p_rank}"
+            assert [a for a, _ in served] == [b for _, b in served]
+            assert f"{d_url}#dp0" in [a for a, _ in served]
+            gate.set()
+            answers = await asyncio.gather(*tasks)
+            assert all(a.status_code == 200 for a in answers)
+            assert d.unpinned == 0 and p.unpinned == 0
+            await eventually(lambda: gw.slots() == 0)

@@ -132,3 +132,19 @@ def test_a_declared_size_the_engine_contradicts_is_named() -> None:
     assert "declare data_parallel_size" in str(rank_mismatch(inst(None), ranks))
     assert rank_mismatch(inst(None), {"0"}) is None
     assert rank_mismatch(inst(None), parse_engine_ranks("vllm:num_requests_running 0\n")) is None
+
+
+def test_a_sidecar_reads_the_rank_the_picker_pinned() -> None:
+    """``X-data-parallel-rank`` beside the picker's decision narrows the sidecar's D to that
+    rank; without a decision it is not the picker's (the router chooses); a rank that is
+    not a whole number is a 400, not a silent choice of the sidecar's own."""
+    from router.client_request import Endpoint, parse_client_request
+    from router.errors import InvalidRequest
+    from router.intake import with_pick
+
+    creq = parse_client_request(b'{"model": "m", "prompt": "hi"}', Endpoint.COMPLETIONS)
+    picked = [(b"x-pd-decision", b"decode_alone"), (b"x-data-parallel-rank", b"1")]
+    assert with_pick(creq, picked).picked_rank == 1
+    assert with_pick(creq, picked[1:]).picked_rank is None
+    with pytest.raises(InvalidRequest, match="x-data-parallel-rank"):
+        with_pick(creq, [picked[0], (b"x-data-parallel-rank", b"-1")])
