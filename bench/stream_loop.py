@@ -1,4 +1,5 @@
-"""CPU time of the router's per-token loop, ``DecodeLeg.forward``, in memory. Not a test.
+"""CPU time of the router's per-token loop (the relay over ``DecodeLeg.body``), in memory. Not a
+test.
 
     .venv/bin/python bench/stream_loop.py --streams 20000 --tokens 16
     PYTHONPATH=<another checkout> .venv/bin/python bench/stream_loop.py   # the same, there
@@ -50,7 +51,10 @@ async def _run(streams: int, tokens: int) -> float:
     start = time.process_time()
     for _ in range(streams):
         leg = DecodeLeg(inst, _Open(), TOKEN, _chunks(tokens))  # type: ignore[arg-type]
-        await leg.forward(_send, lambda: None)
+        # The relay's loop (router/relay.py): the leg's bytes as ASGI body messages.
+        async for chunk in leg.body():
+            await _send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await _send({"type": "http.response.body", "body": leg.tail, "more_body": False})
     return (time.process_time() - start) / streams
 
 

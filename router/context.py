@@ -16,6 +16,7 @@ from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
 from router.carrier import Carrier, Http1Carrier
+from router.composer import Relaying
 from router.config import LoraConfig, RouterConfig
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.facts import FactsReader
@@ -27,8 +28,12 @@ from router.guard import ClientEvents
 from router.httpx_carrier import HttpxCarrier
 from router.kvindex.index import KvIndex
 from router.kvindex.route import CacheScorer
+from router.lifecycle import Lifecycle, Observer
 from router.limits import Limiter
 from router.metrics import Metrics
+from router.observers.access_log import AccessLines
+from router.observers.request_metrics import RequestMetrics
+from router.observers.request_tracing import RequestTracing
 from router.orca import LoadReports
 from router.passthrough import PassThrough
 from router.pd.dispatch import Dispatcher
@@ -63,6 +68,8 @@ class AppContext:
     kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
     engine_loads: EngineLoads | None  # several router replicas: engine-reported load
     load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
+    lifecycle: Lifecycle  # the request's events and their observers (router/lifecycle.py)
+    relaying: Relaying  # what every relay shares (router/relay.py)
     # ``pd-router sidecar`` (router/picker): requests carry an endpoint picker's choice
     sidecar: bool = False
 
@@ -133,6 +140,7 @@ def build_context(
     bounds = Bounds(
         config.limits, passthrough, config.health.timeout, config.health.interval, clock
     )
+    lifecycle = Lifecycle(_observers(metrics, tracing, access))
     return AppContext(
         config,
         registry,
@@ -152,8 +160,20 @@ def build_context(
         kv_index,
         engine_loads,
         LoadReports(side_calls),
+        lifecycle,
+        Relaying(dispatcher, lifecycle, clock, config.timeouts.total),
         sidecar,
     )
+
+
+def _observers(metrics: Metrics, tracing: Tracing, access: AccessLog) -> list[Observer]:
+    """The request's observers: metrics always, tracing and the access log when on."""
+    observers: list[Observer] = [RequestMetrics(metrics)]
+    if tracing.enabled:
+        observers.append(RequestTracing(tracing))
+    if access.enabled:
+        observers.append(AccessLines(access))
+    return observers
 
 
 def _lora(registry: Registry, inst: Instance) -> LoraConfig | None:

@@ -23,9 +23,12 @@ subscription order. Event methods are grouped by who announces them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
+
+from router.errors import DisconnectPhase, KeyResult
+from router.request_end import RequestEnd
 
 __all__ = ["Lifecycle", "Observer"]
 
@@ -50,6 +53,34 @@ class Observer:
 
     # -- relay and intake --------------------------------------------------------------------
 
+    def request_span(
+        self, name: str, headers: Iterable[tuple[bytes, bytes]], attributes: dict[str, Any]
+    ) -> AbstractContextManager[Any] | None:
+        """The relay takes a request (``headers``: the client's, its ``traceparent``
+        included); the context manager, if any, brackets it to its end (``None``: this
+        observer does not)."""
+        return None
+
+    def disconnected(self, model: str, phase: DisconnectPhase) -> None:
+        """The client left before its response ended."""
+
+    def stream_read(self, model: str, decision: str, chunks: int, worst_gap: float) -> None:
+        """A D leg's stream was read to its end or its cut: chunks read and the longest
+        wait between two (seconds); before the client is sent the end."""
+
+    def key_result(self, key: str, result: KeyResult) -> None:
+        """What became of a request of the API key named ``key`` (admitted or refused)."""
+
+    def key_released(self, key: str) -> None:
+        """An admitted request of ``key`` is over (its place in the key's concurrency)."""
+
+    def refused(self, end: RequestEnd) -> None:
+        """The intake refused a request before its relay (never announced with
+        :meth:`request_ended`: a request ends once, one way or the other)."""
+
+    def request_ended(self, end: RequestEnd) -> None:
+        """The relay's request is over (inside its :meth:`request_span`)."""
+
 
 class Lifecycle(Observer):
     """The observers of every request, called in order; what the request path holds."""
@@ -57,6 +88,8 @@ class Lifecycle(Observer):
     def __init__(self, observers: Sequence[Observer] = ()) -> None:
         self._observers = tuple(observers)
         self._bracketing = tuple(o for o in self._observers if type(o).phase is not Observer.phase)
+        spanning = (o for o in self._observers if type(o).request_span is not Observer.request_span)
+        self._spanning = tuple(spanning)
 
     @property
     def observers(self) -> tuple[Observer, ...]:
@@ -89,3 +122,50 @@ class Lifecycle(Observer):
     # -- dispatch (router/pd) ----------------------------------------------------------------
 
     # -- relay and intake --------------------------------------------------------------------
+
+    @property
+    def spans_requests(self) -> bool:
+        """An observer brackets requests (else the relay skips building the span's facts)."""
+        return bool(self._spanning)
+
+    def request_span(
+        self, name: str, headers: Iterable[tuple[bytes, bytes]], attributes: dict[str, Any]
+    ) -> AbstractContextManager[Any]:
+        if len(self._spanning) == 1:
+            return self._spanning[0].request_span(name, headers, attributes) or _NULL
+        return self._request_spans(name, list(headers), attributes)
+
+    @contextlib.contextmanager
+    def _request_spans(
+        self, name: str, headers: list[tuple[bytes, bytes]], attributes: dict[str, Any]
+    ) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for o in self._spanning:
+                cm = o.request_span(name, headers, attributes)
+                if cm is not None:
+                    stack.enter_context(cm)
+            yield
+
+    def disconnected(self, model: str, phase: DisconnectPhase) -> None:
+        for o in self._observers:
+            o.disconnected(model, phase)
+
+    def stream_read(self, model: str, decision: str, chunks: int, worst_gap: float) -> None:
+        for o in self._observers:
+            o.stream_read(model, decision, chunks, worst_gap)
+
+    def key_result(self, key: str, result: KeyResult) -> None:
+        for o in self._observers:
+            o.key_result(key, result)
+
+    def key_released(self, key: str) -> None:
+        for o in self._observers:
+            o.key_released(key)
+
+    def refused(self, end: RequestEnd) -> None:
+        for o in self._observers:
+            o.refused(end)
+
+    def request_ended(self, end: RequestEnd) -> None:
+        for o in self._observers:
+            o.request_ended(end)

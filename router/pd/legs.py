@@ -8,7 +8,7 @@ cancellation included, the connection is closed before the exception leaves
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,9 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASG
 class DecodeLeg:
     """D's response, open: status and first bytes in hand, the rest still to read.
 
-    The leg owns D's connection and its body: :meth:`forward` reads the rest, maps
-    its errors and detects its end; :meth:`close` closes the connection (vLLM
+    The leg owns D's connection and its body: :meth:`body` reads the rest (bytes, never
+    the client's ASGI messages: the relay writes those), maps its errors and detects its
+    end; :meth:`close` closes the connection (vLLM
     aborts the request there). ``verdict`` is what the end says about D, for outlier
     detection: ``Fault.NONE`` (no verdict) until the end is read, then None (a clean
     end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
@@ -72,6 +73,7 @@ class DecodeLeg:
         "on_params",
         "rest",
         "stream",
+        "tail",
         "verdict",
         "worst_gap",
     )
@@ -93,11 +95,12 @@ class DecodeLeg:
         self.chunks = 1  # chunks read from D, the first included
         self.worst_gap = 0.0  # longest wait between two chunks, seconds
         # When the first bytes and the last read came (clock seconds; ended_at: None until
-        # forward has read to the end): the stream's step time (router/engines/timings.py).
+        # body() has read to the end): the stream's step time (router/engines/timings.py).
         self.first_at = clock()
         self.ended_at: float | None = None
         self._clock = clock
         self._closed = False
+        self.tail = b""  # the last bytes for the client, once body() has read D's end
         # Called, once a stream ended cleanly, with the last params D put on it (the JSON
         # bytes the client got as null): a 0.33+ stream's kept turn (router/pd/kept_turns.py).
         self.on_params: Callable[[bytes], None] | None = None
@@ -107,22 +110,20 @@ class DecodeLeg:
         if self._counted:
             instance.stream_started()
 
-    async def forward(
-        self,
-        send: Send,
-        before_last: Callable[[], None],
-        patch: Patch | None = None,
-        head: bytes = b"",
-    ) -> None:
-        """Send the rest of D's body to the client as ASGI body messages, chunk by chunk
-        as read (no buffering); ``before_last()`` runs just before the last message (whose
-        ``more_body`` is False). That message holds D's terminal ``[DONE]`` event, where a
-        client stops reading (not D's HTTP end, which may come in a read of its own), and
-        ``head``: bytes not yet sent that come first (D's first bytes, when they already
-        end the answer: see :func:`ends_answer`). ``patch`` rewrites the chunks that hold
-        usage's ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's
-        stream breaks before ``[DONE]``; ``verdict`` then holds its fault."""
-        assert self.rest is not None, "a complete body has nothing left to forward"
+    async def body(
+        self, patch: Patch | None = None, head: bytes = b""
+    ) -> AsyncGenerator[bytes, None]:
+        """The rest of D's body, chunk by chunk as read (no buffering), for the client; the
+        last bytes are not yielded but left in :attr:`tail` once the iteration ends cleanly:
+        they hold D's terminal ``[DONE]`` event, where a client stops reading (not D's HTTP
+        end, which may come in a read of its own), and ``head``: bytes not yet sent that
+        come first (D's first bytes, when they already end the answer: see
+        :func:`ends_answer`). What the reader records at the end goes in before it sends
+        ``tail``. ``patch`` rewrites the chunks that hold usage's ``cached_tokens``
+        (router/pd/usage.py). Raises :class:`UpstreamError` if D's stream breaks before
+        ``[DONE]``; ``verdict`` then holds its fault, else None or ``Fault.ANSWER`` (D's own
+        error event). A reader that stops early closes the iterator (``aclosing``)."""
+        assert self.rest is not None, "a complete body has nothing left to read"
         assert self._scrub is not None
         scrub = self._scrub.feed
         error_event = ENGINE_ERROR_EVENT in self.first
@@ -154,7 +155,7 @@ class DecodeLeg:
                     held += chunk
                     continue
                 prev = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                yield chunk
             else:
                 last = held + self._scrub.flush()
         except UpstreamError as exc:
@@ -170,17 +171,16 @@ class DecodeLeg:
         params = self._scrub.last_value
         if self.on_params is not None and params is not None and self.verdict is None:
             self.on_params(params)
-        before_last()
-        await send({"type": "http.response.body", "body": last, "more_body": False})
+        self.tail = last
 
     def scrubbed(self, chunk: bytes) -> bytes:
-        """A chunk of the rest, read by another reader than :meth:`forward` (a migrating
+        """A chunk of the rest, read by another reader than :meth:`body` (a migrating
         relay, router/pd/migration.py), as the client may see it (router/pd/scrub.py)."""
         assert self._scrub is not None, "a complete body has no rest"
         return self._scrub.feed(chunk)
 
     def read_ended(self, chunks: int, worst_gap: float, verdict: Fault | None) -> None:
-        """That other reader is done with the stream: what :meth:`forward` records when it
+        """That other reader is done with the stream: what :meth:`body` records when it
         is, ``verdict`` included (a cut stream's fault, None for a clean end)."""
         self.chunks, self.worst_gap, self.ended_at = chunks, worst_gap, self._clock()
         self.verdict = verdict
