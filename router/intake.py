@@ -76,7 +76,7 @@ def identify(ctx: AppContext, scope: Scope) -> str:
     try:
         return ctx.auth.identify(scope["headers"])
     except Unauthorized as exc:
-        ctx.metrics.auth_failures.labels(exc.reason).inc()
+        ctx.lifecycle.auth_failed(exc.reason)
         raise
 
 
@@ -141,7 +141,7 @@ async def check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) ->
     try:
         return await ctx.bounds.check(pool, creq)
     except BoundExceeded as exc:
-        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        ctx.lifecycle.bound_exceeded(pool.name, exc.bound)
         raise
 
 
@@ -156,7 +156,7 @@ async def check_batch(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> 
             f"of {most}.",
             "messages",
         )
-        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        ctx.lifecycle.bound_exceeded(pool.name, exc.bound)
         raise exc
     return list(await asyncio.gather(*(check_bounds(ctx, pool, p) for p in split_batch(creq))))
 
@@ -301,10 +301,7 @@ def _count_adapter(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> Non
     """Count a LoRA adapter's request by adapter (a bounded label set)."""
     adapter = requested_adapter(pool.name, creq.body)
     if adapter is not None:
-        label = ctx.metrics.adapter_labels.label(
-            pool.name, adapter, pool.config.lora.max_adapter_labels
-        )
-        ctx.metrics.lora_requests.labels(pool.name, label).inc()
+        ctx.lifecycle.adapter_requested(pool.name, adapter, pool.config.lora.max_adapter_labels)
 
 
 def pool_for(ctx: AppContext, model: str | None) -> ModelPool:

@@ -68,6 +68,16 @@ class Observer:
         """A D leg's stream was read to its end or its cut: chunks read and the longest
         wait between two (seconds); before the client is sent the end."""
 
+    def auth_failed(self, reason: str) -> None:
+        """A request named no valid API key (``reason``: :class:`Unauthorized`'s)."""
+
+    def bound_exceeded(self, model: str, bound: str) -> None:
+        """A request exceeded one of its model's bounds (:class:`BoundExceeded`'s ``bound``)."""
+
+    def adapter_requested(self, model: str, adapter: str, most_labels: int) -> None:
+        """A request names a LoRA adapter of ``model`` (counted under at most
+        ``most_labels`` adapter labels)."""
+
     def key_result(self, key: str, result: KeyResult) -> None:
         """What became of a request of the API key named ``key`` (admitted or refused)."""
 
@@ -153,6 +163,18 @@ class Lifecycle(Observer):
     def stream_read(self, model: str, decision: str, chunks: int, worst_gap: float) -> None:
         for o in self._observers:
             o.stream_read(model, decision, chunks, worst_gap)
+
+    def auth_failed(self, reason: str) -> None:
+        for o in self._observers:
+            o.auth_failed(reason)
+
+    def bound_exceeded(self, model: str, bound: str) -> None:
+        for o in self._observers:
+            o.bound_exceeded(model, bound)
+
+    def adapter_requested(self, model: str, adapter: str, most_labels: int) -> None:
+        for o in self._observers:
+            o.adapter_requested(model, adapter, most_labels)
 
     def key_result(self, key: str, result: KeyResult) -> None:
         for o in self._observers:

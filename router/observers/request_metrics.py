@@ -11,7 +11,8 @@ __all__ = ["RequestMetrics"]
 
 
 class RequestMetrics(Observer):
-    """Requests by outcome and their TTFT, disconnects, streams' chunks, keys' results."""
+    """Requests by outcome and their TTFT, disconnects, streams' chunks, keys' results,
+    refusals at the intake (authentication, bounds), LoRA adapters' requests."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
@@ -23,6 +24,16 @@ class RequestMetrics(Observer):
         self._metrics.chunks.labels(model).inc(chunks)
         if chunks > 1:
             self._metrics.max_chunk_gap.labels(model, decision).observe(worst_gap)
+
+    def auth_failed(self, reason: str) -> None:
+        self._metrics.auth_failures.labels(reason).inc()
+
+    def bound_exceeded(self, model: str, bound: str) -> None:
+        self._metrics.bounds_refused.labels(model, bound).inc()
+
+    def adapter_requested(self, model: str, adapter: str, most_labels: int) -> None:
+        label = self._metrics.adapter_labels.label(model, adapter, most_labels)
+        self._metrics.lora_requests.labels(model, label).inc()
 
     def key_result(self, key: str, result: KeyResult) -> None:
         self._metrics.key_requests.labels(key, result).inc()

@@ -25,6 +25,15 @@ class _Recorder(Observer):
     def stream_read(self, model: str, decision: str, chunks: int, worst_gap: float) -> None:
         self._seen.append((self._name, "stream_read", (model, decision, chunks, worst_gap)))
 
+    def auth_failed(self, reason: str) -> None:
+        self._seen.append((self._name, "auth_failed", reason))
+
+    def bound_exceeded(self, model: str, bound: str) -> None:
+        self._seen.append((self._name, "bound_exceeded", (model, bound)))
+
+    def adapter_requested(self, model: str, adapter: str, most_labels: int) -> None:
+        self._seen.append((self._name, "adapter_requested", (model, adapter, most_labels)))
+
     def key_result(self, key: str, result: KeyResult) -> None:
         self._seen.append((self._name, "key_result", (key, result)))
 
@@ -64,6 +73,9 @@ def test_every_event_reaches_every_observer_in_order() -> None:
     end = _end(outcome=Outcome.TIMEOUT)
     life.disconnected("m", DisconnectPhase.STREAMING)
     life.stream_read("m", "pd", 7, 0.5)
+    life.auth_failed("missing")
+    life.bound_exceeded("m", "max_tokens")
+    life.adapter_requested("m", "sql", 8)
     life.key_result("k", KeyResult.ADMITTED)
     life.key_released("k")
     life.refused(end)
@@ -71,6 +83,9 @@ def test_every_event_reaches_every_observer_in_order() -> None:
     facts = [
         ("disconnected", ("m", DisconnectPhase.STREAMING)),
         ("stream_read", ("m", "pd", 7, 0.5)),
+        ("auth_failed", "missing"),
+        ("bound_exceeded", ("m", "max_tokens")),
+        ("adapter_requested", ("m", "sql", 8)),
         ("key_result", ("k", KeyResult.ADMITTED)),
         ("key_released", "k"),
         ("refused", end),
