@@ -140,7 +140,7 @@ def build_context(
     bounds = Bounds(
         config.limits, passthrough, config.health.timeout, config.health.interval, clock
     )
-    lifecycle = Lifecycle(_observers(metrics, tracing, access))
+    lifecycle = Lifecycle(_observers(metrics, tracing, access, clock))
     return AppContext(
         config,
         registry,
@@ -166,13 +166,15 @@ def build_context(
     )
 
 
-def _observers(metrics: Metrics, tracing: Tracing, access: AccessLog) -> list[Observer]:
+def _observers(
+    metrics: Metrics, tracing: Tracing, access: AccessLog, clock: Callable[[], float]
+) -> list[Observer]:
     """The request's observers: metrics always, tracing and the access log when on."""
     observers: list[Observer] = [RequestMetrics(metrics)]
     if tracing.enabled:
         observers.append(RequestTracing(tracing))
     if access.enabled:
-        observers.append(AccessLines(access))
+        observers.append(AccessLines(access, clock))
     return observers
 
 

@@ -293,7 +293,6 @@ def _refused(
         client_id=client_id if client_request_id(request.headers.raw) else "-",
         status=exc.status,
         outcome=exc.outcome,
-        duration=ctx.clock() - started,
     )
 
 

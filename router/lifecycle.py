@@ -100,6 +100,8 @@ class Lifecycle(Observer):
         self._bracketing = tuple(o for o in self._observers if type(o).phase is not Observer.phase)
         spanning = (o for o in self._observers if type(o).request_span is not Observer.request_span)
         self._spanning = tuple(spanning)
+        # An observer brackets requests (else the relay skips building the span's facts).
+        self.spans_requests = bool(self._spanning)
 
     @property
     def observers(self) -> tuple[Observer, ...]:
@@ -132,11 +134,6 @@ class Lifecycle(Observer):
     # -- dispatch (router/pd) ----------------------------------------------------------------
 
     # -- relay and intake --------------------------------------------------------------------
-
-    @property
-    def spans_requests(self) -> bool:
-        """An observer brackets requests (else the relay skips building the span's facts)."""
-        return bool(self._spanning)
 
     def request_span(
         self, name: str, headers: Iterable[tuple[bytes, bytes]], attributes: dict[str, Any]

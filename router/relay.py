@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from router.asgi_types import Message, Receive, Scope, Send, send_error
+from router.asgi_types import Receive, Scope, Send, send_error
 from router.client_request import ClientRequest
 from router.composer import Composer, Relaying
 from router.disconnect import CONNECTION, Connection, watch
@@ -56,6 +56,8 @@ class RelayResponse(Response):
     """A Starlette ``Response`` only so frameworks pass it through untouched; the
     :class:`~router.pd.migration.RelayHooks` of its :class:`Composer`, if any."""
 
+    _send: Send  # the client's, from the exchange's start (what the hooks write to)
+
     def __init__(
         self,
         relaying: Relaying,
@@ -80,14 +82,15 @@ class RelayResponse(Response):
         self._echo, self._on_end = client_id, on_end
         self._load_report, self._composer = load_report, composer
         client = client_id.decode("latin-1") if client_id else "-"
-        path, mode, priority = creq.endpoint.value, pool.mode.value, creq.priority_class or "-"
-        self._end = RequestEnd("POST", path, pool.name, mode, started_at, client, priority)
+        priority = creq.priority_class or "-"  # endpoint, mode: StrEnums, read where written
+        self._end = RequestEnd(
+            "POST", creq.endpoint, pool.name, pool.mode, started_at, client, priority
+        )
         self._started = False  # response headers sent
         self._complete = False  # last body message about to be sent
         self._disconnected = False
         self._dispatch: Dispatch | None = None  # the (first) opened dispatch, for the log
         self._conn: Connection | None = None  # the server's, if it offers it
-        self._send: Send = _not_yet
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
         # A plain function that returns the exchange to await, and the span only when traced:
@@ -148,12 +151,12 @@ class RelayResponse(Response):
 
     def _ended(self, outcome: Outcome) -> None:
         end = self._end
-        end.outcome, end.duration = outcome, self._clock() - end.started_at
+        end.outcome = outcome
         if self._composer is not None:
             end.migrations = self._composer.count
         d = self._dispatch
         if d is not None:
-            end.request_id, end.decision = d.request_id, d.decision.value
+            end.request_id, end.decision = d.request_id, d.decision
             end.prefill, end.decode = d.prefill or "-", d.decode or "-"
         self._lifecycle.request_ended(end)
 
@@ -293,7 +296,3 @@ class RelayResponse(Response):
                 await send_error(send, exc, self._echo)
             elif not self._complete:
                 await self.end(sse_error_event(exc.message, exc.type, exc.code))
-
-
-async def _not_yet(message: Message) -> None:
-    raise RuntimeError("the relay's exchange has not begun")

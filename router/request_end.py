@@ -17,9 +17,11 @@ __all__ = ["RequestEnd"]
 
 @dataclass(slots=True)
 class RequestEnd:
-    """Times in clock seconds; ``model``/``mode`` empty for a request refused before its
-    model was known (bad JSON, unknown model, no API key); ``-`` where not known (a request
-    refused before its dispatch opened has no decision or engines)."""
+    """Times in clock seconds (its duration: the clock's reading when it is announced, less
+    ``started_at``); ``model``/``mode`` empty for a request refused before its model was
+    known (bad JSON, unknown model, no API key); ``-`` where not known (a request refused
+    before its dispatch opened has no decision or engines). ``path``, ``mode`` and
+    ``decision`` may be their StrEnums."""
 
     method: str
     path: str
@@ -30,7 +32,6 @@ class RequestEnd:
     priority_class: str = "-"
     status: int = 0  # of the response head sent, if any
     outcome: Outcome = Outcome.SUCCESS
-    duration: float = 0.0
     ttft: float | None = None
     request_id: str = "-"
     decision: str = "-"

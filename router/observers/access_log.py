@@ -3,6 +3,8 @@ at the relay or is refused at the intake. Subscribed only when the log is on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from router.access_log import AccessLog, AccessRecord
 from router.errors import Outcome
 from router.lifecycle import Observer
@@ -15,18 +17,20 @@ _CLIENT_GONE = 499
 
 
 class AccessLines(Observer):
-    def __init__(self, log: AccessLog) -> None:
-        self._log = log
+    """``clock``: the request path's (a request's duration ends when it is announced)."""
+
+    def __init__(self, log: AccessLog, clock: Callable[[], float]) -> None:
+        self._log, self._clock = log, clock
 
     def refused(self, end: RequestEnd) -> None:
-        self._log.write(record(end))
+        self._log.write(record(end, self._clock() - end.started_at))
 
     def request_ended(self, end: RequestEnd) -> None:
-        self._log.write(record(end))
+        self._log.write(record(end, self._clock() - end.started_at))
 
 
-def record(end: RequestEnd) -> AccessRecord:
-    """The access line of a request's end."""
+def record(end: RequestEnd, duration: float) -> AccessRecord:
+    """The access line of a request's end that took ``duration`` seconds."""
     gone = end.outcome is Outcome.DISCONNECT
     return AccessRecord(
         method=end.method,
@@ -35,7 +39,7 @@ def record(end: RequestEnd) -> AccessRecord:
         model=end.model or "-",
         mode=end.mode or "-",
         outcome=end.outcome.value,
-        duration_ms=end.duration * 1000,
+        duration_ms=duration * 1000,
         request_id=end.request_id,
         client_id=end.client_id,
         decision=end.decision,

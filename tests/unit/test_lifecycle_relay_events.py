@@ -113,10 +113,10 @@ def test_the_request_span_only_where_an_observer_brackets_it() -> None:
 
 
 def test_the_access_line_of_a_request_end() -> None:
-    gone = record(_end(outcome=Outcome.DISCONNECT, duration=0.25))
+    gone = record(_end(outcome=Outcome.DISCONNECT), 0.25)
     assert (gone.status, gone.outcome, gone.duration_ms) == (499, "client_disconnect", 250.0)
-    answered = record(_end(status=200, ttft=0.1, request_id="r1", decision="pd", migrations=1))
+    answered = record(_end(status=200, ttft=0.1, request_id="r1", decision="pd", migrations=1), 1)
     assert (answered.status, answered.ttft_ms, answered.request_id) == (200, 100.0, "r1")
     assert (answered.decision, answered.migrations, answered.prefill) == ("pd", 1, "-")
-    refused = record(RequestEnd("POST", "/invocations", "", "", 0.0, status=401))
+    refused = record(RequestEnd("POST", "/invocations", "", "", 0.0, status=401), 0.0)
     assert (refused.model, refused.mode, refused.status) == ("-", "-", 401)
