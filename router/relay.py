@@ -227,8 +227,9 @@ class RelayResponse(Response):
         leg = dispatch.leg
         self._lifecycle.stream_read(self._pool.name, dispatch.decision, leg.chunks, leg.worst_gap)
 
-    async def more(self, body: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": body, "more_body": True})
+    def more(self, body: bytes) -> Awaitable[None]:
+        # The send itself to await, not a coroutine of its own: one frame less per event.
+        return self._send({"type": _BODY, "body": body, "more_body": True})
 
     async def end(self, body: bytes) -> None:
         self._complete = True

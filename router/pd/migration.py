@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -84,8 +84,8 @@ class RelayHooks(Protocol):
     def stream_stats(self, dispatch: Dispatch) -> None:
         """Count a leg's chunks once it is read."""
 
-    async def more(self, body: bytes) -> None:
-        """Send a body message, more to come."""
+    def more(self, body: bytes) -> Awaitable[None]:
+        """Send a body message, more to come (the awaitable of its send)."""
 
     async def end(self, body: bytes) -> None:
         """Send the last body message."""
