@@ -183,13 +183,7 @@ async def handle(
     try:
         key = identify(ctx, request.scope)
         charge(ctx, key)  # before the body: a flood is refused for the price of its head
-        raw = await read_body(ctx, request)
-        if endpoint is None:
-            creq = parse_invocation(raw, key)
-        elif endpoint is Endpoint.CHAT_BATCH:
-            creq = parse_chat_batch(raw, key)
-        else:
-            creq = parse_client_request(raw, endpoint, key)
+        creq = _parse(await read_body(ctx, request), endpoint, key)
         pool = pool_for(ctx, creq.model)
         _count_adapter(ctx, pool, creq)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
@@ -215,6 +209,15 @@ async def handle(
     # The ORCA header reports one D's load: not asked of several prompts' engines.
     report = None if isinstance(composer, MultiPrompt) else _load_report(ctx, request, creq)
     return RelayResponse(ctx.relaying, pool, creq, started, client_id, done, report, composer)
+
+
+def _parse(raw: bytes, endpoint: Endpoint | None, key: str) -> ClientRequest:
+    """The body as its endpoint reads it (``None``: ``/invocations``, chat or completions)."""
+    if endpoint is None:
+        return parse_invocation(raw, key)
+    if endpoint is Endpoint.CHAT_BATCH:
+        return parse_chat_batch(raw, key)
+    return parse_client_request(raw, endpoint, key)
 
 
 def _composer(

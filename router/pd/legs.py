@@ -8,7 +8,7 @@ cancellation included, the connection is closed before the exception leaves
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens, prompt_token_ids
 from router.upstream import UpstreamClient, UpstreamStream
 
-__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
+__all__ = ["Chunks", "DecodeLeg", "LegRunner", "PrefillResult"]
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -39,7 +39,7 @@ class PrefillResult:
     prompt_ids: list[int] | None = None
 
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASGI send
+Chunks = AsyncGenerator[bytes, None]  # what DecodeLeg.body yields
 
 
 class DecodeLeg:
@@ -53,6 +53,16 @@ class DecodeLeg:
     end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
+
+    :meth:`body` yields the rest of a streamed body chunk by chunk as read, and leaves its last
+    bytes in ``tail`` once D's end is read: they hold D's terminal ``[DONE]`` event, where a
+    client stops reading (not D's HTTP end, which may come in a read of its own), and ``head``,
+    bytes not yet sent that come first (D's first bytes, when they already end the answer:
+    :func:`ends_answer`). Whatever the reader records at the end goes in before it sends
+    ``tail``. ``patch`` rewrites the chunks that hold usage's ``cached_tokens``
+    (router/pd/usage.py). It raises :class:`UpstreamError` if D's stream breaks before
+    ``[DONE]`` (``verdict`` then holds its fault); a reader that stops early closes it
+    (``contextlib.aclosing``).
 
     A streamed leg's bytes, ``first`` included, are D's with every ``kv_transfer_params``
     value null (router/pd/scrub.py): no engine coordinates reach the client. A whole body is
@@ -110,30 +120,14 @@ class DecodeLeg:
         if self._counted:
             instance.stream_started()
 
-    async def body(
-        self, patch: Patch | None = None, head: bytes = b""
-    ) -> AsyncGenerator[bytes, None]:
-        """The rest of D's body, chunk by chunk as read (no buffering), for the client; the
-        last bytes are not yielded but left in :attr:`tail` once the iteration ends cleanly:
-        they hold D's terminal ``[DONE]`` event, where a client stops reading (not D's HTTP
-        end, which may come in a read of its own), and ``head``: bytes not yet sent that
-        come first (D's first bytes, when they already end the answer: see
-        :func:`ends_answer`). What the reader records at the end goes in before it sends
-        ``tail``. ``patch`` rewrites the chunks that hold usage's ``cached_tokens``
-        (router/pd/usage.py). Raises :class:`UpstreamError` if D's stream breaks before
-        ``[DONE]``; ``verdict`` then holds its fault, else None or ``Fault.ANSWER`` (D's own
-        error event). A reader that stops early closes the iterator (``aclosing``)."""
-        assert self.rest is not None, "a complete body has nothing left to read"
-        assert self._scrub is not None
-        scrub = self._scrub.feed
-        error_event = ENGINE_ERROR_EVENT in self.first
-        # D's terminal event is held until D's end is read: the client stops at it.
-        held = head
-        last, prev = b"", self.first
-        clock, stream = self._clock, self.stream
+    async def body(self, patch: Patch | None = None, head: bytes = b"") -> Chunks:
+        """The rest of D's body for the client as read, its last bytes left in ``tail``."""
+        assert self.rest is not None and self._scrub is not None, "a complete body has no rest"
+        scrub, clock, stream = self._scrub.feed, self._clock, self.stream
+        # Locals in the loop (once per token); D's [DONE] is held until D's end is read.
+        held, last, prev, error_event = head, b"", self.first, ENGINE_ERROR_EVENT in self.first
         count, worst, now = 1, 0.0, clock()
         try:
-            # Locals, not attributes, in the loop: it runs once per token of every stream.
             async for chunk in self.rest:
                 count += 1
                 error_event = error_event or ENGINE_ERROR_EVENT in chunk
@@ -144,8 +138,7 @@ class DecodeLeg:
                 chunk = scrub(chunk)
                 if patch is not None and MARKER in chunk:
                     chunk = await patch(chunk)
-                if stream.ended:
-                    # D's last bytes came with its end: one write
+                if stream.ended:  # D's last bytes came with its end: one write
                     last = held + chunk + self._scrub.flush()
                     break
                 if not chunk:  # held back by the scrub until a later read
@@ -162,11 +155,14 @@ class DecodeLeg:
             if not held:
                 self.verdict = exc.fault
                 raise
-            # The answer was whole ([DONE] read); only D's HTTP end broke.
-            last = held + self._scrub.flush()
+            last = held + self._scrub.flush()  # the answer was whole: only D's HTTP end broke
         finally:
             self.chunks, self.worst_gap, self.ended_at = count, worst, now
             self._mark_ended()
+        self._read_to_end(last, error_event)
+
+    def _read_to_end(self, last: bytes, error_event: bool) -> None:
+        assert self._scrub is not None
         self.verdict = Fault.ANSWER if error_event else None
         params = self._scrub.last_value
         if self.on_params is not None and params is not None and self.verdict is None:
