@@ -1,5 +1,4 @@
-"""CPU time of the router's per-token loop (the relay over ``DecodeLeg.body``), in memory. Not a
-test.
+"""CPU time of the router's per-token loop, ``DecodeLeg.forward``, in memory. Not a test.
 
     .venv/bin/python bench/stream_loop.py --streams 20000 --tokens 16
     PYTHONPATH=<another checkout> .venv/bin/python bench/stream_loop.py   # the same, there
@@ -16,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from router.engines.breaker import Breaker
@@ -46,14 +45,17 @@ async def _send(message: Any) -> None:
     pass
 
 
+def _more(chunk: bytes) -> Awaitable[None]:
+    return _send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
 async def _run(streams: int, tokens: int) -> float:
     inst = Instance("http://d:8000", Role.DECODE, "m", Breaker(3, 10.0), slots=4)
     start = time.process_time()
     for _ in range(streams):
         leg = DecodeLeg(inst, _Open(), TOKEN, _chunks(tokens))  # type: ignore[arg-type]
-        # The relay's loop (router/relay.py): the leg's bytes as ASGI body messages.
-        async for chunk in leg.body():
-            await _send({"type": "http.response.body", "body": chunk, "more_body": True})
+        # As the relay (router/relay.py) does: the leg's bytes as ASGI body messages.
+        await leg.forward(_more)
         await _send({"type": "http.response.body", "body": leg.tail, "more_body": False})
     return (time.process_time() - start) / streams
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -199,11 +199,12 @@ class MultiPrompt:
         queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]] = asyncio.Queue()
 
         async def pump(i: int, dispatch: Dispatch) -> None:
+            def more(chunk: bytes) -> Awaitable[None]:
+                return queue.put((i, chunk))
+
             leg = dispatch.leg
             try:
-                async with contextlib.aclosing(leg.body(dispatch.usage_patch)) as body:
-                    async for chunk in body:
-                        await queue.put((i, chunk))
+                await leg.forward(more, dispatch.usage_patch)
                 await queue.put((i, leg.tail))
             except UpstreamError as exc:
                 await queue.put((i, exc))

@@ -6,7 +6,7 @@ client's disconnect (router/disconnect.py) turned into cancellation of everythin
 the total timeout, and the request's end announced on every exit path
 (:meth:`~router.lifecycle.Lifecycle.request_ended`: metrics, tracing and the access log
 observe it, router/observers/). It alone writes the client's ASGI messages: a leg yields
-bytes and knows its end (:meth:`~router.pd.legs.DecodeLeg.body`); an answer made of several
+bytes and knows its end (:meth:`~router.pd.legs.DecodeLeg.forward`); an answer made of several
 legs is a :class:`~router.composer.Composer` that hands it bytes through its hooks.
 """
 
@@ -46,7 +46,6 @@ from router.request_end import RequestEnd
 # Re-exported: the names the routes, the guarded protocol and the tests know the relay by.
 __all__ = ["CONNECTION", "Connection", "LoadReport", "RelayResponse", "Scope", "Send", "send_error"]
 __all__ += ["Composer", "Receive", "Relaying"]
-_BODY = "http.response.body"
 
 # The response headers that report an engine's load (router/orca.py), asked once D answered.
 LoadReport = Callable[[Instance], Awaitable[list[tuple[bytes, bytes]]]]
@@ -173,10 +172,7 @@ class RelayResponse(Response):
                     leg = d.leg
                     try:
                         with self._lifecycle.phase("stream"):
-                            body = leg.body(d.usage_patch, head)
-                            async with contextlib.aclosing(body):
-                                async for chunk in body:
-                                    await send({"type": _BODY, "body": chunk, "more_body": True})
+                            await leg.forward(self.more, d.usage_patch, head)
                             self._before_last(d)
                             await self.end(leg.tail)
                             self._lifecycle.annotate({"pdrouter.chunks": leg.chunks})
@@ -228,8 +224,8 @@ class RelayResponse(Response):
         self._lifecycle.stream_read(self._pool.name, dispatch.decision, leg.chunks, leg.worst_gap)
 
     def more(self, body: bytes) -> Awaitable[None]:
-        # The send itself to await, not a coroutine of its own: one frame less per event.
-        return self._send({"type": _BODY, "body": body, "more_body": True})
+        # The send itself to await, not a coroutine of its own: no frame of its own per chunk.
+        return self._send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def end(self, body: bytes) -> None:
         self._complete = True
@@ -260,7 +256,7 @@ class RelayResponse(Response):
 
     async def _answer_head(self, dispatch: Dispatch, send: Send) -> bytes | None:
         """Send D's status and first bytes; None if that was the whole answer, else the
-        bytes held back for :meth:`DecodeLeg.body` (D's first read, when it already
+        bytes held back for :meth:`DecodeLeg.forward` (D's first read, when it already
         holds the answer's end: its [DONE] waits for D's end)."""
         leg = dispatch.leg
         self._dispatch = dispatch

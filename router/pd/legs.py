@@ -8,7 +8,7 @@ cancellation included, the connection is closed before the exception leaves
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch, prompt_cached_tokens, prompt_token_ids
 from router.upstream import UpstreamClient, UpstreamStream
 
-__all__ = ["Chunks", "DecodeLeg", "LegRunner", "PrefillResult"]
+__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Sink"]
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -39,13 +39,16 @@ class PrefillResult:
     prompt_ids: list[int] | None = None
 
 
-Chunks = AsyncGenerator[bytes, None]  # what DecodeLeg.body yields
+# Where a leg's bytes go, chunk by chunk: the relay's (which makes them the client's ASGI
+# messages), a merge's queue. It returns the awaitable of its send, not a coroutine of its
+# own: a call per chunk, no frame resumed per chunk beyond the send's.
+Sink = Callable[[bytes], Awaitable[None]]
 
 
 class DecodeLeg:
     """D's response, open: status and first bytes in hand, the rest still to read.
 
-    The leg owns D's connection and its body: :meth:`body` reads the rest (bytes, never
+    The leg owns D's connection and its body: :meth:`forward` reads the rest (bytes, never
     the client's ASGI messages: the relay writes those), maps its errors and detects its
     end; :meth:`close` closes the connection (vLLM
     aborts the request there). ``verdict`` is what the end says about D, for outlier
@@ -54,15 +57,15 @@ class DecodeLeg:
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
 
-    :meth:`body` yields the rest of a streamed body chunk by chunk as read, and leaves its last
+    :meth:`forward` hands the rest of a streamed body to a :data:`Sink` chunk by chunk as read
+    (bytes, never the client's ASGI messages: the relay makes those), and leaves its last
     bytes in ``tail`` once D's end is read: they hold D's terminal ``[DONE]`` event, where a
     client stops reading (not D's HTTP end, which may come in a read of its own), and ``head``,
     bytes not yet sent that come first (D's first bytes, when they already end the answer:
     :func:`ends_answer`). Whatever the reader records at the end goes in before it sends
     ``tail``. ``patch`` rewrites the chunks that hold usage's ``cached_tokens``
     (router/pd/usage.py). It raises :class:`UpstreamError` if D's stream breaks before
-    ``[DONE]`` (``verdict`` then holds its fault); a reader that stops early closes it
-    (``contextlib.aclosing``).
+    ``[DONE]`` (``verdict`` then holds its fault).
 
     A streamed leg's bytes, ``first`` included, are D's with every ``kv_transfer_params``
     value null (router/pd/scrub.py): no engine coordinates reach the client. A whole body is
@@ -105,12 +108,12 @@ class DecodeLeg:
         self.chunks = 1  # chunks read from D, the first included
         self.worst_gap = 0.0  # longest wait between two chunks, seconds
         # When the first bytes and the last read came (clock seconds; ended_at: None until
-        # body() has read to the end): the stream's step time (router/engines/timings.py).
+        # forward has read to the end): the stream's step time (router/engines/timings.py).
         self.first_at = clock()
         self.ended_at: float | None = None
         self._clock = clock
         self._closed = False
-        self.tail = b""  # the last bytes for the client, once body() has read D's end
+        self.tail = b""  # the last bytes for the client, once forward has read D's end
         # Called, once a stream ended cleanly, with the last params D put on it (the JSON
         # bytes the client got as null): a 0.33+ stream's kept turn (router/pd/kept_turns.py).
         self.on_params: Callable[[bytes], None] | None = None
@@ -120,8 +123,8 @@ class DecodeLeg:
         if self._counted:
             instance.stream_started()
 
-    async def body(self, patch: Patch | None = None, head: bytes = b"") -> Chunks:
-        """The rest of D's body for the client as read, its last bytes left in ``tail``."""
+    async def forward(self, more: Sink, patch: Patch | None = None, head: bytes = b"") -> None:
+        """The rest of D's body to ``more`` as read, its last bytes left in ``tail``."""
         assert self.rest is not None and self._scrub is not None, "a complete body has no rest"
         scrub, clock, stream = self._scrub.feed, self._clock, self.stream
         # Locals in the loop (once per token); D's [DONE] is held until D's end is read.
@@ -148,7 +151,7 @@ class DecodeLeg:
                     held += chunk
                     continue
                 prev = chunk
-                yield chunk
+                await more(chunk)
             else:
                 last = held + self._scrub.flush()
         except UpstreamError as exc:
@@ -170,13 +173,13 @@ class DecodeLeg:
         self.tail = last
 
     def scrubbed(self, chunk: bytes) -> bytes:
-        """A chunk of the rest, read by another reader than :meth:`body` (a migrating
+        """A chunk of the rest, read by another reader than :meth:`forward` (a migrating
         relay, router/pd/migration.py), as the client may see it (router/pd/scrub.py)."""
         assert self._scrub is not None, "a complete body has no rest"
         return self._scrub.feed(chunk)
 
     def read_ended(self, chunks: int, worst_gap: float, verdict: Fault | None) -> None:
-        """That other reader is done with the stream: what :meth:`body` records when it
+        """That other reader is done with the stream: what :meth:`forward` records when it
         is, ``verdict`` included (a cut stream's fault, None for a clean end)."""
         self.chunks, self.worst_gap, self.ended_at = chunks, worst_gap, self._clock()
         self.verdict = verdict

@@ -11,7 +11,7 @@ __all__ = ["ENGINE_ERROR_EVENT", "SSE_DONE", "ends_answer"]
 ENGINE_ERROR_EVENT = b'data: {"error"'
 # The last event of an OpenAI stream. A client stops reading there, before the HTTP end that
 # follows; the router must have recorded the answer's end by then (before it sends
-# ``DecodeLeg.tail``).
+# ``DecodeLeg.tail``, what ``DecodeLeg.forward`` leaves).
 SSE_DONE = b"data: [DONE]\n\n"
 
 

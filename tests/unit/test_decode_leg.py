@@ -48,8 +48,11 @@ async def _forward(
     as the relay sends them (each chunk, then its end recorded, then ``tail``)."""
     events: list[tuple[str, Any]] = []
     leg = _leg(first, _Stream(reads, error))
-    async for chunk in leg.body(head=head):
+
+    async def more(chunk: bytes) -> None:
         events.append(("send", (chunk, True)))
+
+    await leg.forward(more, head=head)
     events.append(("before_last", None))
     events.append(("send", (leg.tail, False)))
     return leg, events
