@@ -18,6 +18,7 @@ import json
 import pstats
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 Key = tuple[str, int, str]
 
@@ -47,14 +48,19 @@ def _side(
     )
 
 
-def _requests(raw: dict[str, dict[str, list[dict]]], target: str, conc: str) -> float:
-    """Requests the target served while profiled (warm-up included, as the CPU figure)."""
-    return sum(
-        float(s["requests_total"])
-        for c, runs in raw.items()
-        if conc in ("*", c)
-        for s in runs.get(target, [])
-    )
+def _requests(raw: dict[str, dict[str, Any]], target: str, conc: str) -> float:
+    """Requests the target served while profiled (warm-up included, as the CPU figure). Cells
+    are ``c64-p200-t64`` (``router_bench.py`` now) or ``64`` (older files); a target's runs a
+    dict by round or a list (older)."""
+    total = 0.0
+    for cell, runs in raw.items():
+        if conc != "*" and cell != conc and not cell.startswith(f"c{conc}-"):
+            continue
+        got = runs.get(target, [])
+        total += sum(
+            float(s["requests_total"]) for s in (got.values() if isinstance(got, dict) else got)
+        )
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ the subset of vLLM's OpenAI API that a P/D router uses:
     ``prefill_us_per_token`` x prompt tokens, answers one token as JSON with
     ``kv_transfer_params`` (pull shape with ``remote_block_ids`` and P's
     identity; ``transfer_mode`` is ``--transfer-mode``).
-  - **D role** (anything else): ``stream=true`` answers SSE, ``--tokens`` events
+  - **D role** (anything else): ``stream=true`` answers SSE, ``--tokens`` events (fewer when
+    the request's ``max_tokens`` asks for fewer, down to one)
     ``--itl-ms`` apart then ``[DONE]``; otherwise one JSON body. The first token
     waits for the prefill (prompt-proportional) when D must compute it itself
     (no ``kv_transfer_params``: direct or aggregated), for ``--kv-transfer-ms``
@@ -81,8 +82,15 @@ class Engine:
         self.kv_port: int = args.port + 1000
         self.batch = Batch(self.itl)
         # /v1/models as vLLM lists it: the base model, then each LoRA adapter with its parent.
-        cards = [{"id": "fake", "object": "model"}] + [
-            {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": "fake"}
+        # ``owned_by: vllm`` is how SGLang's gateway (smg) tells a vLLM worker from its own.
+        cards = [{"id": "fake", "object": "model", "owned_by": "vllm"}] + [
+            {
+                "id": name,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": f"/adapters/{name}",
+                "parent": "fake",
+            }
             for name in args.adapters.split(",")
             if name
         ]
@@ -246,8 +254,18 @@ class Conn(asyncio.Protocol):
 
     async def _stream(self, chat: bool, body: dict[str, Any]) -> None:
         first, mid, end = self.engine.events(chat, body)
+        n = _answer_tokens(self.engine.tokens, body)
+        if n == 1:  # the first token is the last: one write, no decode step
+            self._write(_SSE_HEAD + end + _chunk(_DONE) + b"0\r\n\r\n")
+            return
         self._write(_SSE_HEAD + first)
-        await self.engine.batch.join(self, mid, end, self.engine.tokens - 1)
+        await self.engine.batch.join(self, mid, end, n - 1)
+
+
+def _answer_tokens(tokens: int, body: dict[str, Any]) -> int:
+    """``--tokens``, or fewer when the request's ``max_tokens`` asks for fewer (at least 1)."""
+    asked = body.get("max_tokens")
+    return max(1, min(tokens, asked)) if isinstance(asked, int) else tokens
 
 
 class Batch:

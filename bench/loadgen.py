@@ -1,5 +1,6 @@
 """Closed-loop load generator (a separate process): N keep-alive connections,
-each sending one streaming request after another for a fixed time.
+each sending one streaming request after another for a fixed time; or, with
+``--rate``, open loop: requests arrive at a fixed rate whatever the answers do.
 
 Raw asyncio protocol + httptools on uvloop, so the client costs a few
 microseconds per SSE event; the benchmark checks its ceiling against calling D
@@ -176,6 +177,71 @@ async def _worker(
         client.transport.close()
 
 
+async def _one_open(
+    args: argparse.Namespace,
+    raw: bytes,
+    totals: Totals,
+    idle: list[Client],
+    t_start: float,
+    t_end: float,
+) -> None:
+    """One open-loop arrival: an idle keep-alive connection (or a new one), one request.
+    The clock starts at the arrival, so a slow connect counts in the request's latency."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    totals.inflight += 1
+    try:
+        while idle and idle[-1].lost.done():
+            idle.pop()
+        client = (
+            idle.pop() if idle else (await loop.create_connection(Client, args.host, args.port))[1]
+        )
+        status, ttft, events, clean = await asyncio.wait_for(
+            client.request(raw), args.request_timeout
+        )
+    except (OSError, ConnectionError, httptools.HttpParserError, TimeoutError) as exc:
+        totals.inflight -= 1
+        if time.perf_counter() >= t_start:
+            totals.error(type(exc).__name__)
+        return
+    t1 = time.perf_counter()
+    totals.inflight -= 1
+    idle.append(client)
+    if not t_start <= t0 < t_end:
+        return  # counted by arrival time: the offered rate is what the window measures
+    if status != 200 or not clean:
+        totals.error(f"status:{status}" if status != 200 else "unclean_stream")
+        return
+    totals.ok += 1
+    totals.chunks += events
+    totals.ttft.append(ttft + (client.t0 - t0))
+    totals.e2e.append(t1 - t0)
+
+
+async def _open_loop(
+    args: argparse.Namespace, raw: bytes, totals: Totals, t_start: float, t_end: float
+) -> None:
+    """Open loop: requests arrive ``--rate`` per second at even intervals, whether or not the
+    earlier ones are done; waits for the window's arrivals to finish."""
+    idle: list[Client] = []
+    tasks: set[asyncio.Task[None]] = set()
+    gap = 1.0 / args.rate
+    t_next = time.perf_counter()
+    while t_next < t_end:
+        delay = t_next - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(_one_open(args, raw, totals, idle, t_start, t_end))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        t_next += gap
+    if tasks:
+        await asyncio.wait(tasks)
+    for client in idle:
+        if client.transport is not None:
+            client.transport.close()
+
+
 async def _sample_inflight(totals: Totals, t_start: float, t_end: float) -> None:
     """How many streams are really open: the concurrency the target actually saw."""
     while (now := time.perf_counter()) < t_end:
@@ -206,12 +272,19 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     t_start, t_end = now + args.warmup, now + args.warmup + args.duration
     gate = asyncio.Semaphore(256)  # bounded connect storm: the listen backlog is finite
     cpu0 = os.times()
-    await asyncio.gather(
-        _sample_inflight(totals, t_start, t_end),
-        *(_worker(args, raw, totals, t_start, t_end, gate) for _ in range(args.concurrency)),
-    )
+    if args.rate:
+        await asyncio.gather(
+            _sample_inflight(totals, t_start, t_end),
+            _open_loop(args, raw, totals, t_start, t_end),
+        )
+    else:
+        await asyncio.gather(
+            _sample_inflight(totals, t_start, t_end),
+            *(_worker(args, raw, totals, t_start, t_end, gate) for _ in range(args.concurrency)),
+        )
     cpu1 = os.times()
-    elapsed = args.duration  # only requests started in the window are counted
+    # Closed loop counts requests completed in the window; open loop those that arrived in it.
+    elapsed = args.duration
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     return {
         "requests": totals.ok,
@@ -220,9 +293,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         "rps": totals.ok / elapsed,
         "chunks_per_s": totals.chunks / elapsed,
         "ttft_p50_ms": _pct(totals.ttft, 0.50) * 1e3,
+        "ttft_p95_ms": _pct(totals.ttft, 0.95) * 1e3,
         "ttft_p99_ms": _pct(totals.ttft, 0.99) * 1e3,
         "e2e_p50_ms": _pct(totals.e2e, 0.50) * 1e3,
+        "e2e_p95_ms": _pct(totals.e2e, 0.95) * 1e3,
         "e2e_p99_ms": _pct(totals.e2e, 0.99) * 1e3,
+        "chunks": totals.chunks,
         "inflight_avg": sum(totals.inflight_samples) / max(1, len(totals.inflight_samples)),
         "inflight_max": max(totals.inflight_samples, default=0),
         "connect_p99_ms": _pct(totals.connect, 0.99) * 1e3,
@@ -242,6 +318,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt-chars", type=int, default=512)
     p.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="open loop: requests per second at even intervals (--concurrency ignored)",
+    )
     return p.parse_args(argv)
 
 

@@ -17,6 +17,7 @@ import argparse
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from stacks import read_stacks
 
@@ -57,8 +58,17 @@ def _side(folder: Path, target: str, requests: int, rate: int) -> tuple[dict[str
     )
 
 
-def _requests(raw: dict[str, dict[str, list[dict]]], target: str) -> int:
-    return sum(int(s["result"]["requests"]) for runs in raw.values() for s in runs.get(target, []))
+def _requests(raw: dict[str, dict[str, Any]], target: str) -> int:
+    """The requests of ``target``'s closed-loop runs; a target's runs are a list (older files)
+    or a dict by round (``router_bench.py`` now)."""
+    total = 0
+    for cell, runs in raw.items():
+        if cell.startswith("q"):
+            continue  # open loop: not profiled under the closed-loop glob
+        got = runs.get(target, [])
+        for s in got.values() if isinstance(got, dict) else got:
+            total += int(s["result"]["requests"])
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:

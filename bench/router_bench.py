@@ -32,6 +32,7 @@ import http.server
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -69,11 +70,20 @@ class Sample:
     rss_peak_mb: float = float("nan")
     cpu_ms_per_req: float = float("nan")
     requests_total: float = float("nan")  # warm-up included: what the CPU (and cProfile) saw
+    cpu_us_per_token: float = float("nan")  # the same CPU over the streamed SSE events
+    kb_per_stream: float = float("nan")  # (peak - idle RSS) / peak open streams
+    rss_series: list[tuple[float, float]] = field(default_factory=list)  # (s, MB), --soak
 
 
 @dataclass
 class Stats:
-    samples: list[Sample] = field(default_factory=list)
+    """One target's samples in one cell, by round (a failed run leaves its round out)."""
+
+    by_round: dict[int, Sample] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return list(self.by_round.values())
 
     def med(self, key: str) -> float:
         vals = [s.result[key] for s in self.samples]
@@ -128,6 +138,37 @@ def _wait_http(port: int, path: str, proc: subprocess.Popen[bytes], timeout: flo
     raise RuntimeError(f"port {port} not ready in {timeout}s")
 
 
+def _port_free(port: int) -> None:
+    """A target's port must be free before it starts: else its readiness check would be
+    answered by whatever holds the port (another run's router) and that would be measured."""
+    with socket.socket() as sock:
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"port {port} is taken: --port-base elsewhere")
+
+
+def _wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until one streamed completion through the target is answered 200: a gateway that
+    finds its workers after it reports ready (smg's discovery) is not measured half-up."""
+    body = orjson.dumps({"model": "fake", "prompt": "x", "max_tokens": 2, "stream": True})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process on port {port} exited with {proc.returncode}")
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            body,
+            {"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200 and b"[DONE]" in r.read():
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"port {port} did not answer a completion in {timeout}s")
+
+
 def _tree(pid: int) -> list[int]:
     """``pid`` and its children (the workers of ``--workers N``)."""
     try:
@@ -164,17 +205,24 @@ def _cpu_one(pid: int) -> float:
 
 
 class RssSampler(threading.Thread):
-    """Peak RSS of one process, sampled every 100 ms."""
+    """Peak RSS of one process, sampled every 100 ms; every ``every`` seconds also kept in
+    :attr:`series` (the soak's RSS over time)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, every: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.pid, self.peak, self._stop_evt = pid, 0.0, threading.Event()
+        self.every, self.series = every, list[tuple[float, float]]()
 
     def run(self) -> None:
+        t0 = last = time.monotonic()
         while not self._stop_evt.wait(0.1):
             rss = _rss_mb(self.pid)
             if rss == rss:
                 self.peak = max(self.peak, rss)
+                now = time.monotonic()
+                if self.every and now - last >= self.every:
+                    self.series.append((round(now - t0, 1), round(rss, 1)))
+                    last = now
 
     def stop(self) -> float:
         self._stop_evt.set()
@@ -195,6 +243,7 @@ def _router_config(
     access_log: bool = False,
     lora: bool = False,
     dp: int = 1,
+    migration: bool = True,
 ) -> str:
     """``dp``: P and D declared as ``--data-parallel-size dp`` engines (each rank routed as an
     engine of its own, every leg pinned by its header; the fake engines ignore it), the decode
@@ -213,7 +262,9 @@ def _router_config(
         + ("    lora: {enabled: true}\n" if lora else "")
         + f"    prefill: {prefill}\n"
         f'    decode: [{{url: "{d_url}", slots: {16384 // dp}{sized}}}]\n'
-        "admission: {queue_size: 16384}\n" + tracing
+        "admission: {queue_size: 16384}\n"
+        + ("" if migration else "migration: {max_attempts: 0}\n")
+        + tracing
     )
 
 
@@ -240,10 +291,12 @@ def _split_workers(spec: str) -> tuple[str, int]:
     """``"pull-w2"`` -> ``("pull", 2)``; a plain mode -> ``(mode, 1)``; a ``+traced``
     suffix (tracing on, exported to a sink in this process), ``+logged`` (access log on,
     into the target's log file), ``+httpx`` (engine calls through httpx instead of the
-    router's HTTP/1.1 client: ``bench/httpx_router.py``), ``+lora`` (LoRA routing on, every
-    request naming the adapter both fake engines list: :data:`ADAPTER`) or ``+dp`` (P and D
-    declared data-parallel, size 2: :func:`_router_config`) is not part of the mode."""
-    for suffix in ("+lora", "+dp", "+traced", "+logged", "+httpx"):
+    router's HTTP/1.1 client: ``bench/httpx_router.py``), ``+nomig`` (mid-stream migration
+    off, as the peers have none: D's stream relayed as read, not event by event), ``+lora``
+    (LoRA routing on, every request naming the adapter both fake engines list:
+    :data:`ADAPTER`) or ``+dp`` (P and D declared data-parallel, size 2:
+    :func:`_router_config`) is not part of the mode."""
+    for suffix in ("+lora", "+dp", "+traced", "+logged", "+httpx", "+nomig"):
         spec = spec.replace(suffix, "")
     mode, sep, n = spec.rpartition("-w")
     return (mode, int(n)) if sep and n.isdigit() else (spec, 1)
@@ -271,7 +324,18 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             lora = "+lora" in name
             dp = 2 if "+dp" in name else 1
             cfg.write_text(
-                _router_config(mode, port, p_url, d_url, args.log_level, otlp, logged, lora, dp)
+                _router_config(
+                    mode,
+                    port,
+                    p_url,
+                    d_url,
+                    args.log_level,
+                    otlp,
+                    logged,
+                    lora,
+                    dp,
+                    migration="+nomig" not in name,
+                )
             )
             argv = [sys.executable, "-m", "router", "serve", "--config", str(cfg)]
             if spec.endswith("+httpx"):
@@ -281,6 +345,7 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             out.append(Target(name, argv, port, "/ready", cwd))
             port += 1
         elif name == "vllm-router":
+            # Its push is Mooncake's (a bootstrap server per P), not NIXL's: pull only here.
             binary = args.vllm_router_bin or shutil.which("vllm-router")
             if not binary:
                 print("vllm-router not found: skipped (--vllm-router-bin)", file=sys.stderr)
@@ -303,77 +368,139 @@ def _targets(args: argparse.Namespace, tmp: Path, p_url: str, d_url: str) -> lis
             ]
             out.append(Target("vllm-router", argv, port, "/readiness"))
             port += 1
+        elif name == "smg":
+            target = _smg_target(args, tmp, port, p_url, d_url)
+            if target is not None:
+                out.append(target)
+                port += 1
     return out
 
 
+def _smg_target(
+    args: argparse.Namespace, tmp: Path, port: int, p_url: str, d_url: str
+) -> Target | None:
+    """SGLang's gateway in vLLM's pull flow: it has no vLLM switch; it takes a worker for vLLM
+    from ``owned_by: vllm`` in ``/v1/models`` and the flow from each worker's KV connector,
+    which only a discovery file (or its worker API) names. With plain ``--prefill/--decode``
+    its flow would be "passthrough" (no ``kv_transfer_params`` to P)."""
+    binary = args.smg_bin or shutil.which("smg")
+    if not binary:
+        print("smg not found: skipped (--smg-bin)", file=sys.stderr)
+        return None
+    workers = tmp / "smg-workers.json"
+    pair = [("prefill-0", p_url, "prefill"), ("decode-0", d_url, "decode")]
+    doc = {
+        "version": 1,
+        "workers": [
+            {"id": i, "url": u, "worker_type": t, "kv_connector": "NixlConnector"}
+            for i, u, t in pair
+        ],
+    }
+    workers.write_bytes(orjson.dumps(doc))
+    level = {"warning": "warn", "critical": "error"}.get(args.log_level, args.log_level)
+    argv = [binary, "launch", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--pd-disaggregation", "--discovery-provider", "file"]
+    argv += ["--discovery-file", str(workers), "--policy", "round_robin"]
+    argv += ["--prometheus-port", str(port + 500), "--log-level", level]
+    return Target("smg", argv, port, "/readiness")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the matrix: closed loop at ``conc`` streams, or open loop at ``rate``
+    requests per second (``rate`` > 0); ``soak``: one long closed-loop run, RSS over time."""
+
+    conc: int
+    prompt: int  # prompt bytes (characters)
+    tokens: int  # answer tokens (max_tokens)
+    rate: float = 0.0
+    soak: bool = False
+
+    @property
+    def label(self) -> str:
+        load = f"q{self.rate:g}" if self.rate else f"c{self.conc}"
+        return f"{load}-p{self.prompt}-t{self.tokens}" + ("-soak" if self.soak else "")
+
+
 def _profiler(
-    args: argparse.Namespace, target: Target, conc: int, proc: subprocess.Popen[bytes] | None
+    args: argparse.Namespace, target: Target, cell: Cell, proc: subprocess.Popen[bytes] | None
 ) -> subprocess.Popen[bytes] | None:
     """py-spy on the router for the length of the load (``--profile DIR``): raw stacks, one
-    file per target, concurrency and round, for ``bench/profile_diff.py``."""
-    if args.profile is None or proc is None:
+    file per target, cell and round, for ``bench/profile_diff.py``."""
+    python = target.argv is not None and target.argv[0] == sys.executable
+    if args.profile is None or proc is None or not python:  # py-spy reads Python only
         return None
     spy = py_spy()
     if spy is None:
         raise RuntimeError("--profile needs py-spy (pip install py-spy)")
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
-    n = len(list(out.glob(f"{target.name}-c{conc}-*.txt")))
-    path = out / f"{target.name}-c{conc}-{n}.txt"
+    n = len(list(out.glob(f"{target.name}-{cell.label}-*.txt")))
+    path = out / f"{target.name}-{cell.label}-{n}.txt"
     argv = [spy, "record", "--pid", str(proc.pid), "--rate", str(args.profile_rate)]
     argv += ["--nonblocking", "--subprocesses", "--format", "raw", "--output", str(path)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _cprofiled(args: argparse.Namespace, target: Target, conc: int) -> list[str] | None:
+def _cprofiled(args: argparse.Namespace, target: Target, cell: Cell) -> list[str] | None:
     """The target's command under ``bench/cprofile_run.py`` (``--cprofile DIR``): one pstats
-    file per target, concurrency and round, for ``bench/call_diff.py``."""
-    if args.cprofile is None or target.argv is None or target.name == "vllm-router":
+    file per target, cell and round, for ``bench/call_diff.py``."""
+    if args.cprofile is None or target.argv is None or target.argv[0] != sys.executable:
         return target.argv
     out = Path(args.cprofile).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    n = len(list(out.glob(f"{target.name}-c{conc}-*.prof")))
-    path = out / f"{target.name}-c{conc}-{n}.prof"
+    n = len(list(out.glob(f"{target.name}-{cell.label}-*.prof")))
+    path = out / f"{target.name}-{cell.label}-{n}.prof"
     return [sys.executable, str(HERE / "cprofile_run.py"), str(path), *target.argv[1:]]
 
 
-def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) -> Sample:
-    proc = None
-    argv = _cprofiled(args, target, conc)
-    if argv is not None:
-        proc = _spawn(argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
-        _wait_http(target.port, target.ready_path, proc, 60)
-        if argv is not target.argv:
-            proc.send_signal(signal.SIGUSR1)  # start-up left out of the profile
-        time.sleep(0.3)
-    sampler = RssSampler(proc.pid) if proc else None
-    idle = _rss_mb(proc.pid) if proc else float("nan")
-    cpu0 = _cpu_s(proc.pid) if proc else float("nan")
-    if sampler:
-        sampler.start()
-    duration = args.duration_2000 if conc >= 1000 else args.duration
-    lg = [
-        sys.executable,
-        str(HERE / "loadgen.py"),
-        "--port",
-        str(target.port),
-        "--concurrency",
-        str(conc),
-        "--duration",
-        str(duration),
-        "--warmup",
-        str(args.warmup),
-        "--max-tokens",
-        str(args.tokens),
-        "--prompt-chars",
-        str(args.prompt_chars),
-    ]
+def _loadgen_argv(
+    args: argparse.Namespace, target: Target, cell: Cell, duration: float
+) -> list[str]:
+    lg = [sys.executable, str(HERE / "loadgen.py"), "--port", str(target.port)]
+    lg += ["--concurrency", str(cell.conc), "--duration", str(duration)]
+    lg += ["--warmup", str(args.warmup), "--max-tokens", str(cell.tokens)]
+    lg += ["--prompt-chars", str(cell.prompt)]
+    if cell.rate:
+        lg += ["--rate", str(cell.rate)]
     if "+lora" in target.name:
         lg += ["--model", ADAPTER]
     if args.client_cpus:
         lg = ["taskset", "-c", args.client_cpus, *lg]
-    spy = _profiler(args, target, conc, proc)
+    return lg
+
+
+def _duration(args: argparse.Namespace, cell: Cell) -> float:
+    if cell.soak:
+        return 60.0 * args.soak_minutes
+    return args.duration_2000 if cell.conc >= 1000 and not cell.rate else args.duration
+
+
+def _measure(args: argparse.Namespace, target: Target, cell: Cell, logdir: Path) -> Sample:
+    proc = None
+    argv = _cprofiled(args, target, cell)
+    if argv is not None:
+        _port_free(target.port)
+        proc = _spawn(argv, args.router_cpus, logdir / f"{target.name}.log", target.cwd)
+        try:
+            _wait_http(target.port, target.ready_path, proc, 60)
+            _wait_serving(target.port, proc, 60)
+        except BaseException:
+            _stop(proc)  # never left running: the next arm would measure it
+            raise
+        if argv is not target.argv:
+            proc.send_signal(signal.SIGUSR1)  # start-up left out of the profile
+        time.sleep(0.3)
+    sampler = RssSampler(proc.pid, args.soak_sample if cell.soak else 0.0) if proc else None
+    idle = _rss_mb(proc.pid) if proc else float("nan")
+    cpu0 = _cpu_s(proc.pid) if proc else float("nan")
+    if sampler:
+        sampler.start()
+    duration = _duration(args, cell)
+    lg = _loadgen_argv(args, target, cell, duration)
+    spy = None
     try:
+        spy = _profiler(args, target, cell, proc)
         done = subprocess.run(lg, capture_output=True, timeout=duration + args.warmup + 120)
     finally:
         if spy is not None:
@@ -386,12 +513,22 @@ def _measure(args: argparse.Namespace, target: Target, conc: int, logdir: Path) 
     if done.returncode != 0:
         raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
     result = orjson.loads(done.stdout.splitlines()[-1])
-    total_reqs = result["requests"] * (duration + args.warmup) / duration
+    result = {k: NAN if v is None else v for k, v in result.items()}  # JSON has no NaN
+    # The CPU counts the warm-up too: scale the window's requests and tokens to the whole run.
+    scale = (duration + args.warmup) / duration
+    total_reqs, total_tokens = result["requests"] * scale, result["chunks"] * scale
     cpu_ms = 1e3 * (cpu1 - cpu0) / total_reqs if total_reqs else float("nan")
-    return Sample(result, idle, peak, cpu_ms, total_reqs)
+    cpu_us_tok = 1e6 * (cpu1 - cpu0) / total_tokens if total_tokens else float("nan")
+    streams = result["inflight_max"]
+    per_stream = (peak - idle) * 1024 / streams if streams else float("nan")
+    series = sampler.series if sampler else []
+    return Sample(result, idle, peak, cpu_ms, total_reqs, cpu_us_tok, per_stream, series)
 
 
 # -- report ------------------------------------------------------------------
+
+PEERS = ("vllm-router", "smg")
+NAN = float("nan")
 
 
 def _fmt(v: float, digits: int = 1) -> str:
@@ -402,36 +539,178 @@ def _ratio(a: float, b: float) -> str:
     return "-" if not b or a != a or b != b else f"{a / b:.2f}x"
 
 
-def _report(table: dict[int, dict[str, Stats]], args: argparse.Namespace) -> str:
+def _spread(vals: list[float], digits: int = 1, unit: str = "") -> str:
+    """Median [min-max] over rounds."""
+    vals = [v for v in vals if v == v]
+    if not vals:
+        return "-"
+    med = statistics.median(vals)
+    if len(vals) == 1:
+        return f"{med:.{digits}f}{unit}"
+    return f"{med:.{digits}f}{unit} [{min(vals):.{digits}f}-{max(vals):.{digits}f}]"
+
+
+def _per_round(a: Stats, b: Stats | None, fa: Any, fb: Any = None, op: str = "-") -> list[float]:
+    """``fa(a's sample)`` minus (or over) ``fb(b's sample)`` within each round both ran."""
+    fb = fb or fa
+    if b is None:
+        return [fa(s) for s in a.samples] if op == "-" else []
+    out = []
+    for rnd, s in a.by_round.items():
+        t = b.by_round.get(rnd)
+        if t is None:
+            continue
+        x, y = fa(s), fb(t)
+        out.append(x - y if op == "-" else (x / y if y else NAN))
+    return out
+
+
+def _res(key: str) -> Any:
+    return lambda s: s.result[key]
+
+
+def _report(table: dict[Cell, dict[str, Stats]], args: argparse.Namespace) -> str:
+    """Throughput table: medians over rounds, ratios of medians."""
     lines = []
     head = (
-        "| conc | target | req/s | events/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | errors "
+        "| cell | target | req/s | events/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | errors "
         "| open streams avg/max | RSS idle→peak MB | KB/stream | CPU ms/req | client CPU% "
         "| req/s vs vllm-router "
         "| req/s vs direct | added TTFT p50 (ms) vs vllm-router's |"
     )
     lines += [head, "|" + "---|" * 17]
-    for conc, by_target in table.items():
+    for cell, by_target in table.items():
+        if cell.rate or cell.soak:
+            continue
         direct = by_target.get("direct")
         vr = by_target.get("vllm-router")
-        d_ttft = direct.med("ttft_p50_ms") if direct else float("nan")
-        vr_added = vr.med("ttft_p50_ms") - d_ttft if vr else float("nan")
+        d_ttft = direct.med("ttft_p50_ms") if direct and direct.samples else NAN
+        vr_added = vr.med("ttft_p50_ms") - d_ttft if vr and vr.samples else NAN
         for name, st in by_target.items():
+            if not st.samples:
+                continue
             rps, idle, peak = st.med("rps"), st.med_attr("rss_idle_mb"), st.med_attr("rss_peak_mb")
-            open_streams = st.med("inflight_max")
-            per_stream = (peak - idle) * 1024 / open_streams if conc >= 1000 else float("nan")
-            added = st.med("ttft_p50_ms") - d_ttft if name != "direct" else float("nan")
+            added = st.med("ttft_p50_ms") - d_ttft if name != "direct" else NAN
             lines.append(
-                f"| {conc} | {name} | {_fmt(rps)} | {_fmt(st.med('chunks_per_s'), 0)} "
+                f"| {cell.label} | {name} | {_fmt(rps)} | {_fmt(st.med('chunks_per_s'), 0)} "
                 f"| {_fmt(st.med('ttft_p50_ms'))} | {_fmt(st.med('ttft_p99_ms'))} "
                 f"| {_fmt(st.med('e2e_p50_ms'))} | {_fmt(st.med('e2e_p99_ms'))} | {st.errors()} "
-                f"| {_fmt(st.med('inflight_avg'), 0)}/{_fmt(open_streams, 0)} "
-                f"| {_fmt(idle, 0)}→{_fmt(peak, 0)} | {_fmt(per_stream)} "
+                f"| {_fmt(st.med('inflight_avg'), 0)}/{_fmt(st.med('inflight_max'), 0)} "
+                f"| {_fmt(idle, 0)}→{_fmt(peak, 0)} | {_fmt(st.med_attr('kb_per_stream'))} "
                 f"| {_fmt(st.med_attr('cpu_ms_per_req'), 2)} | {_fmt(st.med('client_cpu_pct'), 0)} "
-                f"| {_ratio(rps, vr.med('rps')) if vr else '-'} "
-                f"| {_ratio(rps, direct.med('rps')) if direct else '-'} "
+                f"| {_ratio(rps, vr.med('rps')) if vr and vr.samples else '-'} "
+                f"| {_ratio(rps, direct.med('rps')) if direct and direct.samples else '-'} "
                 f"| {_fmt(added)} vs {_fmt(vr_added)} |"
             )
+    return "\n".join(lines)
+
+
+def _cost_report(table: dict[Cell, dict[str, Stats]]) -> str:
+    """Added latency (minus direct, within each round) and the router's cost, each as the
+    median [min-max] over rounds; CPU ratios to each peer taken within each round."""
+    head = (
+        "| cell | target | added TTFT p50 ms | added TTFT p99 ms | added e2e p50 ms "
+        "| added e2e p99 ms | CPU ms/req | CPU us/token | KB/stream | errors "
+        "| CPU/req vs vllm-router | CPU/req vs smg | CPU/req vs its @base |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    cpu = lambda s: s.cpu_ms_per_req  # noqa: E731
+    for cell, by_target in table.items():
+        if cell.rate or cell.soak:
+            continue
+        direct = by_target.get("direct")
+        for name, st in by_target.items():
+            if name == "direct" or not st.samples:
+                continue
+            added = [
+                _spread(_per_round(st, direct, _res(k))) if direct else "-"
+                for k in ("ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms")
+            ]
+            vs = [
+                _spread(_per_round(st, by_target.get(peer), cpu, op="/"), 2, "x")
+                if peer in by_target and peer != name
+                else "-"
+                for peer in (*PEERS, f"{name}@base")
+            ]
+            lines.append(
+                f"| {cell.label} | {name} | {' | '.join(added)} "
+                f"| {_spread([s.cpu_ms_per_req for s in st.samples], 3)} "
+                f"| {_spread([s.cpu_us_per_token for s in st.samples], 1)} "
+                f"| {_spread([s.kb_per_stream for s in st.samples], 1)} | {st.errors()} "
+                f"| {' | '.join(vs)} |"
+            )
+    return "\n".join(lines)
+
+
+def _ceiling_report(table: dict[Cell, dict[str, Stats]], limit_ms: float) -> str:
+    """Open loop: added TTFT and e2e p95 at each offered rate; a target's ceiling is the
+    highest rate below the first one whose median added TTFT p95 passes ``limit_ms``."""
+    cells = [c for c in table if c.rate]
+    if not cells:
+        return ""
+    head = "| rate/s | target | req/s done | added TTFT p95 ms | added e2e p95 ms | errors |"
+    lines = [head, "|" + "---|" * 6]
+    ceiling: dict[str, float] = {}
+    passed: set[str] = set()
+    for cell in sorted(cells, key=lambda c: c.rate):
+        direct = table[cell].get("direct")
+        for name, st in table[cell].items():
+            if name == "direct" or not st.samples:
+                continue
+            ttft = _per_round(st, direct, _res("ttft_p95_ms"))
+            e2e = _per_round(st, direct, _res("e2e_p95_ms"))
+            lines.append(
+                f"| {cell.rate:g} | {name} | {_fmt(st.med('rps'))} | {_spread(ttft)} "
+                f"| {_spread(e2e)} | {st.errors()} |"
+            )
+            med = statistics.median(ttft) if ttft else NAN
+            if name in passed:
+                continue
+            if med == med and med <= limit_ms and st.errors() == 0:
+                ceiling[name] = cell.rate
+            else:
+                passed.add(name)
+    lines.append("")
+    for name in sorted({n for c in cells for n in table[c] if n != "direct"}):
+        top = ceiling.get(name)
+        state = "" if name in passed else " (never passed: raise the top rate)"
+        lines.append(
+            f"* ceiling ({name}): {'-' if top is None else f'{top:g}'} req/s with added "
+            f"TTFT p95 <= {limit_ms:g} ms{state}"
+        )
+    return "\n".join(lines)
+
+
+def _soak_report(table: dict[Cell, dict[str, Stats]], tolerance: float) -> str:
+    """Soak: requests, errors and RSS over time; flat when the last third's median RSS is
+    within ``tolerance`` of the middle third's."""
+    lines = []
+    for cell, by_target in table.items():
+        if not cell.soak:
+            continue
+        lines += [
+            f"soak {cell.label}:",
+            "| target | requests | errors | open streams avg/max | RSS first→middle→last MB "
+            "| CPU ms/req | flat |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, st in by_target.items():
+            for s in st.samples:
+                rss = [mb for _, mb in s.rss_series]
+                third = max(1, len(rss) // 3)
+                mid = statistics.median(rss[third : 2 * third]) if len(rss) >= 3 else NAN
+                last = statistics.median(rss[2 * third :]) if len(rss) >= 3 else NAN
+                flat = (
+                    "-" if mid != mid else ("yes" if abs(last - mid) <= tolerance * mid else "NO")
+                )
+                first = rss[0] if rss else NAN
+                r = s.result
+                lines.append(
+                    f"| {name} | {r['requests']} | {r['errors']} {r['error_kinds'] or ''} "
+                    f"| {_fmt(r['inflight_avg'], 0)}/{r['inflight_max']} "
+                    f"| {_fmt(first)}→{_fmt(mid)}→{_fmt(last)} "
+                    f"| {_fmt(s.cpu_ms_per_req, 3)} | {flat} |"
+                )
     return "\n".join(lines)
 
 
@@ -439,9 +718,10 @@ def _report(table: dict[int, dict[str, Stats]], args: argparse.Namespace) -> str
 
 
 def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Popen[bytes]]:
+    # Engines answer max(--answers) tokens, fewer when a request's max_tokens asks for fewer.
     common = [
         "--tokens",
-        str(args.tokens),
+        str(max(2, *args.answers)),
         "--itl-ms",
         str(args.itl_ms),
         "--prefill-us-per-token",
@@ -460,24 +740,46 @@ def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Po
     return procs
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x and x != "none"]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--concurrency", default="32,256,2000")
+    p.add_argument("--concurrency", default="32,256,2000", help="closed loop; 'none': skip it")
     p.add_argument("--targets", default="direct,vllm-router,pull,push,aggregated")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per run")
     p.add_argument("--duration-2000", type=float, default=8.0, help="... at concurrency >= 1000")
     p.add_argument("--warmup", type=float, default=1.5)
-    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16, help="answer tokens (without --answers)")
+    p.add_argument("--answers", help="matrix: answer token counts, e.g. 1,64 (default --tokens)")
     p.add_argument("--itl-ms", type=float, default=5.0)
     p.add_argument("--prefill-us-per-token", type=float, default=20.0)
     p.add_argument("--kv-transfer-ms", type=float, default=1.0)
-    p.add_argument("--prompt-chars", type=int, default=512)
+    p.add_argument("--prompt-chars", type=int, default=512, help="prompt bytes (no --prompts)")
+    p.add_argument("--prompts", help="matrix: prompt bytes, e.g. 200,2048,16384")
+    p.add_argument(
+        "--ceiling",
+        help="open loop at these request rates, ascending (e.g. 100,200,400): the rate where "
+        "p95 added TTFT passes --ceiling-ms; first --prompts and --answers",
+    )
+    p.add_argument("--ceiling-ms", type=float, default=10.0)
+    p.add_argument("--soak-minutes", type=float, default=0.0, help="a soak run per target")
+    p.add_argument("--soak-streams", type=int, default=2000)
+    p.add_argument("--soak-sample", type=float, default=10.0, help="RSS every N seconds")
+    p.add_argument("--soak-rss-tolerance", type=float, default=0.05)
     p.add_argument("--port-base", type=int, default=10200)
     p.add_argument("--router-cpus", help="taskset list for every router, e.g. 1 or 0,1")
     p.add_argument("--engine-cpus", help="taskset list for the fake engines")
     p.add_argument("--client-cpus", help="taskset list for the load generator")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the peers' way: --router-cpus 1 --engine-cpus 0 --client-cpus 0",
+    )
     p.add_argument("--vllm-router-bin", help="vllm-router executable (default: PATH)")
+    p.add_argument("--smg-bin", help="SGLang's gateway executable, target 'smg' (default: PATH)")
     p.add_argument("--log-level", default="info", help="both routers' log level")
     p.add_argument(
         "--baseline-root", help="another checkout of this repo; targets 'pull@base' etc. run it"
@@ -489,9 +791,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cprofile", help="cProfile every router run (not -wN) into this folder (call_diff.py)"
     )
     args = p.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.concurrency = _ints(args.concurrency)
     args.targets = args.targets.split(",")
+    args.prompts = _ints(args.prompts) if args.prompts else [args.prompt_chars]
+    args.answers = _ints(args.answers) if args.answers else [args.tokens]
+    args.ceiling = [float(r) for r in args.ceiling.split(",")] if args.ceiling else []
+    if args.pin:
+        args.router_cpus = args.router_cpus or "1"
+        args.engine_cpus = args.engine_cpus or "0"
+        args.client_cpus = args.client_cpus or "0"
     return args
+
+
+def _cells(args: argparse.Namespace) -> list[Cell]:
+    cells = [Cell(c, p, t) for c in args.concurrency for p in args.prompts for t in args.answers]
+    return cells + [Cell(0, args.prompts[0], args.answers[0], rate) for rate in args.ceiling]
+
+
+def _log_line(target: str, cell: Cell, rnd: int, s: Sample) -> str:
+    r = s.result
+    return (
+        f"{cell.label} round={rnd} {target}: {_fmt(r['rps'], 0)} req/s "
+        f"ttft p50 {_fmt(r['ttft_p50_ms'])} p95 {_fmt(r['ttft_p95_ms'])} ms "
+        f"errors {r['errors']} open {_fmt(r['inflight_avg'], 0)}/{r['inflight_max']} "
+        f"connect p99 {_fmt(r['connect_p99_ms'], 0)} ms "
+        f"{r['error_kinds'] or ''} cpu {_fmt(s.cpu_ms_per_req, 3)} ms/req"
+    )
+
+
+def _run_one(
+    args: argparse.Namespace, t: Target, cell: Cell, rnd: int, tmp: Path, stats: Stats
+) -> None:
+    try:
+        s = _measure(args, t, cell, tmp)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # one arm lost, not the run
+        print(f"{cell.label} round={rnd} {t.name}: FAILED {exc}", file=sys.stderr, flush=True)
+        return
+    stats.by_round[rnd] = s
+    print(_log_line(t.name, cell, rnd, s), file=sys.stderr, flush=True)
+
+
+def _raw(table: dict[Cell, dict[str, Stats]]) -> dict[str, Any]:
+    return {
+        c.label: {n: {r: s.__dict__ for r, s in st.by_round.items()} for n, st in bt.items()}
+        for c, bt in table.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,32 +845,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p_url, d_url = (f"http://127.0.0.1:{args.port_base + i}" for i in (1, 2))
         targets = _targets(args, tmp, p_url, d_url)
-        table: dict[int, dict[str, Stats]] = {}
-        for conc in args.concurrency:
-            table[conc] = {t.name: Stats() for t in targets}
-            for rnd in range(args.rounds):
-                for t in targets:
-                    s = _measure(args, t, conc, tmp)
-                    table[conc][t.name].samples.append(s)
-                    r = s.result
-                    print(
-                        f"c={conc} round={rnd} {t.name}: {r['rps']:.0f} req/s "
-                        f"ttft p50 {r['ttft_p50_ms']:.1f} ms errors {r['errors']} "
-                        f"open {r['inflight_avg']:.0f}/{r['inflight_max']} "
-                        f"connect p99 {r['connect_p99_ms']:.0f} ms "
-                        f"{r['error_kinds'] or ''} cpu {s.cpu_ms_per_req:.2f} ms/req",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+        cells = _cells(args)
+        table: dict[Cell, dict[str, Stats]] = {c: {t.name: Stats() for t in targets} for c in cells}
+        for rnd in range(args.rounds):
+            # Arms interleaved, and the order rotated each round: no target is always first.
+            order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
+            for cell in cells:
+                for t in order:
+                    _run_one(args, t, cell, rnd, tmp, table[cell][t.name])
+        if args.soak_minutes:
+            soak = Cell(args.soak_streams, args.prompts[0], args.answers[0], soak=True)
+            # direct too when listed: the control (the fake engines and the client alone).
+            table[soak] = {t.name: Stats() for t in targets}
+            for t in targets:
+                _run_one(args, t, soak, 0, tmp, table[soak][t.name])
+        pace = (
+            f"fake engines: {args.itl_ms:g} ms between tokens, prefill "
+            f"{args.prefill_us_per_token:g} us a prompt token (4 bytes), KV transfer "
+            f"{args.kv_transfer_ms:g} ms; pinning: router {args.router_cpus or '-'}, engines "
+            f"{args.engine_cpus or '-'}, client {args.client_cpus or '-'}"
+        )
         print(f"\ncommand: {' '.join([Path(sys.argv[0]).name, *sys.argv[1:]])}")
-        print(f"logs: {tmp}\n")
+        print(f"{pace}\nlogs: {tmp}\n")
         print(_report(table, args))
+        print("\nAdded latency (minus direct in the same round) and cost, median [min-max]:\n")
+        print(_cost_report(table))
+        if args.ceiling:
+            print(f"\nOpen loop, p{args.prompts[0]}-t{args.answers[0]}:\n")
+            print(_ceiling_report(table, args.ceiling_ms))
+        if args.soak_minutes:
+            print()
+            print(_soak_report(table, args.soak_rss_tolerance))
         if args.json:
-            raw = {
-                c: {n: [s.__dict__ for s in st.samples] for n, st in bt.items()}
-                for c, bt in table.items()
-            }
-            Path(args.json).write_bytes(orjson.dumps(raw, option=orjson.OPT_NON_STR_KEYS))
+            Path(args.json).write_bytes(orjson.dumps(_raw(table), option=orjson.OPT_NON_STR_KEYS))
     finally:
         for e in engines:
             _stop(e)

@@ -32,8 +32,8 @@ from router.lifecycle import Lifecycle, Observer
 from router.limits import Limiter
 from router.metrics import Metrics
 from router.observers.access_log import AccessLines
-from router.observers.request_metrics import RequestMetrics
-from router.observers.request_tracing import RequestTracing
+from router.observers.metrics import MetricsObserver
+from router.observers.tracing import TracingObserver
 from router.orca import LoadReports
 from router.passthrough import PassThrough
 from router.pd.dispatch import Dispatcher
@@ -103,19 +103,21 @@ def build_context(
     metrics.attach_state(registry.pools, clock)
     kv_index = KvIndex()
     metrics.attach_kv_index(kv_index.streams)
-    legs = LegRunner(upstream, config.timeouts, metrics, clock)
     tracing = Tracing(config.tracing)
+    access = AccessLog(config.logging)
+    lifecycle = _lifecycle(metrics, tracing, access, clock)
+    legs = LegRunner(upstream, config.timeouts, lifecycle, clock)
     side_calls = SideCalls(upstream, config.timeouts.connect)
-    turns = KeptTurns(side_calls, metrics)
+    turns = KeptTurns(side_calls, lifecycle)
     scorer = CacheScorer(kv_index, engine_load, side_calls.tokenize)
     dispatcher = Dispatcher(
         legs,
         turns,
-        metrics,
+        lifecycle,
         config.retries,
         clock,
         config.health.interval,
-        tracing,
+        tracing.traceparent,
         scorer,
         AdapterLoader(upstream),
     )
@@ -132,7 +134,6 @@ def build_context(
             config.health.timeout,
         )
     passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
-    access = AccessLog(config.logging)
     auth = Authenticator(config.auth)
     metrics.attach_keys(auth.names)
     own = {k.name: k.limits for k in config.auth.named_keys()}
@@ -140,7 +141,6 @@ def build_context(
     bounds = Bounds(
         config.limits, passthrough, config.health.timeout, config.health.interval, clock
     )
-    lifecycle = Lifecycle(_observers(metrics, tracing, access, clock))
     return AppContext(
         config,
         registry,
@@ -166,16 +166,18 @@ def build_context(
     )
 
 
-def _observers(
+def _lifecycle(
     metrics: Metrics, tracing: Tracing, access: AccessLog, clock: Callable[[], float]
-) -> list[Observer]:
-    """The request's observers: metrics always, tracing and the access log when on."""
-    observers: list[Observer] = [RequestMetrics(metrics)]
+) -> Lifecycle:
+    """The observers of every request: metrics always; tracing and the access log only when
+    they are on, so that with them off the request path builds nothing for them
+    (``Lifecycle.annotates``, ``Lifecycle.spans_requests`` false)."""
+    observers: list[Observer] = [MetricsObserver(metrics)]
     if tracing.enabled:
-        observers.append(RequestTracing(tracing))
+        observers.append(TracingObserver(tracing))
     if access.enabled:
         observers.append(AccessLines(access, clock))
-    return observers
+    return Lifecycle(observers)
 
 
 def _lora(registry: Registry, inst: Instance) -> LoraConfig | None:

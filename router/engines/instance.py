@@ -43,6 +43,7 @@ class _RunningLeg:
         self._inst = inst
 
     def __enter__(self) -> None:
+        self._inst.breaker.on_dispatch()
         self._inst._legs_running += 1
 
     def __exit__(self, *exc: object) -> None:
@@ -190,13 +191,9 @@ class Instance:
 
     @property
     def degraded(self) -> bool:
+        """Decode: out of rotation while it holds KV blocks with nothing running (a leak);
+        written only by :meth:`leak_checked`."""
         return self._degraded
-
-    @degraded.setter
-    def degraded(self, value: bool) -> None:
-        if value != self._degraded:
-            self._degraded = value
-            self._changed()
 
     @property
     def cap(self) -> int | None:
@@ -379,8 +376,10 @@ class Instance:
         return self._slots_held
 
     def take_slot(self) -> None:
-        """The ledger granted a reservation here."""
+        """The ledger granted a reservation here: a request is sent (in the breaker's
+        half-open state, the one trial)."""
         self._slots_held += 1
+        self.breaker.on_dispatch()
 
     def give_slot(self) -> None:
         """The ledger released a reservation here."""
@@ -392,7 +391,9 @@ class Instance:
         return self._legs_running
 
     def running_leg(self) -> AbstractContextManager[None]:
-        """One P leg runs here for the length of the block (router/pd/legs.py)."""
+        """One P leg runs here for the length of the block (router/pd/legs.py); sending it
+        is, in the breaker's half-open state, the one trial. The instance is the breaker's
+        only caller of ``on_dispatch``: here for P, in :meth:`take_slot` for D."""
         return _RunningLeg(self)
 
     @property
@@ -431,6 +432,8 @@ class Instance:
         self._health_failures = 0 if ok else self._health_failures + 1
         return self._health_failures
 
+    # -- the leak watch: ``suspect`` and ``degraded``, written by these two methods only --
+
     @property
     def suspect(self) -> bool:
         """Decode: a leg was closed while it waited for KV; it may have leaked blocks
@@ -438,12 +441,17 @@ class Instance:
         return self._suspect
 
     def suspect_leak(self) -> None:
+        """A leg here was closed while it waited for KV (router/pd/plans.py): watch it. Only
+        :meth:`leak_checked` clears the suspicion."""
         self._suspect = True
 
     def leak_checked(self, leaked: bool) -> None:
-        """The health monitor's verdict on an idle engine: ``degraded`` while it leaks."""
-        self.degraded = leaked
+        """The health monitor's verdict on an idle engine: ``degraded`` (and still
+        ``suspect``) while it leaks, cleared of both once it does not."""
         self._suspect = leaked
+        if leaked != self._degraded:
+            self._degraded = leaked
+            self._changed()
 
     @property
     def block_size(self) -> int | None:

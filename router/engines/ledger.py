@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 from router.engines.affinity import Affinity, Placement
 from router.engines.breaker import BreakerState
-from router.engines.choice import Chooser
 from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.policies import Policy
+from router.engines.selection import Selection, select
 from router.errors import (
     DeadlineExceeded,
     DeadlineUnattainable,
@@ -44,6 +44,8 @@ from router.errors import (
 from router.shared_slots import WorkerSlots, slot_key
 
 __all__ = ["Deadline", "Reservation", "SlotLedger"]
+
+_ANYONE = Selection()  # no routing key, session, chooser or API key name: the policy's pick
 
 # Waiters re-check the shared table this often while (and only while) this worker
 # has waiters. Why a poller rather than a pipe or eventfd per worker: a release in
@@ -63,7 +65,7 @@ class Reservation:
     released: bool = False
     detached: bool = False  # handed to a background owner that releases it later
     placement: Placement | None = None  # how a request with a session key got this D
-    tenant: str = ""  # the API key's name (slots held per key: the fair queue's order)
+    api_key_name: str = ""  # the API key's name (slots held per key: the fair queue's order)
     taken_at: float = 0.0  # when the slot was taken (the ledger's clock): its hold time
 
 
@@ -81,14 +83,14 @@ class Deadline:
 @dataclass(eq=False, slots=True)
 class _Waiter:
     fut: asyncio.Future[Reservation]
-    avoid: frozenset[Instance]
-    key: str | None = field(default=None)
-    session: str | None = field(default=None)
-    tenant: str = field(default="")  # the API key's name: whose turn in the fair queue
-    choose: Chooser | None = field(default=None)  # the request's own choice (engines/choice.py)
+    selection: Selection  # its api_key_name: whose turn in the fair queue
     level: int = field(default=0)  # the priority class's level: 0 most urgent (router/priority.py)
     deadline_at: float = field(default=math.inf)  # its TTFT deadline on the clock (inf: none)
     allowed: Callable[[Instance], bool] | None = field(default=None)  # see reserve
+
+    @property
+    def api_key_name(self) -> str:
+        return self.selection.api_key_name
 
 
 class SlotLedger:
@@ -137,13 +139,13 @@ class SlotLedger:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    def held(self, tenant: str) -> int:
-        """Decode slots the API key named ``tenant`` holds in this ledger."""
-        return self._held.get(tenant, 0)
+    def held(self, api_key_name: str) -> int:
+        """Decode slots the API key named ``api_key_name`` holds in this ledger."""
+        return self._held.get(api_key_name, 0)
 
-    def rank(self, tenant: str) -> tuple[int, int]:
+    def rank(self, api_key_name: str) -> tuple[int, int]:
         """The fair queue's order: slots held, then the last grant (-1: never)."""
-        return self._held.get(tenant, 0), self._granted.get(tenant, -1)
+        return self._held.get(api_key_name, 0), self._granted.get(api_key_name, -1)
 
     @property
     def instances(self) -> Sequence[Instance]:
@@ -177,27 +179,24 @@ class SlotLedger:
 
     async def reserve(
         self,
-        key: str | None = None,
-        avoid: frozenset[Instance] = frozenset(),
-        session: str | None = None,
-        tenant: str = "",
-        choose: Chooser | None = None,
+        selection: Selection = _ANYONE,
+        *,
         level: int = 0,
         deadline: Deadline | None = None,
         allowed: Callable[[Instance], bool] | None = None,
     ) -> Reservation:
         """A slot on a routable decode instance that ``allowed`` admits (when given: an
-        adapter request's holders), preferring ones not in ``avoid``: the one
-        ``choose`` picks among those with a free slot, if it picks one; else with a
-        ``session`` key the one its affinity picks, else the policy's.
-        ``tenant`` (the API key's name) and ``level`` (its priority class's level, 0 most
-        urgent) are the request's place in the queue (:mod:`router.engines.fair_queue`).
+        adapter request's holders), among those with a free slot, chosen for ``selection``
+        by :func:`~router.engines.selection.select`. ``selection.api_key_name`` and
+        ``level`` (the priority class's level, 0 most urgent) are the request's place in
+        the queue (:mod:`router.engines.fair_queue`).
 
         Raises :class:`NoHealthyEngine` (none in rotation), :class:`QueueFull`,
         :class:`DeadlineExceeded` (``deadline`` passed before a slot was given: none is
         taken) or :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
         """
         self.poke()  # waiters refused if none is in rotation, else served first
+        api_key_name = selection.api_key_name
         usable = candidates(self._instances)
         if allowed is not None:
             usable = [i for i in usable if allowed(i)]
@@ -210,15 +209,15 @@ class SlotLedger:
                 raise self._missed(deadline)
             self._check_attainable(deadline, level, usable)
         if not self._waiters:
-            got = self._take(usable, avoid, key, session, tenant, choose)  # usable: allowed
+            got = self._take(usable, selection)  # usable: allowed already
             if got is not None:
                 return got
         if len(self._waiters) >= self._queue_size:
-            self._make_room(tenant)
+            self._make_room(api_key_name)
         fut = asyncio.get_running_loop().create_future()
         at = math.inf if deadline is None else deadline.at
-        waiter = _Waiter(fut, avoid, key, session, tenant, choose, level, at, allowed)
-        self._waiters.push(tenant, waiter, level, at)
+        waiter = _Waiter(fut, selection, level, at, allowed)
+        self._waiters.push(api_key_name, waiter, level, at)
         self._schedule_poll()
         self._arm_reopen()
         try:
@@ -236,19 +235,19 @@ class SlotLedger:
             self._reclaim(waiter)
             raise
         finally:
-            self._waiters.remove(tenant, waiter, level)
+            self._waiters.remove(api_key_name, waiter, level)
 
-    def _make_room(self, tenant: str) -> None:
+    def _make_room(self, api_key_name: str) -> None:
         """The queue is full: the key holding the most of it gives up its newest waiter
-        for ``tenant``, unless ``tenant`` is that key (then ``tenant`` is refused)."""
-        victim = self._waiters.overflow(tenant)
+        for ``api_key_name``, unless that is the key (then it is refused)."""
+        victim = self._waiters.overflow(api_key_name)
         if victim is not None:
             if not victim.fut.done():
-                victim.fut.set_exception(self._share_exceeded(victim.tenant))
+                victim.fut.set_exception(self._share_exceeded(victim.api_key_name))
             return
-        others = any(True for w in self._waiters if w.tenant != tenant)
+        others = any(True for w in self._waiters if w.api_key_name != api_key_name)
         if others:
-            raise self._share_exceeded(tenant)
+            raise self._share_exceeded(api_key_name)
         raise QueueFull(
             f"all decode slots for model {self.model!r} are busy and the queue is full",
             retry_after=1.0,
@@ -313,9 +312,9 @@ class SlotLedger:
         # Retry-After 1 s: the queue turns over in about a stream's time; a later try may fit.
         return DeadlineExceeded(self.model, deadline.ms, retry_after=1.0)
 
-    def _share_exceeded(self, tenant: str) -> FairShareExceeded:
+    def _share_exceeded(self, api_key_name: str) -> FairShareExceeded:
         return FairShareExceeded(
-            f"all decode slots for model {self.model!r} are busy and API key {tenant!r} "
+            f"all decode slots for model {self.model!r} are busy and API key {api_key_name!r} "
             "holds the largest share of the full queue",
             retry_after=1.0,
         )
@@ -329,11 +328,11 @@ class SlotLedger:
         self._observe_hold(self._clock() - reservation.taken_at)
         inst = reservation.instance
         inst.give_slot()
-        held = self._held[reservation.tenant] - 1
+        held = self._held[reservation.api_key_name] - 1
         if held:
-            self._held[reservation.tenant] = held
+            self._held[reservation.api_key_name] = held
         else:
-            del self._held[reservation.tenant]
+            del self._held[reservation.api_key_name]
         if self._shared is not None:
             self._shared.release(slot_key(self.model, inst.key))
         self.poke()
@@ -365,19 +364,17 @@ class SlotLedger:
     def _serve(self) -> None:
         while (head := self._waiters.peek()) is not None:
             if head.fut.done():
-                self._waiters.remove(head.tenant, head, head.level)
+                self._waiters.remove(head.api_key_name, head, head.level)
                 continue
             usable = candidates(self._instances)
             if not usable:
                 self._refuse_all()
                 return
-            got = self._take(
-                usable, head.avoid, head.key, head.session, head.tenant, head.choose, head.allowed
-            )
+            got = self._take(usable, head.selection, head.allowed)
             if got is None:
                 return
             # By identity: taking the slot changed what the queue would pick next.
-            self._waiters.remove(head.tenant, head, head.level)
+            self._waiters.remove(head.api_key_name, head, head.level)
             head.fut.set_result(got)
 
     def _refuse_all(self) -> None:
@@ -389,30 +386,20 @@ class SlotLedger:
     def _take(
         self,
         usable: list[Instance],
-        avoid: frozenset[Instance],
-        key: str | None,
-        session: str | None,
-        tenant: str,
-        choose: Chooser | None = None,
+        selection: Selection,
         allowed: Callable[[Instance], bool] | None = None,
     ) -> Reservation | None:
         free = [i for i in usable if i.free_slots > 0 and (allowed is None or allowed(i))]
+        name = selection.api_key_name
         while free:
-            preferred = [i for i in free if i not in avoid] or free
-            placement = None
-            chosen = choose(Role.DECODE, preferred) if choose is not None else None
-            if chosen is not None:
-                inst = chosen
-            elif session is not None and self._affinity is not None:
-                inst, placement = self._affinity.select(Role.DECODE, session, preferred)
-            else:
-                inst = self._policy.select(preferred, key)
+            inst, placement = select(Role.DECODE, free, selection, self._policy, self._affinity)
             if self._acquire(inst):
                 inst.take_slot()
-                inst.breaker.on_dispatch()
-                self._held[tenant] = self._held.get(tenant, 0) + 1
-                self._granted[tenant] = next(self._grants)
-                got = Reservation(inst, placement=placement, tenant=tenant, taken_at=self._clock())
+                self._held[name] = self._held.get(name, 0) + 1
+                self._granted[name] = next(self._grants)
+                got = Reservation(
+                    inst, placement=placement, api_key_name=name, taken_at=self._clock()
+                )
                 self._live.add(got)
                 return got
             # Another worker took the last slot between our read and its lock.

@@ -1,8 +1,8 @@
 """Load-balancing policies: choose one instance among eligible candidates.
 
 Each policy is a small class with a ``name`` (its config and metrics label) and
-``select(candidates, key)``; ``key`` is a stable request key (a prompt prefix)
-used only by ``prefix_hash``. Candidates are never empty.
+``select(candidates, routing_key)``; ``routing_key`` is a request's stable start (a
+prompt prefix, router/pd/routing.py) used only by ``prefix_hash``. Candidates are never empty.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ __all__ = ["Policy", "make_policy"]
 
 class Policy(Protocol):
     name: ClassVar[str]
-    needs_key: ClassVar[bool]
+    needs_routing_key: ClassVar[bool]
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance: ...
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance: ...
 
 
 def _load(inst: Instance) -> float:
@@ -32,12 +32,12 @@ def _load(inst: Instance) -> float:
 
 class RoundRobin:
     name: ClassVar[str] = "round_robin"
-    needs_key: ClassVar[bool] = False
+    needs_routing_key: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance:
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance:
         inst = candidates[self._next % len(candidates)]
         self._next += 1
         return inst
@@ -45,12 +45,12 @@ class RoundRobin:
 
 class LeastLoaded:
     name: ClassVar[str] = "least_loaded"
-    needs_key: ClassVar[bool] = False
+    needs_routing_key: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._tiebreak = 0
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance:
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance:
         # Rotate the starting point so equal loads spread instead of piling on the first.
         self._tiebreak += 1
         n = len(candidates)
@@ -60,12 +60,12 @@ class LeastLoaded:
 
 class PowerOfTwo:
     name: ClassVar[str] = "power_of_two"
-    needs_key: ClassVar[bool] = False
+    needs_routing_key: ClassVar[bool] = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance:
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)
@@ -74,12 +74,12 @@ class PowerOfTwo:
 
 class Random:
     name: ClassVar[str] = "random"
-    needs_key: ClassVar[bool] = False
+    needs_routing_key: ClassVar[bool] = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance:
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance:
         return self._rng.choice(list(candidates))
 
 
@@ -88,12 +88,12 @@ class PrefixHash:
     engine (its prefix cache), and only 1/N of keys move when an engine leaves."""
 
     name: ClassVar[str] = "prefix_hash"
-    needs_key: ClassVar[bool] = True
+    needs_routing_key: ClassVar[bool] = True
 
-    def select(self, candidates: Sequence[Instance], key: str | None) -> Instance:
-        if key is None:
+    def select(self, candidates: Sequence[Instance], routing_key: str | None) -> Instance:
+        if routing_key is None:
             return min(candidates, key=_load)
-        data = key.encode("utf-8", "replace")
+        data = routing_key.encode("utf-8", "replace")
         return max(candidates, key=lambda c: zlib.crc32(c.key.encode() + data))
 
 

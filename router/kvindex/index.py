@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import zmq
@@ -72,6 +72,10 @@ def rank_endpoint(endpoint: str, rank: int | None) -> str:
     return f"{endpoint}_dp{rank}"
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(slots=True)
 class _Followed:
     stream: Stream
@@ -84,6 +88,7 @@ class KvIndex:
     def __init__(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
         self._followed: dict[str, _Followed] = {}
+        self._unfollow: Callable[[], None] = _nothing
 
     def follow(self, registry: Registry) -> None:
         """Subscribe to the registry's engines now and after every change of its lists."""
@@ -91,7 +96,8 @@ class KvIndex:
         def changed() -> None:
             self.sync(_wanted(registry.pools()))
 
-        registry.on_change = changed
+        self._unfollow()
+        self._unfollow = registry.subscribe(changed)
         changed()
 
     def sync(self, wanted: Mapping[str, Source]) -> None:
@@ -112,7 +118,9 @@ class KvIndex:
         return [f.stream for f in self._followed.values()]
 
     async def aclose(self) -> None:
-        """Stop every stream and close the sockets."""
+        """Stop following the registry, stop every stream and close the sockets."""
+        self._unfollow()
+        self._unfollow = _nothing
         tasks = [f.task for f in self._followed.values()]
         self._followed.clear()
         for task in tasks:

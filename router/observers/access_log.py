@@ -22,7 +22,7 @@ class AccessLines(Observer):
     def __init__(self, log: AccessLog, clock: Callable[[], float]) -> None:
         self._log, self._clock = log, clock
 
-    def refused(self, end: RequestEnd) -> None:
+    def intake_refused(self, end: RequestEnd) -> None:
         self._log.write(record(end, self._clock() - end.started_at))
 
     def request_ended(self, end: RequestEnd) -> None:

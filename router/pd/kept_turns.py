@@ -41,9 +41,9 @@ from router.engines.kept_turns import KeptTurn, KeptTurnResult
 from router.engines.vllm_versions import streams_params
 from router.kvindex.route import CacheRoute
 from router.kvindex.tokens import tokenize_query
-from router.metrics import Metrics
+from router.lifecycle import Lifecycle
+from router.pd.decode_leg import DecodeLeg
 from router.pd.kept_turn_params import kept_from_response, kept_from_stream, reuse_params
-from router.pd.legs import DecodeLeg
 from router.pd.side_calls import SideCalls
 from router.registry import ModelPool
 
@@ -84,9 +84,9 @@ def _first_turn(creq: ClientRequest) -> bool:
 
 
 class KeptTurns:
-    def __init__(self, side_calls: SideCalls, metrics: Metrics) -> None:
+    def __init__(self, side_calls: SideCalls, lifecycle: Lifecycle) -> None:
         self._side = side_calls
-        self._metrics = metrics
+        self._events = lifecycle
 
     def plan(
         self,
@@ -228,5 +228,4 @@ class KeptTurns:
             self._count(pool, KeptTurnResult.KEPT)
 
     def _count(self, pool: ModelPool, result: KeptTurnResult) -> None:
-        self._metrics.kept_turns.labels(pool.name, result.value).inc()
-        self._metrics.kept_turns_entries.labels(pool.name).set(len(pool.kept_turns))
+        self._events.kept_turn(pool.name, result, len(pool.kept_turns))

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
 
 import orjson
 
@@ -49,60 +47,22 @@ from router.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
-from router.metrics import Metrics
 from router.pd.continuation import Progress, continuation, remaining, with_token_ids
+from router.pd.cut import Cut, SseEvents, StallWatch, cut, ended_early
 from router.pd.dispatch import Dispatcher
-from router.pd.legs import DecodeLeg
 from router.pd.opened import Dispatch
+from router.pd.relay_hooks import RelayHooks
 from router.pd.sse import SSE_DONE
 from router.pd.usage import MARKER
 from router.registry import ModelPool
-from router.tracing import Tracing
 
-__all__ = ["Migration", "RelayHooks"]
+__all__ = ["MIGRATION", "STREAM", "Migration", "RelayHooks"]
+
+MIGRATION = "migration"  # the phase of one continuation
+STREAM = "stream"  # the phase of relaying one leg's stream
 
 # Where a continuation goes (Migration._where).
 _RULES, _PREFILL = "rules", "prefill_alone"
-
-
-class RelayHooks(Protocol):
-    """What the client's response (router/relay.py) does for a migrating relay: the relay
-    alone writes the client's ASGI messages; this module hands it bytes."""
-
-    def opened(self, dispatch: Dispatch) -> None:
-        """The request's first dispatch is open (the access log names its engines)."""
-
-    async def as_is(self, dispatch: Dispatch) -> Outcome:
-        """Relay a dispatch whose answer cannot be migrated (a whole body) as usual."""
-
-    async def start(self, leg: DecodeLeg, request_id: str) -> None:
-        """Send the response head from D's status and content type."""
-
-    def first_byte(self) -> None:
-        """The first body bytes are about to be sent (TTFT)."""
-
-    def stream_stats(self, dispatch: Dispatch) -> None:
-        """Count a leg's chunks once it is read."""
-
-    def more(self, body: bytes) -> Awaitable[None]:
-        """Send a body message, more to come (the awaitable of its send)."""
-
-    async def end(self, body: bytes) -> None:
-        """Send the last body message."""
-
-    async def whole(self, body: bytes, request_id: str) -> None:
-        """Answer a non-streamed request with its assembled JSON body (status 200)."""
-
-
-@dataclass(slots=True)
-class Cut:
-    """Why and how a leg's stream was cut: the error the client gets if it is not continued,
-    and the fault D is judged by."""
-
-    cause: str  # one of router.metrics.MIGRATION_CAUSES
-    error: UpstreamError
-    fault: Fault
-    event: bytes | None = None  # D's own error event, relayed as is if not continued
 
 
 class Migration:
@@ -116,12 +76,10 @@ class Migration:
         creq: ClientRequest,
         client_id: str,
         config: MigrationConfig,
-        metrics: Metrics,
-        tracing: Tracing,
     ) -> None:
         self._dispatcher, self._pool, self._creq = dispatcher, pool, creq
         self._client_id = client_id
-        self._config, self._metrics, self._tracing = config, metrics, tracing
+        self._config, self._events = config, dispatcher.lifecycle
         self._progress = Progress.of(creq)
         self._whole = not creq.stream  # assembled here from D's stream (non_streamed)
         self._dispatched = with_token_ids(creq)  # what the first leg is asked
@@ -155,11 +113,7 @@ class Migration:
         ids come with its first token: none came)."""
         progress = self._progress
         fresh = not progress.identity
-        if (
-            not fresh
-            and progress.resumable
-            and (progress.finish_reason is not None or remaining(self._creq, progress) == 0)
-        ):
+        if not fresh and self._nothing_left():
             await self._close(hooks)
             return None
         where = self._where(avoid, fresh)
@@ -167,7 +121,7 @@ class Migration:
             await self._fail(hooks, cut)
             return None
         self.count += 1
-        self._metrics.migrations.labels(self._pool.name, self._pool.mode.value, cut.cause).inc()
+        self._events.migrated(self._pool.name, self._pool.mode, cut.cause)
         if fresh:
             creq = self._dispatched
         else:
@@ -175,7 +129,7 @@ class Migration:
             creq = continuation(self._dispatched, progress)
         attributes = {"pdrouter.migration": self.count, "pdrouter.cause": cut.cause}
         try:
-            with self._tracing.span("migration", attributes):
+            with self._events.phase(MIGRATION, attributes):
                 async with self._dispatcher.dispatch(
                     self._pool, creq, self._client_id, frozenset(avoid), where is _PREFILL
                 ) as d:
@@ -188,6 +142,11 @@ class Migration:
             await self._fail(hooks, Cut(cut.cause, error, cut.fault))
             return None
         return next_cut
+
+    def _nothing_left(self) -> bool:
+        """The client has the answer's last token (its final chunk or usage maybe not)."""
+        p = self._progress
+        return p.resumable and (p.finish_reason is not None or remaining(self._creq, p) == 0)
 
     def _where(self, avoid: set[Instance], fresh: bool) -> str | None:
         """Where the request may continue: ``_RULES`` (by the model's rules: a D it has not
@@ -207,16 +166,17 @@ class Migration:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
         or a cut (returned; nothing of the cut event was sent). ``avoid``: the engines this
         request failed on before (where it could not continue if D were ejected now)."""
-        with self._tracing.span("stream"):
+        with self._events.phase(STREAM):
             cut = await self._relay_leg(d, hooks, avoid)
-            self._tracing.set(pdrouter__chunks=d.leg.chunks)
-            if cut is not None:
-                self._tracing.set(pdrouter__cut=cut.cause)
+            if self._events.annotates:
+                self._events.annotate({"pdrouter.chunks": d.leg.chunks})
+                if cut is not None:
+                    self._events.annotate({"pdrouter.cut": cut.cause})
             return cut
 
     async def _relay_leg(self, d: Dispatch, hooks: RelayHooks, avoid: set[Instance]) -> Cut | None:
         leg = d.leg
-        watch = _StallWatch(leg, self._config.stall_timeout, asyncio.get_running_loop())
+        watch = StallWatch(leg, self._config.stall_timeout, asyncio.get_running_loop())
 
         def ejected() -> None:
             # D left rotation ejected: move on now if the request can go elsewhere; with
@@ -229,10 +189,10 @@ class Migration:
                 ejected()
             return await self._read_leg(d, hooks, watch)
 
-    async def _read_leg(self, d: Dispatch, hooks: RelayHooks, watch: _StallWatch) -> Cut | None:
-        # The reads are inlined, not a generator, and the stall is watched by one timer per
-        # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
-        leg, events, rest = d.leg, _Events(), d.leg.rest
+    # The reads are inlined, not a generator, and the stall is watched by one timer per
+    # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
+    async def _read_leg(self, d: Dispatch, hooks: RelayHooks, watch: StallWatch) -> Cut | None:
+        leg, events, rest = d.leg, SseEvents(), d.leg.rest
         assert rest is not None
         loop = asyncio.get_running_loop()
         count, worst = 1, 0.0
@@ -240,8 +200,8 @@ class Migration:
         try:
             while True:
                 if data is None:  # D's end without [DONE], or the stream closed on a stall
-                    return self._ended_early(leg, watch, count, worst)
-                out, done, error = self._client_bytes(events.feed(data))
+                    return ended_early(leg, watch, count, worst)
+                out, done, error = self._progress.client_bytes(events.feed(data))
                 if d.usage_patch is not None and MARKER in out:
                     out = await d.usage_patch(out)
                 if done:
@@ -252,7 +212,7 @@ class Migration:
                     await self._send(hooks, out)
                 if error is not None:
                     leg.read_ended(count, worst, Fault.ANSWER)
-                    return self._cut("error_event", leg, Fault.ANSWER, error)
+                    return cut("error_event", leg, Fault.ANSWER, error)
                 watch.since = started = loop.time()
                 raw = await anext(rest, None)
                 watch.since = None
@@ -261,66 +221,13 @@ class Migration:
                 data = None if raw is None else leg.scrubbed(raw)
         except UpstreamError as exc:
             if watch.fired or watch.ejected:
-                return self._ended_early(leg, watch, count, worst)
+                return ended_early(leg, watch, count, worst)
             stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
             leg.read_ended(count, worst, exc.fault)
             return Cut("stall" if stalled else "disconnect", d.prefill_error or exc, exc.fault)
         finally:
             watch.cancel()
             hooks.stream_stats(d)
-
-    def _ended_early(self, leg: DecodeLeg, watch: _StallWatch, count: int, worst: float) -> Cut:
-        """D's stream ended before ``[DONE]``: closed by D, by the stall watch, or by the
-        router because D was ejected (which says nothing more about D)."""
-        inst = leg.instance
-        if watch.ejected:
-            leg.read_ended(count, worst, Fault.NONE)
-            message = f"{inst.role} engine left rotation ({inst.why_out()}) mid-stream"
-            role = str(inst.role)
-            code = f"{role}_ejected"
-            error = UpstreamError(
-                message, role=role, instance=inst.url, code=code, fault=Fault.NONE
-            )
-            return Cut("ejected", error, Fault.NONE)
-        leg.read_ended(count, worst, Fault.ENGINE)
-        if not watch.fired:
-            return self._cut("disconnect", leg, Fault.ENGINE)
-        error = UpstreamTimeout(
-            f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
-            role=str(inst.role),
-            instance=inst.key,
-            code="decode_stalled",
-        )
-        return Cut("stall", error, Fault.ENGINE)
-
-    def _cut(self, cause: str, leg: DecodeLeg, fault: Fault, event: bytes | None = None) -> Cut:
-        inst = leg.instance
-        message = {
-            "disconnect": f"{inst.role} engine closed its stream before the end",
-            "error_event": f"{inst.role} engine sent an error event",
-        }[cause]
-        error = UpstreamError(message, role=str(inst.role), instance=inst.key, fault=fault)
-        return Cut(cause, error, fault, event)
-
-    def _client_bytes(self, events: list[bytes]) -> tuple[bytes, bool, bytes | None]:
-        """The client's bytes for complete events: (bytes, ``[DONE]`` seen, D's error event
-        if one came: the events after it are not the client's)."""
-        out: list[bytes] = []
-        for event in events:
-            payload = event.removeprefix(b"data: ").strip()
-            if payload == b"[DONE]":
-                return b"".join(out), True, None
-            doc = _json(payload)
-            if doc is None:
-                out.append(event + b"\n\n")  # not a chunk (an SSE comment): as it came
-            elif "error" in doc:
-                return b"".join(out), False, event + b"\n\n"
-            elif self._progress.legs == 1:
-                out.append(self._progress.first_leg(event, doc) + b"\n\n")
-            else:
-                doc = self._progress.continued(doc)
-                out.append(b"data: " + orjson.dumps(doc) + b"\n\n")
-        return b"".join(out), False, None
 
     async def _send(self, hooks: RelayHooks, body: bytes) -> None:
         if self._whole:
@@ -377,58 +284,3 @@ class Migration:
             await hooks.end(cut.event + SSE_DONE)
             return
         await hooks.end(sse_error_event(err.message, err.type, err.code))
-
-
-class _Events:
-    """SSE events from a stream read in pieces (each without its ``\\n\\n``)."""
-
-    __slots__ = ("_held",)
-
-    def __init__(self) -> None:
-        self._held = b""
-
-    def feed(self, data: bytes) -> list[bytes]:
-        *events, self._held = (self._held + data).split(b"\n\n")
-        return [e for e in events if e]
-
-
-class _StallWatch:
-    """Closes a leg's stream (its pending read then ends) once it has been waited on for
-    ``seconds`` without a byte; ``fired`` says it did. The reader sets ``since`` when it starts
-    waiting for D and None once a read returns (a slow client's time is not D's). One timer
-    per stream, re-armed only when it fires."""
-
-    __slots__ = ("_handle", "_leg", "_loop", "ejected", "fired", "seconds", "since")
-
-    def __init__(self, leg: DecodeLeg, seconds: float, loop: asyncio.AbstractEventLoop) -> None:
-        self._leg, self._loop, self.seconds = leg, loop, seconds
-        self.since: float | None = None
-        self.fired = False
-        self.ejected = False  # closed because D was ejected (Instance.leaving)
-        self._handle = loop.call_later(seconds, self._check)
-
-    def eject(self) -> None:
-        if not (self.fired or self.ejected):
-            self.ejected = True
-            self._leg.stream.close()
-
-    def _check(self) -> None:
-        now, since = self._loop.time(), self.since
-        if since is not None and now - since >= self.seconds:
-            self.fired = True
-            self._leg.stream.close()
-            return
-        self._handle = self._loop.call_at(
-            (now if since is None else since) + self.seconds, self._check
-        )
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-def _json(payload: bytes) -> dict[str, Any] | None:
-    try:
-        doc = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None

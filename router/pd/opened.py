@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from router.engines.ledger import Reservation
 from router.errors import Fault, UpstreamError
-from router.pd.legs import DecodeLeg, PrefillResult
-from router.pd.plans import Decision
+from router.pd.decision import Decision
+from router.pd.decode_leg import DecodeLeg, PrefillResult
 from router.pd.scrub import without_params
 from router.pd.usage import MARKER, Patch, with_cached_tokens
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from router.client_request import ClientRequest
 from router.engines.instance import Instance, candidates
+from router.engines.selection import Selection
 from router.kvindex.route import CacheRoute
 from router.registry import ModelPool
 
@@ -40,16 +41,20 @@ def routing_key(creq: ClientRequest) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """What instance selection goes by: ``key`` for the prefix-hash policy, ``session``
+    """What instance selection goes by: ``routing_key`` for the prefix-hash policy, ``session``
     for session affinity, ``cache`` for cache-aware routing, ``prefill_ok`` and
     ``decode_ok`` the engines of each role a LoRA adapter's request may go to
     (``ModelPool.adapter_filter``; None: any). Each may be None."""
 
-    key: str | None
+    routing_key: str | None
     session: str | None
     cache: CacheRoute | None = None
     prefill_ok: Callable[[Instance], bool] | None = None
     decode_ok: Callable[[Instance], bool] | None = None
+
+    def selection(self, avoid: frozenset[Instance], api_key_name: str = "") -> Selection:
+        """What the choice of an engine for this route depends on (router/engines/selection.py)."""
+        return Selection(self.routing_key, self.session, api_key_name, avoid, self.cache)
 
 
 def prefill_busy(pool: ModelPool) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.config import TimeoutConfig
-from router.pd.legs import DecodeLeg, PrefillResult
+from router.pd.decode_leg import DecodeLeg, PrefillResult
 
 __all__ = ["Settler", "cancel_task", "discard_decode"]
 

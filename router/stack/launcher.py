@@ -129,6 +129,7 @@ class Stack:
         model_overrides: Mapping[str, Any] | None = None,
         prefix_caching: bool = False,
         kv_events: bool = False,
+        engine_env: Mapping[str, str] | None = None,
     ) -> None:
         """``router_overrides``: top-level sections merged into the router config (e.g.
         ``{"timeouts": {"prefill": 5}}``). ``engine_args``: extra ``vllm serve`` arguments per
@@ -151,7 +152,9 @@ class Stack:
         default for serving; the tests keep it off so that every prompt is computed and moved).
         ``kv_events``: every engine publishes its KV cache events (``--kv-events-config``, with a
         replay endpoint) and every router over the stack routes by them (``kv_events`` in its
-        model entry; vLLM publishes only with prefix caching on)."""
+        model entry; vLLM publishes only with prefix caching on). ``engine_env``: variables set in
+        every engine's environment on top of this process's (e.g.
+        ``{"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}``); restarts keep them."""
         self.mode = Mode(mode)
         self.variant = variant
         self.cache_dir = cache_dir
@@ -171,6 +174,7 @@ class Stack:
         self.model_overrides = dict(model_overrides or {})
         self.prefix_caching = prefix_caching
         self.kv_events = kv_events
+        self.engine_env = dict(engine_env or {})
         if kept_turns and self.mode is Mode.PIPELINED:  # this project's connector
             self.connector_extra = {"keep_ttl_s": KEPT_TURNS_ENGINE_TTL_S, **self.connector_extra}
         elif kept_turns:  # vLLM's NixlConnector
@@ -403,10 +407,15 @@ class Stack:
         return ManagedProcess(
             spec.name,
             eng.engine_argv(spec, self._engine_options_used),
-            eng.engine_env(spec, os.environ),
+            self.engine_environment(spec),
             self.run_dir / f"{spec.name}.log",
             cpus=eng.cpu_set(spec.core) if self.pin == "engine" else None,
         )
+
+    def engine_environment(self, spec: eng.EngineSpec) -> dict[str, str]:
+        """The environment engine ``spec`` runs with: this process's, ``engine_env`` over it,
+        then the stack's own variables (pinning, side channel, offline mode)."""
+        return eng.engine_env(spec, {**os.environ, **self.engine_env})
 
     def _plan(self) -> list[eng.EngineSpec]:
         http_ports = portmod.pick_ports(2, portmod.ENGINE_HTTP_PORTS)

@@ -91,6 +91,21 @@ def test_stack_options_reach_one_engine_and_the_router_config() -> None:
         Stack("push", engine_args={"decode-1": []})._plan()
 
 
+def test_engine_env_reaches_every_engine_under_the_stacks_own_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Stack(engine_env=...)``: set in each engine's environment (runtime LoRA loading, as
+    the LoRA stack needs), without overriding the pinning the stack sets."""
+    allow = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+    monkeypatch.delenv(allow, raising=False)
+    stack = Stack("pull", engine_env={allow: "True", "VLLM_CPU_OMP_THREADS_BIND": "7"})
+    p, d = stack._plan()
+    p_env, d_env = stack.engine_environment(p), stack.engine_environment(d)
+    assert (p_env[allow], d_env[allow]) == ("True", "True")
+    assert (p_env["VLLM_CPU_OMP_THREADS_BIND"], d_env["VLLM_CPU_OMP_THREADS_BIND"]) == ("0", "1")
+    assert allow not in Stack("pull").engine_environment(p)  # only where asked for
+
+
 def test_kv_events_reach_every_engine_and_every_router_config() -> None:
     """``Stack(kv_events=True)``: each engine publishes on ports of its own (binding every
     interface, as vLLM binds only a ``*`` host) and the router config follows each one."""

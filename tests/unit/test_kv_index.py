@@ -11,9 +11,10 @@ from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
 from router.kvindex.blocks import pack, prefix_keys
 from router.kvindex.engine import EngineIndex
-from router.kvindex.index import sources
+from router.kvindex.index import KvIndex, sources
 from router.kvindex.route import CacheRoute, Result
 from router.kvindex.wire import Batch, Cleared, Removed, Stored
+from router.registry import Registry
 from tests.fakes.kv_events import PrefixCache
 from tests.fakes.kv_events import Removed as FakeRemoved
 from tests.fakes.kv_events import Stored as FakeStored
@@ -226,3 +227,27 @@ def test_an_endpoint_that_is_not_zmq_is_refused_with_its_path(bad: str) -> None:
                 ]
             }
         )
+
+
+async def test_the_index_follows_the_registry_as_one_listener_until_it_closes() -> None:
+    """``KvIndex.follow`` subscribes beside other listeners (it overwrites none) and stops
+    following when it closes: a later change starts no stream."""
+    one = {"url": "http://127.0.0.1:9"}
+    model = {
+        "name": "m",
+        "mode": "aggregated",
+        "kv_events": {"enabled": True, "port": 7000, "replay_port": None},
+        "decode": [one],
+    }
+    registry = Registry(parse_config({"models": [model]}))
+    others: list[str] = []
+    registry.subscribe(lambda: others.append("changed"))
+    kv = KvIndex()
+    kv.follow(registry)
+    assert kv.view("http://127.0.0.1:9") is not None
+    two = [one, {"url": "http://127.0.0.1:10"}]
+    registry.apply(parse_config({"models": [{**model, "decode": two}]}))
+    assert kv.view("http://127.0.0.1:10") is not None and others
+    await kv.aclose()
+    registry.apply(parse_config({"models": [model]}))
+    assert kv.streams() == [] and len(others) >= 2

@@ -13,6 +13,7 @@ from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
+from router.engines.selection import Selection
 from router.errors import Fault, NoCapacity, NoHealthyEngine, QueueFull
 from tests.conftest import eventually
 from tests.fakes.clock import Clock
@@ -176,9 +177,9 @@ async def test_a_half_open_decode_takes_more_than_its_trial_when_it_is_the_last(
 async def test_avoid_is_a_preference_not_a_ban() -> None:
     a, b = decode("a", 1), decode("b", 1)
     led = ledger(a, b)
-    r1 = await led.reserve(avoid=frozenset({a}))
+    r1 = await led.reserve(Selection(avoid=frozenset({a})))
     assert r1.instance is b
-    r2 = await led.reserve(avoid=frozenset({a}))
+    r2 = await led.reserve(Selection(avoid=frozenset({a})))
     assert r2.instance is a  # only a is free: better than failing
     led.release(r1)
     led.release(r2)
@@ -186,7 +187,7 @@ async def test_avoid_is_a_preference_not_a_ban() -> None:
 
 async def test_degraded_instance_is_out_of_rotation() -> None:
     a, b = decode("a", 4), decode("b", 4)
-    a.degraded = True
+    a.leak_checked(True)
     led = ledger(a, b)
     rs = [await led.reserve() for _ in range(4)]
     assert {r.instance for r in rs} == {b}

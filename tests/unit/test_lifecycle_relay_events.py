@@ -40,8 +40,8 @@ class _Recorder(Observer):
     def key_released(self, key: str) -> None:
         self._seen.append((self._name, "key_released", key))
 
-    def refused(self, end: RequestEnd) -> None:
-        self._seen.append((self._name, "refused", end))
+    def intake_refused(self, end: RequestEnd) -> None:
+        self._seen.append((self._name, "intake_refused", end))
 
     def request_ended(self, end: RequestEnd) -> None:
         self._seen.append((self._name, "request_ended", end))
@@ -78,7 +78,7 @@ def test_every_event_reaches_every_observer_in_order() -> None:
     life.adapter_requested("m", "sql", 8)
     life.key_result("k", KeyResult.ADMITTED)
     life.key_released("k")
-    life.refused(end)
+    life.intake_refused(end)
     life.request_ended(end)
     facts = [
         ("disconnected", ("m", DisconnectPhase.STREAMING)),
@@ -88,7 +88,7 @@ def test_every_event_reaches_every_observer_in_order() -> None:
         ("adapter_requested", ("m", "sql", 8)),
         ("key_result", ("k", KeyResult.ADMITTED)),
         ("key_released", "k"),
-        ("refused", end),
+        ("intake_refused", end),
         ("request_ended", end),
     ]
     assert seen == [(who, event, f) for event, f in facts for who in ("a", "b")]

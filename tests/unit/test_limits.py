@@ -17,6 +17,7 @@ from router.engines.fair_queue import FairQueue
 from router.engines.instance import Instance, Role
 from router.engines.ledger import SlotLedger
 from router.engines.policies import make_policy
+from router.engines.selection import Selection
 from router.errors import FairShareExceeded, QueueFull, RateLimited, Unauthorized
 from router.limits import Limiter, TokenBucket
 from tests.fakes.clock import Clock
@@ -118,10 +119,10 @@ async def _poll(condition: Callable[[], bool]) -> None:
 async def test_ledger_gives_a_freed_slot_to_the_key_holding_fewest() -> None:
     d = _decode(2)
     led = SlotLedger("m", [d], make_policy("least_loaded"), 10, 5.0, clock=Clock())
-    flood = [await led.reserve(tenant="flood") for _ in range(2)]
-    waiting = [asyncio.create_task(led.reserve(tenant="flood")) for _ in range(3)]
+    flood = [await led.reserve(Selection(api_key_name="flood")) for _ in range(2)]
+    waiting = [asyncio.create_task(led.reserve(Selection(api_key_name="flood"))) for _ in range(3)]
     await _queued(led, 3)
-    quiet = asyncio.create_task(led.reserve(tenant="quiet"))
+    quiet = asyncio.create_task(led.reserve(Selection(api_key_name="quiet")))
     await _queued(led, 4)
     assert led.held("flood") == 2
     # A release hands the slot over at once: to quiet, the key holding none.
@@ -144,19 +145,19 @@ async def test_ledger_gives_a_freed_slot_to_the_key_holding_fewest() -> None:
 async def test_a_full_queue_refuses_the_key_holding_most_of_it() -> None:
     d = _decode(1)
     led = SlotLedger("m", [d], make_policy("least_loaded"), 2, 5.0, clock=Clock())
-    held = await led.reserve(tenant="flood")
-    waiting = [asyncio.create_task(led.reserve(tenant="flood")) for _ in range(2)]
+    held = await led.reserve(Selection(api_key_name="flood"))
+    waiting = [asyncio.create_task(led.reserve(Selection(api_key_name="flood"))) for _ in range(2)]
     await _queued(led, 2)
     with pytest.raises(QueueFull) as alone:  # its own queue is full: not a share issue
-        await led.reserve(tenant="flood")
+        await led.reserve(Selection(api_key_name="flood"))
     assert type(alone.value) is QueueFull
-    quiet = asyncio.create_task(led.reserve(tenant="quiet"))
+    quiet = asyncio.create_task(led.reserve(Selection(api_key_name="quiet")))
     with pytest.raises(FairShareExceeded) as evicted:
         await asyncio.wait_for(waiting[1], 10.0)  # flood's newest waiter made room for quiet
     assert evicted.value.code == "queue_share_exceeded" and evicted.value.status == 429
     await _queued(led, 2)  # flood's oldest and quiet
     with pytest.raises(FairShareExceeded):  # and now flood is over its share
-        await led.reserve(tenant="flood")
+        await led.reserve(Selection(api_key_name="flood"))
     led.release(held)  # both hold no slot now: the one served least recently goes first
     assert led.held("quiet") == 1 and led.queue_depth == 1
     quiet_slot = await asyncio.wait_for(quiet, 10.0)

@@ -7,6 +7,7 @@ import pytest
 
 from router.config import Mode, parse_config
 from router.engines.pairing import EngineFacts, mismatch, release
+from router.engines.selection import Selection
 from router.errors import NoHealthyEngine
 from router.registry import ModelPool, Registry
 
@@ -88,7 +89,7 @@ def test_a_rolling_upgrade_pairs_each_release_with_its_own() -> None:
     d0, d1 = pool.decode
     for _ in range(4):  # whatever the policy would pick
         for d, want in ((d0, "http://p0:8000"), (d1, "http://p1:8000")):
-            lease = pool.select_prefill(None, frozenset(), decode=d)
+            lease = pool.select_prefill(Selection(), decode=d)
             assert lease is not None and lease.instance.url == want
     assert pool.has_healthy_pair()
 
@@ -120,7 +121,7 @@ async def test_no_compatible_pair_is_refused_with_the_reason() -> None:
         "vLLM 0.33.0 on P and 0.34.0 on D: NIXL's handshake refuses engines of different "
         "vLLM versions"
     )
-    assert pool.select_prefill(None, frozenset()) is None  # P is out the same way
+    assert pool.select_prefill(Selection()) is None  # P is out the same way
 
 
 def test_pairing_any_trusts_the_operator() -> None:
