@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from router.engines.breaker import Breaker
@@ -45,12 +45,18 @@ async def _send(message: Any) -> None:
     pass
 
 
+def _more(chunk: bytes) -> Awaitable[None]:
+    return _send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
 async def _run(streams: int, tokens: int) -> float:
     inst = Instance("http://d:8000", Role.DECODE, "m", Breaker(3, 10.0), slots=4)
     start = time.process_time()
     for _ in range(streams):
         leg = DecodeLeg(inst, _Open(), TOKEN, _chunks(tokens))  # type: ignore[arg-type]
-        await leg.forward(_send, lambda: None)
+        # As the relay (router/relay.py) does: the leg's bytes as ASGI body messages.
+        await leg.forward(_more)
+        await _send({"type": "http.response.body", "body": leg.tail, "more_body": False})
     return (time.process_time() - start) / streams
 
 

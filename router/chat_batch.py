@@ -13,7 +13,8 @@ conversation's, as in vLLM, where each becomes a chat request of its own.
 
 The router splits the request into one chat completion per conversation (``stream``
 dropped), each checked against the bounds and dispatched on its own decode slot, all at once
-(router/multi_prompt.py runs them); an error answer of any conversation is the request's.
+(router/multi_prompt.py runs them, :func:`merge_batch` assembles the answer); an error answer
+of any conversation is the request's.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from router.client_request import ClientRequest, Endpoint, chat_chars, parse_json_object
 from router.errors import InvalidBody, InvalidRequest
-from router.multi_prompt import MultiPromptResponse
 
-__all__ = ["BatchChatResponse", "merge_batch", "parse_chat_batch", "request_schema", "split"]
+__all__ = ["merge_batch", "parse_chat_batch", "request_schema", "split"]
 
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 _STREAMING = ("stream", "stream_options")
@@ -158,18 +158,3 @@ def merge_batch(bodies: list[bytes]) -> bytes:
         if own in merged:
             merged[own] = None
     return orjson.dumps(merged)
-
-
-class BatchChatResponse(MultiPromptResponse):
-    """A :class:`MultiPromptResponse` over a batch's conversations (``parts``: each one's
-    request, bounds already checked)."""
-
-    def __init__(self, parts: list[ClientRequest], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._parts = parts
-
-    def parts(self) -> list[ClientRequest]:
-        return self._parts
-
-    def merged(self, bodies: list[bytes]) -> bytes:
-        return merge_batch(bodies)

@@ -16,6 +16,7 @@ from router.access_log import AccessLog
 from router.auth import Authenticator
 from router.bounds import Bounds
 from router.carrier import Carrier, Http1Carrier
+from router.composer import Relaying
 from router.config import LoraConfig, RouterConfig
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.facts import FactsReader
@@ -30,6 +31,7 @@ from router.kvindex.route import CacheScorer
 from router.lifecycle import Lifecycle, Observer
 from router.limits import Limiter
 from router.metrics import Metrics
+from router.observers.access_log import AccessLines
 from router.observers.metrics import MetricsObserver
 from router.observers.tracing import TracingObserver
 from router.orca import LoadReports
@@ -66,6 +68,8 @@ class AppContext:
     kv_index: KvIndex  # the engines' KV events (router/kvindex), for cache-aware routing
     engine_loads: EngineLoads | None  # several router replicas: engine-reported load
     load_reports: LoadReports  # ORCA headers from D's /metrics (router/orca.py)
+    lifecycle: Lifecycle  # the request's events and their observers (router/lifecycle.py)
+    relaying: Relaying  # what every relay shares (router/relay.py)
     # ``pd-router sidecar`` (router/picker): requests carry an endpoint picker's choice
     sidecar: bool = False
 
@@ -100,7 +104,8 @@ def build_context(
     kv_index = KvIndex()
     metrics.attach_kv_index(kv_index.streams)
     tracing = Tracing(config.tracing)
-    lifecycle = _lifecycle(metrics, tracing)
+    access = AccessLog(config.logging)
+    lifecycle = _lifecycle(metrics, tracing, access, clock)
     legs = LegRunner(upstream, config.timeouts, lifecycle, clock)
     side_calls = SideCalls(upstream, config.timeouts.connect)
     turns = KeptTurns(side_calls, lifecycle)
@@ -129,7 +134,6 @@ def build_context(
             config.health.timeout,
         )
     passthrough = PassThrough(upstream, config.timeouts.total, config.health.interval, clock)
-    access = AccessLog(config.logging)
     auth = Authenticator(config.auth)
     metrics.attach_keys(auth.names)
     own = {k.name: k.limits for k in config.auth.named_keys()}
@@ -156,16 +160,23 @@ def build_context(
         kv_index,
         engine_loads,
         LoadReports(side_calls),
+        lifecycle,
+        Relaying(dispatcher, lifecycle, clock, config.timeouts.total),
         sidecar,
     )
 
 
-def _lifecycle(metrics: Metrics, tracing: Tracing) -> Lifecycle:
-    """The observers of every request: metrics always; tracing only when it is on, so that
-    with it off the request path builds nothing for it (``Lifecycle.annotates`` false)."""
+def _lifecycle(
+    metrics: Metrics, tracing: Tracing, access: AccessLog, clock: Callable[[], float]
+) -> Lifecycle:
+    """The observers of every request: metrics always; tracing and the access log only when
+    they are on, so that with them off the request path builds nothing for them
+    (``Lifecycle.annotates``, ``Lifecycle.spans_requests`` false)."""
     observers: list[Observer] = [MetricsObserver(metrics)]
     if tracing.enabled:
         observers.append(TracingObserver(tracing))
+    if access.enabled:
+        observers.append(AccessLines(access, clock))
     return Lifecycle(observers)
 
 

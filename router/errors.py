@@ -51,12 +51,14 @@ __all__ = [
     "BoundExceeded",
     "DeadlineExceeded",
     "DeadlineUnattainable",
+    "DisconnectPhase",
     "FairShareExceeded",
     "Fault",
     "HttpError",
     "InternalError",
     "InvalidBody",
     "InvalidRequest",
+    "KeyResult",
     "ModelNotFound",
     "NoCapacity",
     "NoHealthyEngine",
@@ -90,6 +92,23 @@ class Outcome(enum.StrEnum):
     DISCONNECT = "client_disconnect"
     SHUTDOWN = "shutdown"  # cut off by the router's own shutdown past its grace period
     INTERNAL_ERROR = "internal_error"  # a bug in the router
+
+
+class DisconnectPhase(enum.StrEnum):
+    """When the client left (a ``DISCONNECT`` outcome): the ``phase`` label of
+    ``pdrouter_client_disconnects_total``."""
+
+    BEFORE_FIRST_BYTE = "before_first_byte"
+    STREAMING = "streaming"
+
+
+class KeyResult(enum.StrEnum):
+    """What became of a key's request: the ``result`` label of ``pdrouter_key_requests_total``."""
+
+    ADMITTED = "admitted"
+    RATE_LIMITED = "rate_limited"
+    CONCURRENCY_LIMITED = "concurrency_limited"
+    QUEUE_SHARE_EXCEEDED = "queue_share_exceeded"
 
 
 class Fault(enum.Enum):

@@ -44,9 +44,9 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from router.config import ConnectionsConfig
+from router.disconnect import CONNECTION
 from router.errors import error_body
 from router.metrics import Metrics
-from router.relay import CONNECTION
 
 __all__ = ["ClientEvents", "guarded_protocol"]
 

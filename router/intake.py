@@ -16,9 +16,8 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import Response
 
-from router.access_log import AccessRecord
 from router.carrier import DP_RANK_HEADER
-from router.chat_batch import BatchChatResponse, parse_chat_batch
+from router.chat_batch import merge_batch, parse_chat_batch
 from router.chat_batch import split as split_batch
 from router.client_request import (
     ClientRequest,
@@ -33,18 +32,22 @@ from router.errors import (
     BodyTooLarge,
     BoundExceeded,
     InvalidRequest,
+    KeyResult,
     ModelNotFound,
     RateLimited,
     RequestTimeout,
     RouterError,
     Unauthorized,
 )
-from router.multi_prompt import MultiPromptResponse
+from router.multi_prompt import MultiPrompt
 from router.orca import requested_format
+from router.pd.continuation import refusal
+from router.pd.migration import Migration
 from router.pd.plans import Decision
 from router.priority import with_priority
 from router.registry import ModelPool
-from router.relay import LoadReport, RelayResponse, Scope
+from router.relay import Composer, LoadReport, RelayResponse, Scope
+from router.request_end import RequestEnd
 
 __all__ = [
     "INVOCATIONS",
@@ -74,7 +77,7 @@ def identify(ctx: AppContext, scope: Scope) -> str:
     try:
         return ctx.auth.identify(scope["headers"])
     except Unauthorized as exc:
-        ctx.metrics.auth_failures.labels(exc.reason).inc()
+        ctx.lifecycle.auth_failed(exc.reason)
         raise
 
 
@@ -91,7 +94,7 @@ def charge(ctx: AppContext, key: str) -> None:
     try:
         ctx.limiter.charge(key)
     except RateLimited:
-        ctx.metrics.key_requests.labels(key, "rate_limited").inc()
+        ctx.lifecycle.key_result(key, KeyResult.RATE_LIMITED)
         raise
 
 
@@ -100,16 +103,14 @@ def hold(ctx: AppContext, key: str) -> Callable[[], None]:
     try:
         lease = ctx.limiter.acquire(key)
     except RateLimited:
-        ctx.metrics.key_requests.labels(key, "concurrency_limited").inc()
+        ctx.lifecycle.key_result(key, KeyResult.CONCURRENCY_LIMITED)
         raise
-    ctx.metrics.key_requests.labels(key, "admitted").inc()
-    gauge = ctx.metrics.key_in_flight.labels(key)
-    gauge.inc()
+    ctx.lifecycle.key_result(key, KeyResult.ADMITTED)
 
     def give_back() -> None:
         if not lease.released:
             lease.release()
-            gauge.dec()
+            ctx.lifecycle.key_released(key)
 
     return give_back
 
@@ -141,7 +142,7 @@ async def check_bounds(ctx: AppContext, pool: ModelPool, creq: ClientRequest) ->
     try:
         return await ctx.bounds.check(pool, creq)
     except BoundExceeded as exc:
-        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        ctx.lifecycle.bound_exceeded(pool.name, exc.bound)
         raise
 
 
@@ -156,7 +157,7 @@ async def check_batch(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> 
             f"of {most}.",
             "messages",
         )
-        ctx.metrics.bounds_refused.labels(pool.name, exc.bound).inc()
+        ctx.lifecycle.bound_exceeded(pool.name, exc.bound)
         raise exc
     return list(await asyncio.gather(*(check_bounds(ctx, pool, p) for p in split_batch(creq))))
 
@@ -183,13 +184,7 @@ async def handle(
     try:
         key = identify(ctx, request.scope)
         charge(ctx, key)  # before the body: a flood is refused for the price of its head
-        raw = await read_body(ctx, request)
-        if endpoint is None:
-            creq = parse_invocation(raw, key)
-        elif endpoint is Endpoint.CHAT_BATCH:
-            creq = parse_chat_batch(raw, key)
-        else:
-            creq = parse_client_request(raw, endpoint, key)
+        creq = _parse(await read_body(ctx, request), endpoint, key)
         pool = pool_for(ctx, creq.model)
         _count_adapter(ctx, pool, creq)
         creq = with_session(creq, request.headers.raw, pool.config.sessions)
@@ -209,57 +204,44 @@ async def handle(
             creq = await check_bounds(ctx, pool, creq)
         done = hold(ctx, key)
     except RouterError as exc:
-        model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
-        ctx.metrics.observe_request(model, mode, exc.outcome)
-        if ctx.access.enabled:
-            ctx.access.write(_refused_record(ctx, request, endpoint, exc, model, mode, started))
+        ctx.lifecycle.intake_refused(_refused(ctx, request, endpoint, exc, pool, started))
         raise
-    if parts:  # a batch of conversations: one dispatch each, in every mode
-        return BatchChatResponse(
-            parts,
-            ctx.dispatcher,
-            ctx.metrics,
-            pool,
-            creq,
-            started,
-            ctx.clock,
-            ctx.config.timeouts.total,
-            client_id,
-            ctx.tracing,
-            ctx.access,
-            on_end=done,
-        )
-    # Several prompts in a disaggregated mode: one dispatch each (router/multi_prompt.py).
-    several = creq.num_prompts > 1 and pool.mode.uses_prefill
-    if several:
-        return MultiPromptResponse(
-            ctx.dispatcher,
-            ctx.metrics,
-            pool,
-            creq,
-            started,
-            ctx.clock,
-            ctx.config.timeouts.total,
-            client_id,
-            ctx.tracing,
-            ctx.access,
-            on_end=done,
-        )
-    return RelayResponse(
-        ctx.dispatcher,
-        ctx.metrics,
-        pool,
-        creq,
-        started,
-        ctx.clock,
-        ctx.config.timeouts.total,
-        client_id,
-        ctx.tracing,
-        ctx.access,
-        on_end=done,
-        load_report=_load_report(ctx, request, creq),
-        migration=ctx.config.migration,
-    )
+    composer = _composer(ctx, pool, creq, parts, client_id)
+    # The ORCA header reports one D's load: not asked of several prompts' engines.
+    report = None if isinstance(composer, MultiPrompt) else _load_report(ctx, request, creq)
+    return RelayResponse(ctx.relaying, pool, creq, started, client_id, done, report, composer)
+
+
+def _parse(raw: bytes, endpoint: Endpoint | None, key: str) -> ClientRequest:
+    """The body as its endpoint reads it (``None``: ``/invocations``, chat or completions)."""
+    if endpoint is None:
+        return parse_invocation(raw, key)
+    if endpoint is Endpoint.CHAT_BATCH:
+        return parse_chat_batch(raw, key)
+    return parse_client_request(raw, endpoint, key)
+
+
+def _composer(
+    ctx: AppContext,
+    pool: ModelPool,
+    creq: ClientRequest,
+    parts: list[ClientRequest],
+    client_id: bytes | None,
+) -> Composer | None:
+    """What answers instead of one dispatch's D: a batch's conversations (one dispatch
+    each, in every mode), several prompts in a disaggregated mode (router/multi_prompt.py),
+    a stream that may continue elsewhere if D fails mid-stream (router/pd/migration.py)."""
+    client = client_id.decode("latin-1") if client_id else "-"
+    if parts:
+        return MultiPrompt(ctx.dispatcher, pool, parts, client, merge_batch)
+    if creq.num_prompts > 1 and pool.mode.uses_prefill:
+        return MultiPrompt.of_prompts(ctx.dispatcher, pool, creq, client)
+    migration = ctx.config.migration
+    if not migration.enabled:
+        return None
+    if refusal(creq, pool.config.kept_turns.enabled, migration.non_streamed) is not None:
+        return None
+    return Migration(ctx.dispatcher, pool, creq, client, migration)
 
 
 # An endpoint picker's choice, as it names it to a ``pd-router sidecar`` (router/picker).
@@ -303,25 +285,26 @@ def _load_report(ctx: AppContext, request: Request, creq: ClientRequest) -> Load
     return None if fmt is None else functools.partial(ctx.load_reports.header, fmt=fmt)
 
 
-def _refused_record(
+def _refused(
     ctx: AppContext,
     request: Request,
     endpoint: Endpoint | None,
     exc: RouterError,
-    model: str,
-    mode: str,
+    pool: ModelPool | None,
     started: float,
-) -> AccessRecord:
+) -> RequestEnd:
+    """A refused request's end (``model``/``mode`` empty where its model is not known)."""
     client_id = request.headers.get("x-request-id", "-")
-    return AccessRecord(
+    model, mode = (pool.name, pool.mode.value) if pool is not None else ("", "")
+    return RequestEnd(
         method=request.method,
         path=INVOCATIONS if endpoint is None else endpoint.value,
-        status=exc.status,
-        model=model or "-",
-        mode=mode or "-",
-        outcome=exc.outcome.value,
-        duration_ms=(ctx.clock() - started) * 1000,
+        model=model,
+        mode=mode,
+        started_at=started,
         client_id=client_id if client_request_id(request.headers.raw) else "-",
+        status=exc.status,
+        outcome=exc.outcome,
     )
 
 
@@ -329,10 +312,7 @@ def _count_adapter(ctx: AppContext, pool: ModelPool, creq: ClientRequest) -> Non
     """Count a LoRA adapter's request by adapter (a bounded label set)."""
     adapter = requested_adapter(pool.name, creq.body)
     if adapter is not None:
-        label = ctx.metrics.adapter_labels.label(
-            pool.name, adapter, pool.config.lora.max_adapter_labels
-        )
-        ctx.metrics.lora_requests.labels(pool.name, label).inc()
+        ctx.lifecycle.adapter_requested(pool.name, adapter, pool.config.lora.max_adapter_labels)
 
 
 def pool_for(ctx: AppContext, model: str | None) -> ModelPool:

@@ -32,7 +32,7 @@ from router.engines.adapters import AdapterLabels
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role
 from router.engines.kept_turns import KeptTurnResult
-from router.errors import Outcome
+from router.errors import DisconnectPhase, KeyResult, Outcome
 from router.kvindex.route import Result
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["KEY_RESULTS", "MIGRATION_CAUSES", "ROUTE_CHOICES", "WORKER_STATE_INTERVAL", "Metrics"]
 
 # What became of a key's requests: pdrouter_key_requests_total{result}.
-KEY_RESULTS = ("admitted", "rate_limited", "concurrency_limited", "queue_share_exceeded")
+KEY_RESULTS = tuple(r.value for r in KeyResult)
 # The adaptive rule's choices (router/pd/adaptive.py's Choice, which lies above this module):
 # pdrouter_route_choice_total{choice}.
 ROUTE_CHOICES = ("pd", "decode_alone", "prefill_alone")
@@ -733,7 +733,7 @@ class Metrics:
                 self.requests.labels(pool.name, pool.mode.value, outcome)
             self.retries.labels(pool.name)
             self.push_fallbacks.labels(pool.name)
-            for phase in ("before_first_byte", "streaming"):
+            for phase in DisconnectPhase:
                 self.disconnects.labels(pool.name, phase)
             for cause in MIGRATION_CAUSES:
                 self.migrations.labels(pool.name, pool.mode.value, cause)

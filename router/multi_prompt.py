@@ -8,6 +8,9 @@ one ``id`` and one ``created``, one usage chunk at the end (with ``include_usage
 prompt on its own (each with its own decode slot, all at once) and merges their answers here.
 An error answer of any prompt is the answer of the request; a stream that fails ends with its
 error event and ``data: [DONE]`` while the other prompts' legs are closed.
+
+The parts' legs are composed here (:class:`MultiPrompt`, a :class:`~router.composer.Composer`):
+their bytes are read from each leg and merged, and the relay (router/relay.py) writes them.
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 
 from router.client_request import ClientRequest
 from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
+from router.pd.dispatch import Dispatcher
+from router.pd.migration import RelayHooks
 from router.pd.opened import Dispatch
 from router.pd.sse import ENGINE_ERROR_EVENT
-from router.relay import RelayResponse, Send
+from router.registry import ModelPool
 
-__all__ = ["MultiPromptResponse", "StreamMerge", "merge_bodies", "split"]
+__all__ = ["MultiPrompt", "StreamMerge", "merge_bodies", "split"]
 
 _DONE = b"data: [DONE]"
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
@@ -125,30 +132,40 @@ class StreamMerge:
         return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
-class MultiPromptResponse(RelayResponse):
-    """A :class:`RelayResponse` for a request with several prompts (one dispatch each)."""
+class MultiPrompt:
+    """The :class:`~router.composer.Composer` of a request with several parts (prompts, or
+    a batch's conversations): one dispatch each, all at once; ``merged`` makes the
+    non-streamed answer from each part's body (all 200s), ``n`` the sequences per part."""
 
-    def parts(self) -> list[ClientRequest]:
-        """The requests dispatched, one per prompt, in order."""
-        return split(self._creq)
+    count = 0  # never migrated
 
-    def merged(self, bodies: list[bytes]) -> bytes:
-        """The non-streamed answer from each part's (all 200s)."""
-        return merge_bodies(bodies, self._creq.n)
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        pool: ModelPool,
+        parts: list[ClientRequest],
+        client_id: str,
+        merged: Callable[[list[bytes]], bytes],
+        n: int = 1,
+    ) -> None:
+        self._dispatcher, self._pool, self._parts = dispatcher, pool, parts
+        self._client_id, self._merged, self._n = client_id, merged, n
 
-    async def _run(self, send: Send) -> Outcome:
-        parts = self.parts()
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                dispatches = await self._open_all(stack, parts)
-                return await self._answer(dispatches, send)
-        except RouterError as exc:
-            return await self._refuse(send, exc)
+    @classmethod
+    def of_prompts(
+        cls, dispatcher: Dispatcher, pool: ModelPool, creq: ClientRequest, client_id: str
+    ) -> MultiPrompt:
+        """A completion with several prompts, answered as vLLM answers it."""
+        merged = functools.partial(merge_bodies, n=creq.n)
+        return cls(dispatcher, pool, split(creq), client_id, merged, creq.n)
 
-    async def _open_all(
-        self, stack: contextlib.AsyncExitStack, parts: list[ClientRequest]
-    ) -> list[Dispatch]:
-        """Every prompt's dispatch, entered into ``stack``; the first error of any
+    async def run(self, hooks: RelayHooks) -> Outcome:
+        async with contextlib.AsyncExitStack() as stack:
+            dispatches = await self._open_all(stack)
+            return await self._answer(dispatches, hooks)
+
+    async def _open_all(self, stack: contextlib.AsyncExitStack) -> list[Dispatch]:
+        """Every part's dispatch, entered into ``stack``; the first error of any
         (the others then cancelled or released) is raised as is."""
 
         async def enter(part: ClientRequest) -> Dispatch:
@@ -158,35 +175,37 @@ class MultiPromptResponse(RelayResponse):
 
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(enter(p)) for p in parts]
+                tasks = [group.create_task(enter(p)) for p in self._parts]
         except* RouterError as errors:
             raise errors.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def _answer(self, dispatches: list[Dispatch], send: Send) -> Outcome:
+    async def _answer(self, dispatches: list[Dispatch], hooks: RelayHooks) -> Outcome:
         legs = [d.leg for d in dispatches]  # all 200: an error answer fails its dispatch
-        self._dispatch = dispatches[0]
-        await self._start(send, legs[0], dispatches[0].request_id)
+        hooks.opened(dispatches[0])
+        await hooks.start(legs[0], dispatches[0].request_id)
         if legs[0].rest is None:
             bodies = [await d.first_bytes() for d in dispatches]
-            await self._end(send, self.merged(bodies))
-            self._ttft = self._clock() - self._t0
+            await hooks.end(self._merged(bodies))
+            hooks.first_byte()
             return Outcome.SUCCESS
-        return await self._merge_streams(dispatches, send, StreamMerge(len(legs), self._creq.n))
+        return await self._merge_streams(dispatches, hooks, StreamMerge(len(legs), self._n))
 
     async def _merge_streams(
-        self, dispatches: list[Dispatch], send: Send, merge: StreamMerge
+        self, dispatches: list[Dispatch], hooks: RelayHooks, merge: StreamMerge
     ) -> Outcome:
-        """Relay every prompt's stream as one; on an error, the other prompts' legs are
+        """Relay every part's stream as one; on an error, the other parts' legs are
         left unread (their dispatches close them)."""
         queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]] = asyncio.Queue()
 
         async def pump(i: int, dispatch: Dispatch) -> None:
-            async def collect(message: Any) -> None:
-                await queue.put((i, message["body"]))
+            def more(chunk: bytes) -> Awaitable[None]:
+                return queue.put((i, chunk))
 
+            leg = dispatch.leg
             try:
-                await dispatch.leg.forward(collect, lambda: None, dispatch.usage_patch)
+                await leg.forward(more, dispatch.usage_patch)
+                await queue.put((i, leg.tail))
             except UpstreamError as exc:
                 await queue.put((i, exc))
             await queue.put((i, None))
@@ -196,33 +215,35 @@ class MultiPromptResponse(RelayResponse):
         async with asyncio.TaskGroup() as group:
             pumps = [group.create_task(pump(i, d)) for i, d in enumerate(dispatches)]
             try:
-                return await self._relay_merged(queue, len(dispatches), send, merge)
+                return await _relay_merged(queue, len(dispatches), hooks, merge)
             finally:
                 for task in pumps:
                     task.cancel()
 
-    async def _relay_merged(
-        self,
-        queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]],
-        open_streams: int,
-        send: Send,
-        merge: StreamMerge,
-    ) -> Outcome:
-        while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            if isinstance(item, UpstreamError):
-                await self._end(send, sse_error_event(item.message, item.type, item.code))
-                return Outcome.UPSTREAM_ERROR
-            events, error = merge.feed(i, item)
-            if events:
-                await send({"type": "http.response.body", "body": events, "more_body": True})
-                if self._ttft is None:
-                    self._ttft = self._clock() - self._t0
-            if error is not None:
-                await self._end(send, error + _DONE + b"\n\n")
-                return Outcome.UPSTREAM_ERROR
-        await self._end(send, merge.end())
-        return Outcome.SUCCESS
+
+async def _relay_merged(
+    queue: asyncio.Queue[tuple[int, bytes | UpstreamError | None]],
+    open_streams: int,
+    hooks: RelayHooks,
+    merge: StreamMerge,
+) -> Outcome:
+    sent = False
+    while open_streams:
+        i, item = await queue.get()
+        if item is None:
+            open_streams -= 1
+            continue
+        if isinstance(item, UpstreamError):
+            await hooks.end(sse_error_event(item.message, item.type, item.code))
+            return Outcome.UPSTREAM_ERROR
+        events, error = merge.feed(i, item)
+        if events:
+            await hooks.more(events)
+            if not sent:
+                sent = True
+                hooks.first_byte()
+        if error is not None:
+            await hooks.end(error + _DONE + b"\n\n")
+            return Outcome.UPSTREAM_ERROR
+    await hooks.end(merge.end())
+    return Outcome.SUCCESS

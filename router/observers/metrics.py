@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from router.errors import DisconnectPhase, KeyResult
 from router.lifecycle import Observer
 from router.metrics import Metrics
+from router.request_end import RequestEnd
 
 __all__ = ["MetricsObserver"]
 
@@ -69,3 +71,37 @@ class MetricsObserver(Observer):
 
     def migrated(self, model: str, mode: str, cause: str) -> None:
         self._m.migrations.labels(model, mode, cause).inc()
+
+    # -- relay and intake --------------------------------------------------------------------
+
+    def disconnected(self, model: str, phase: DisconnectPhase) -> None:
+        self._m.disconnects.labels(model, phase).inc()
+
+    def stream_read(self, model: str, decision: str, chunks: int, worst_gap: float) -> None:
+        self._m.chunks.labels(model).inc(chunks)
+        if chunks > 1:
+            self._m.max_chunk_gap.labels(model, decision).observe(worst_gap)
+
+    def auth_failed(self, reason: str) -> None:
+        self._m.auth_failures.labels(reason).inc()
+
+    def bound_exceeded(self, model: str, bound: str) -> None:
+        self._m.bounds_refused.labels(model, bound).inc()
+
+    def adapter_requested(self, model: str, adapter: str, most_labels: int) -> None:
+        label = self._m.adapter_labels.label(model, adapter, most_labels)
+        self._m.lora_requests.labels(model, label).inc()
+
+    def key_result(self, key: str, result: KeyResult) -> None:
+        self._m.key_requests.labels(key, result).inc()
+        if result is KeyResult.ADMITTED:
+            self._m.key_in_flight.labels(key).inc()
+
+    def key_released(self, key: str) -> None:
+        self._m.key_in_flight.labels(key).dec()
+
+    def intake_refused(self, end: RequestEnd) -> None:
+        self._m.observe_request(end.model, end.mode, end.outcome)
+
+    def request_ended(self, end: RequestEnd) -> None:
+        self._m.observe_request(end.model, end.mode, end.outcome, end.ttft)

@@ -6,11 +6,13 @@ this observer and the request path builds no attributes for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
+from router.errors import Outcome
 from router.lifecycle import Observer
+from router.request_end import RequestEnd
 from router.tracing import Tracing
 
 __all__ = ["TracingObserver"]
@@ -46,3 +48,17 @@ class TracingObserver(Observer):
 
     def handed_off(self, model: str, mode: str, seconds: float) -> None:
         self._t.set(pdrouter__handoff_s=seconds)
+
+    # -- relay and intake --------------------------------------------------------------------
+
+    def request_span(
+        self, name: str, headers: Iterable[tuple[bytes, bytes]], attributes: dict[str, Any]
+    ) -> AbstractContextManager[Any] | None:
+        return self._t.request(name, headers, attributes)
+
+    def request_ended(self, end: RequestEnd) -> None:
+        self._t.set(pdrouter__outcome=end.outcome.value)
+        if end.ttft is not None:
+            self._t.set(pdrouter__ttft_s=end.ttft)
+        if end.outcome is not Outcome.SUCCESS:
+            self._t.failed(end.outcome.value)

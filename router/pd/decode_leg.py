@@ -19,7 +19,7 @@ from router.pd.sse import ENGINE_ERROR_EVENT, ends_answer
 from router.pd.usage import MARKER, Patch
 from router.upstream import UpstreamStream
 
-__all__ = ["DecodeLeg", "PrefillResult", "Send"]
+__all__ = ["DecodeLeg", "PrefillResult", "Send", "Sink"]
 
 
 @dataclass(slots=True)
@@ -34,6 +34,10 @@ class PrefillResult:
 
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]  # the client's ASGI send
+# Where a leg's bytes go, chunk by chunk: the relay's (which makes them the client's ASGI
+# messages), a merge's queue. It returns the awaitable of its send, not a coroutine of its
+# own: a call per chunk, no frame resumed per chunk beyond the send's.
+Sink = Callable[[bytes], Awaitable[None]]
 
 
 class DecodeLeg:
@@ -46,6 +50,16 @@ class DecodeLeg:
     end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
+
+    :meth:`forward` hands the rest of a streamed body to a :data:`Sink` chunk by chunk as read
+    (bytes, never the client's ASGI messages: the relay makes those), and leaves its last
+    bytes in ``tail`` once D's end is read: they hold D's terminal ``[DONE]`` event, where a
+    client stops reading (not D's HTTP end, which may come in a read of its own), and ``head``,
+    bytes not yet sent that come first (D's first bytes, when they already end the answer:
+    :func:`ends_answer`). Whatever the reader records at the end goes in before it sends
+    ``tail``. ``patch`` rewrites the chunks that hold usage's ``cached_tokens``
+    (router/pd/usage.py). It raises :class:`UpstreamError` if D's stream breaks before
+    ``[DONE]`` (``verdict`` then holds its fault).
 
     A streamed leg's bytes, ``first`` included, are D's with every ``kv_transfer_params``
     value null (router/pd/scrub.py): no engine coordinates reach the client. A whole body is
@@ -66,6 +80,7 @@ class DecodeLeg:
         "on_params",
         "rest",
         "stream",
+        "tail",
         "verdict",
         "worst_gap",
     )
@@ -92,6 +107,7 @@ class DecodeLeg:
         self.ended_at: float | None = None
         self._clock = clock
         self._closed = False
+        self.tail = b""  # the last bytes for the client, once forward has read D's end
         # Called, once a stream ended cleanly, with the last params D put on it (the JSON
         # bytes the client got as null): a 0.33+ stream's kept turn (router/pd/kept_turns.py).
         self.on_params: Callable[[bytes], None] | None = None
@@ -101,32 +117,14 @@ class DecodeLeg:
         if self._counted:
             instance.stream_started()
 
-    async def forward(
-        self,
-        send: Send,
-        before_last: Callable[[], None],
-        patch: Patch | None = None,
-        head: bytes = b"",
-    ) -> None:
-        """Send the rest of D's body to the client as ASGI body messages, chunk by chunk
-        as read (no buffering); ``before_last()`` runs just before the last message (whose
-        ``more_body`` is False). That message holds D's terminal ``[DONE]`` event, where a
-        client stops reading (not D's HTTP end, which may come in a read of its own), and
-        ``head``: bytes not yet sent that come first (D's first bytes, when they already
-        end the answer: see :func:`ends_answer`). ``patch`` rewrites the chunks that hold
-        usage's ``cached_tokens`` (router/pd/usage.py). Raises :class:`UpstreamError` if D's
-        stream breaks before ``[DONE]``; ``verdict`` then holds its fault."""
-        assert self.rest is not None, "a complete body has nothing left to forward"
-        assert self._scrub is not None
-        scrub = self._scrub.feed
-        error_event = ENGINE_ERROR_EVENT in self.first
-        # D's terminal event is held until D's end is read: the client stops at it.
-        held = head
-        last, prev = b"", self.first
-        clock, stream = self._clock, self.stream
+    async def forward(self, more: Sink, patch: Patch | None = None, head: bytes = b"") -> None:
+        """The rest of D's body to ``more`` as read, its last bytes left in ``tail``."""
+        assert self.rest is not None and self._scrub is not None, "a complete body has no rest"
+        scrub, clock, stream = self._scrub.feed, self._clock, self.stream
+        # Locals in the loop (once per token); D's [DONE] is held until D's end is read.
+        held, last, prev, error_event = head, b"", self.first, ENGINE_ERROR_EVENT in self.first
         count, worst, now = 1, 0.0, clock()
         try:
-            # Locals, not attributes, in the loop: it runs once per token of every stream.
             async for chunk in self.rest:
                 count += 1
                 error_event = error_event or ENGINE_ERROR_EVENT in chunk
@@ -137,8 +135,7 @@ class DecodeLeg:
                 chunk = scrub(chunk)
                 if patch is not None and MARKER in chunk:
                     chunk = await patch(chunk)
-                if stream.ended:
-                    # D's last bytes came with its end: one write
+                if stream.ended:  # D's last bytes came with its end: one write
                     last = held + chunk + self._scrub.flush()
                     break
                 if not chunk:  # held back by the scrub until a later read
@@ -148,24 +145,26 @@ class DecodeLeg:
                     held += chunk
                     continue
                 prev = chunk
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await more(chunk)
             else:
                 last = held + self._scrub.flush()
         except UpstreamError as exc:
             if not held:
                 self.verdict = exc.fault
                 raise
-            # The answer was whole ([DONE] read); only D's HTTP end broke.
-            last = held + self._scrub.flush()
+            last = held + self._scrub.flush()  # the answer was whole: only D's HTTP end broke
         finally:
             self.chunks, self.worst_gap, self.ended_at = count, worst, now
             self._mark_ended()
+        self._read_to_end(last, error_event)
+
+    def _read_to_end(self, last: bytes, error_event: bool) -> None:
+        assert self._scrub is not None
         self.verdict = Fault.ANSWER if error_event else None
         params = self._scrub.last_value
         if self.on_params is not None and params is not None and self.verdict is None:
             self.on_params(params)
-        before_last()
-        await send({"type": "http.response.body", "body": last, "more_body": False})
+        self.tail = last
 
     def scrubbed(self, chunk: bytes) -> bytes:
         """A chunk of the rest, read by another reader than :meth:`forward` (a migrating

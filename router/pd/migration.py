@@ -49,7 +49,6 @@ from router.errors import (
 )
 from router.pd.continuation import Progress, continuation, remaining, with_token_ids
 from router.pd.cut import Cut, SseEvents, StallWatch, cut, ended_early
-from router.pd.decode_leg import Send
 from router.pd.dispatch import Dispatcher
 from router.pd.opened import Dispatch
 from router.pd.relay_hooks import RelayHooks
@@ -89,27 +88,25 @@ class Migration:
         self._failed = False  # ended with an error event
         self.count = 0
 
-    async def run(self, send: Send, hooks: RelayHooks) -> Outcome:
+    async def run(self, hooks: RelayHooks) -> Outcome:
         """Relay the request to its end. Raises :class:`RouterError` only if its first
         dispatch could not open (nothing sent: the caller answers with the error)."""
         creq = self._dispatched
         async with self._dispatcher.dispatch(self._pool, creq, self._client_id) as d:
             hooks.opened(d)
             if d.leg.rest is None:
-                return await hooks.as_is(d, send)
+                return await hooks.as_is(d)
             self._request_id = d.request_id
             if not self._whole:
-                await hooks.start(send, d.leg, d.request_id)
+                await hooks.start(d.leg, d.request_id)
             avoid: set[Instance] = set()
-            cut = await self._relay(d, send, hooks, avoid)
+            cut = await self._relay(d, hooks, avoid)
             avoid.add(d.leg.instance)
         while cut is not None:
-            cut = await self._continue(cut, send, hooks, avoid)
+            cut = await self._continue(cut, hooks, avoid)
         return Outcome.UPSTREAM_ERROR if self._failed else Outcome.SUCCESS
 
-    async def _continue(
-        self, cut: Cut, send: Send, hooks: RelayHooks, avoid: set[Instance]
-    ) -> Cut | None:
+    async def _continue(self, cut: Cut, hooks: RelayHooks, avoid: set[Instance]) -> Cut | None:
         """Continue after ``cut`` on another engine, or end the stream: closed by the router
         if nothing is left to generate, with the cut's error where it cannot continue. A cut
         before any event reached the client starts the request over (a completion's prompt
@@ -117,11 +114,11 @@ class Migration:
         progress = self._progress
         fresh = not progress.identity
         if not fresh and self._nothing_left():
-            await self._close(send, hooks)
+            await self._close(hooks)
             return None
         where = self._where(avoid, fresh)
         if where is None:
-            await self._fail(send, hooks, cut)
+            await self._fail(hooks, cut)
             return None
         self.count += 1
         self._events.migrated(self._pool.name, self._pool.mode, cut.cause)
@@ -138,11 +135,11 @@ class Migration:
                 ) as d:
                     if d.leg.rest is None:  # cannot happen: the continuation streams
                         raise cut.error
-                    next_cut = await self._relay(d, send, hooks, avoid)
+                    next_cut = await self._relay(d, hooks, avoid)
                     avoid.add(d.leg.instance)
         except RouterError as exc:
             error = exc if isinstance(exc, UpstreamError) else cut.error
-            await self._fail(send, hooks, Cut(cut.cause, error, cut.fault))
+            await self._fail(hooks, Cut(cut.cause, error, cut.fault))
             return None
         return next_cut
 
@@ -165,23 +162,19 @@ class Migration:
             return _PREFILL
         return None
 
-    async def _relay(
-        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
-    ) -> Cut | None:
+    async def _relay(self, d: Dispatch, hooks: RelayHooks, avoid: set[Instance]) -> Cut | None:
         """Relay ``d``'s stream event by event until ``[DONE]`` (None: the answer is whole)
         or a cut (returned; nothing of the cut event was sent). ``avoid``: the engines this
         request failed on before (where it could not continue if D were ejected now)."""
         with self._events.phase(STREAM):
-            cut = await self._relay_leg(d, send, hooks, avoid)
+            cut = await self._relay_leg(d, hooks, avoid)
             if self._events.annotates:
                 self._events.annotate({"pdrouter.chunks": d.leg.chunks})
                 if cut is not None:
                     self._events.annotate({"pdrouter.cut": cut.cause})
             return cut
 
-    async def _relay_leg(
-        self, d: Dispatch, send: Send, hooks: RelayHooks, avoid: set[Instance]
-    ) -> Cut | None:
+    async def _relay_leg(self, d: Dispatch, hooks: RelayHooks, avoid: set[Instance]) -> Cut | None:
         leg = d.leg
         watch = StallWatch(leg, self._config.stall_timeout, asyncio.get_running_loop())
 
@@ -194,13 +187,11 @@ class Migration:
         with leg.instance.leaving(ejected):
             if leg.instance.ejected:  # while its first bytes came
                 ejected()
-            return await self._read_leg(d, send, hooks, watch)
+            return await self._read_leg(d, hooks, watch)
 
     # The reads are inlined, not a generator, and the stall is watched by one timer per
     # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us).
-    async def _read_leg(
-        self, d: Dispatch, send: Send, hooks: RelayHooks, watch: StallWatch
-    ) -> Cut | None:
+    async def _read_leg(self, d: Dispatch, hooks: RelayHooks, watch: StallWatch) -> Cut | None:
         leg, events, rest = d.leg, SseEvents(), d.leg.rest
         assert rest is not None
         loop = asyncio.get_running_loop()
@@ -215,10 +206,10 @@ class Migration:
                     out = await d.usage_patch(out)
                 if done:
                     watch.since = loop.time()  # D's end is read, but not forever
-                    await self._finish(d, send, hooks, out, rest, count, worst)
+                    await self._finish(d, hooks, out, rest, count, worst)
                     return None
                 if out:  # the events before an error event in the same read too
-                    await self._send(send, hooks, out)
+                    await self._send(hooks, out)
                 if error is not None:
                     leg.read_ended(count, worst, Fault.ANSWER)
                     return cut("error_event", leg, Fault.ANSWER, error)
@@ -238,18 +229,17 @@ class Migration:
             watch.cancel()
             hooks.stream_stats(d)
 
-    async def _send(self, send: Send, hooks: RelayHooks, body: bytes) -> None:
+    async def _send(self, hooks: RelayHooks, body: bytes) -> None:
         if self._whole:
             return  # the events are in Progress, assembled at the end
         if not self._sent:
             self._sent = True
             hooks.first_byte()
-        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await hooks.more(body)
 
     async def _finish(
         self,
         d: Dispatch,
-        send: Send,
         hooks: RelayHooks,
         out: bytes,
         rest: AsyncIterator[bytes],
@@ -267,23 +257,23 @@ class Migration:
             body = orjson.dumps(self._progress.whole())
             if d.usage_patch is not None and MARKER in body:
                 body = await d.usage_patch(body)
-            await hooks.whole(send, body, self._request_id)
+            await hooks.whole(body, self._request_id)
             return
         if not self._sent:
             hooks.first_byte()
-        await hooks.end(send, out + SSE_DONE)
+        await hooks.end(out + SSE_DONE)
 
-    async def _close(self, send: Send, hooks: RelayHooks) -> None:
+    async def _close(self, hooks: RelayHooks) -> None:
         """End an answer whose last token the client has: its final chunk and usage, if
         they were not read before the cut, then ``[DONE]``."""
         if self._whole:
-            await hooks.whole(send, orjson.dumps(self._progress.whole()), self._request_id)
+            await hooks.whole(orjson.dumps(self._progress.whole()), self._request_id)
             return
         events = self._progress.closing_events()
         body = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events)
-        await hooks.end(send, body + SSE_DONE)
+        await hooks.end(body + SSE_DONE)
 
-    async def _fail(self, send: Send, hooks: RelayHooks, cut: Cut) -> None:
+    async def _fail(self, hooks: RelayHooks, cut: Cut) -> None:
         """End the answer with the cut's error: an SSE error event, or for a non-streamed
         request (nothing sent yet) the error raised, answered as a whole error response."""
         err = cut.error
@@ -291,6 +281,6 @@ class Migration:
         if self._whole:
             raise err
         if cut.event is not None:
-            await hooks.end(send, cut.event + SSE_DONE)
+            await hooks.end(cut.event + SSE_DONE)
             return
-        await hooks.end(send, sse_error_event(err.message, err.type, err.code))
+        await hooks.end(sse_error_event(err.message, err.type, err.code))

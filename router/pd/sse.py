@@ -10,7 +10,8 @@ __all__ = ["ENGINE_ERROR_EVENT", "SSE_DONE", "ends_answer"]
 # the JSON of a token event its quotes are escaped.
 ENGINE_ERROR_EVENT = b'data: {"error"'
 # The last event of an OpenAI stream. A client stops reading there, before the HTTP end that
-# follows; the router must have recorded the answer's end by then (``DecodeLeg.forward``).
+# follows; the router must have recorded the answer's end by then (before it sends
+# ``DecodeLeg.tail``, what ``DecodeLeg.forward`` leaves).
 SSE_DONE = b"data: [DONE]\n\n"
 
 

@@ -44,14 +44,17 @@ def _leg(first: bytes, stream: _Stream) -> DecodeLeg:
 async def _forward(
     first: bytes, reads: Sequence[bytes], error: Exception | None = None, head: bytes = b""
 ) -> tuple[DecodeLeg, list[tuple[str, Any]]]:
-    """What the client is sent, in order, and where ``before_last`` ran."""
+    """What the client is sent, in order, and where ``before_last`` ran: the leg's bytes
+    as the relay sends them (each chunk, then its end recorded, then ``tail``)."""
     events: list[tuple[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        events.append(("send", (message["body"], message["more_body"])))
-
     leg = _leg(first, _Stream(reads, error))
-    await leg.forward(send, lambda: events.append(("before_last", None)), head=head)
+
+    async def more(chunk: bytes) -> None:
+        events.append(("send", (chunk, True)))
+
+    await leg.forward(more, head=head)
+    events.append(("before_last", None))
+    events.append(("send", (leg.tail, False)))
     return leg, events
 
 
