@@ -123,7 +123,7 @@ class Carrier(Protocol):
 
 
 def transport_error(
-    role: str, instance: str, exc: BaseException, *, timed_out: bool, refused: bool
+    role: str, engine: str, exc: BaseException, *, timed_out: bool, refused: bool
 ) -> UpstreamError:
     """A transport failure as the router's error, its cause the original (logged as the
     attempt's ``cause``). ``timed_out``/``refused``: what the carrier found the failure to be."""
@@ -131,14 +131,14 @@ def transport_error(
         error: UpstreamError = UpstreamTimeout(
             f"{role} engine timed out ({type(exc).__name__})",
             role=role,
-            instance=instance,
+            engine=engine,
             code=f"{role}_timeout",
         )
     elif refused:
         error = UpstreamError(
             f"cannot connect to the {role} engine",
             role=role,
-            instance=instance,
+            engine=engine,
             code=f"{role}_unreachable",
             fault=Fault.REFUSED,
         )
@@ -146,17 +146,17 @@ def transport_error(
         error = UpstreamError(
             f"{role} engine failed: {type(exc).__name__}",
             role=role,
-            instance=instance,
+            engine=engine,
             code=f"{role}_unreachable",
         )
     error.__cause__ = exc
     return error
 
 
-def _translate(role: str, instance: str, exc: BaseException) -> UpstreamError:
+def _translate(role: str, engine: str, exc: BaseException) -> UpstreamError:
     return transport_error(
         role,
-        instance,
+        engine,
         exc,
         timed_out=isinstance(exc, Http1Timeout),
         refused=isinstance(exc, ConnectError),

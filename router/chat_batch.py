@@ -92,7 +92,7 @@ def _field_error(exc: ValidationError) -> InvalidRequest:
     return InvalidBody(f"{path}: {err['msg']}", param=".".join(["body", *loc]))
 
 
-def parse_chat_batch(raw: bytes, client_key: str = "anonymous") -> ClientRequest:
+def parse_chat_batch(raw: bytes, api_key_name: str = "anonymous") -> ClientRequest:
     """Validate a batch body; its :class:`ClientRequest` has one prompt per conversation."""
     body = parse_json_object(raw)
     _check_batch_mode(body)
@@ -118,7 +118,7 @@ def parse_chat_batch(raw: bytes, client_key: str = "anonymous") -> ClientRequest
         prompt_is_tokens=False,
         max_output=max_output,
         max_output_field=field,
-        client_key=client_key,
+        api_key_name=api_key_name,
     )
 
 

@@ -140,7 +140,7 @@ class ClientRequest:
     # The output tokens asked for, and the field that asked (vLLM names it in its errors).
     max_output: int | None = None
     max_output_field: str = "max_tokens"
-    client_key: str = "anonymous"  # the API key's name: limits, fair queueing, metrics
+    api_key_name: str = "anonymous"  # the API key's name: limits, fair queueing, metrics
     priority_class: str = ""  # the priority class's name, "" without one (router/priority.py)
     priority_level: int = 0  # the class's place in the admission queue: 0 most urgent
     ttft_deadline_ms: float | None = None  # the request's TTFT deadline (router/priority.py)
@@ -364,9 +364,9 @@ _MODELS: dict[Endpoint, type[BaseModel]] = {
 
 
 def parse_client_request(
-    raw: bytes, endpoint: Endpoint, client_key: str = "anonymous"
+    raw: bytes, endpoint: Endpoint, api_key_name: str = "anonymous"
 ) -> ClientRequest:
-    """Validate ``raw`` (sent with the API key named ``client_key``); raises
+    """Validate ``raw`` (sent with the API key named ``api_key_name``); raises
     :class:`InvalidRequest` (HTTP 400) with the field's path."""
     body = parse_json_object(raw)
     max_output: int | None
@@ -384,7 +384,7 @@ def parse_client_request(
             else:
                 max_output, field = chat.max_tokens, "max_tokens"
         elif endpoint is Endpoint.MESSAGES:
-            return _messages_request(body, client_key)
+            return _messages_request(body, api_key_name)
         elif endpoint is Endpoint.RESPONSES:
             resp = _Responses.model_validate(body)
             common = resp
@@ -410,7 +410,7 @@ def parse_client_request(
         prompt_is_tokens=is_tokens,
         max_output=max_output,
         max_output_field=field,
-        client_key=client_key,
+        api_key_name=api_key_name,
     )
 
 
@@ -421,7 +421,7 @@ NO_INVOCATION_HANDLER = (
 )
 
 
-def parse_invocation(raw: bytes, client_key: str = "anonymous") -> ClientRequest:
+def parse_invocation(raw: bytes, api_key_name: str = "anonymous") -> ClientRequest:
     """A SageMaker-style ``/invocations`` body, dispatched by its shape as vLLM 0.32 does:
     a chat completion if it fits vLLM's chat request model, else a completion (whose
     validator refuses a missing or empty prompt first, in its own words) if it fits the
@@ -437,12 +437,12 @@ def parse_invocation(raw: bytes, client_key: str = "anonymous") -> ClientRequest
             raise InvalidBody(f"JSON decode error: {err}") from None
         raise InvalidRequest(exc.message) from None  # JSON, not an object
     with contextlib.suppress(InvalidBody):
-        return parse_client_request(raw, Endpoint.CHAT, client_key)
+        return parse_client_request(raw, Endpoint.CHAT, api_key_name)
     prompt = body.get("prompt")
     if (prompt is None or prompt == "") and not body.get("prompt_embeds"):
         raise InvalidRequest(_NO_PROMPT, param="prompt")
     try:
-        return parse_client_request(raw, Endpoint.COMPLETIONS, client_key)
+        return parse_client_request(raw, Endpoint.COMPLETIONS, api_key_name)
     except InvalidBody:
         raise InvalidRequest(NO_INVOCATION_HANDLER) from None
 
@@ -453,7 +453,7 @@ def _system_chars(system: Any) -> int:
     return chat_chars([{"content": system}]) if isinstance(system, list) else 0
 
 
-def _messages_request(body: dict[str, Any], client_key: str) -> ClientRequest:
+def _messages_request(body: dict[str, Any], api_key_name: str) -> ClientRequest:
     """An Anthropic Messages body: every field vLLM's request model refuses is a
     ``"Bad Request"`` there (FastAPI's validation), ``max_tokens: 0`` included."""
     try:
@@ -474,7 +474,7 @@ def _messages_request(body: dict[str, Any], client_key: str) -> ClientRequest:
         prompt_is_tokens=False,
         max_output=msgs.max_tokens,
         max_output_field="max_tokens",
-        client_key=client_key,
+        api_key_name=api_key_name,
     )
 
 

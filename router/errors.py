@@ -31,10 +31,10 @@
     (1) with Retry-After, as are FairShareExceeded, NoHealthyEngine and ShuttingDown.
 
 :func:`render` is the one renderer (status, headers, body) of every error response.
-Upstream errors carry the role (``prefill``/``decode``), the instance they came
-from and their :class:`Fault` (what they say about the engine), so the dispatcher
-can retry elsewhere and feed outlier detection. Their messages never name the
-instance: clients see the role, operators find the URL in the log line.
+Upstream errors carry the role (``prefill``/``decode``), the engine they came from
+(``engine``: its key, ``<url>`` or ``<url>#dp<r>``) and their :class:`Fault` (what they say
+about the engine), so the dispatcher can retry elsewhere and feed outlier detection. Their
+messages never name the engine: clients see the role, operators find the URL in the log line.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class KeyResult(enum.StrEnum):
 class Fault(enum.Enum):
     """What a failed engine call says about the engine (see router/engines/breaker.py)."""
 
-    NONE = "none"  # nothing: a 4xx, 408/429, a paused engine's 503, the client left
+    BLAMELESS = "blameless"  # nothing against the engine: a 4xx, 408/429, a paused engine's 503,
+    # the client left, a stream not read to its end (a leg's verdict until its end is read)
     REFUSED = "refused"  # no connection could be made: nothing listens there
     ENGINE = "engine"  # the engine failed: timeout, reset, dropped stream, 502/503/504
     ANSWER = "answer"  # the engine answered 5xx to this request (maybe to this one only)
@@ -391,13 +392,13 @@ class UpstreamError(RouterError):
         message: str,
         *,
         role: str,
-        instance: str,
+        engine: str,
         code: str = "upstream_error",
         fault: Fault = Fault.ENGINE,
     ):
         super().__init__(message)
         self.role = role
-        self.instance = instance
+        self.engine = engine
         self.code = code
         self.fault = fault
         self.request_id = "-"  # the router's id of the attempt, set by the dispatcher
@@ -413,11 +414,11 @@ class AdapterLoadFailed(UpstreamError):
     loading off), or its silence past ``lora.load_timeout``. Retried on another engine only
     where that may help (no answer, or a 5xx); an engine's 4xx would be the same elsewhere."""
 
-    def __init__(self, adapter: str, role: str, instance: str, why: str, retryable: bool) -> None:
+    def __init__(self, adapter: str, role: str, engine: str, why: str, retryable: bool) -> None:
         super().__init__(
             f"loading LoRA adapter {adapter!r} on the {role} engine failed: {why}",
             role=role,
-            instance=instance,
+            engine=engine,
             code="adapter_load_failed",
             fault=Fault.ANSWER,
         )
@@ -428,7 +429,7 @@ class AdapterLoadFailed(UpstreamError):
     def again(self) -> AdapterLoadFailed:
         """The same failure as a new exception, for another request that waited on the same
         load (each request's error carries its own attempt's id)."""
-        return AdapterLoadFailed(self.adapter, self.role, self.instance, self.why, self.retryable)
+        return AdapterLoadFailed(self.adapter, self.role, self.engine, self.why, self.retryable)
 
     @property
     def retryable(self) -> bool:
@@ -450,11 +451,11 @@ class UpstreamStatus(UpstreamError):
     is (``no_capacity``). Every other 5xx is a fault, answered as a 502."""
 
     def __init__(
-        self, status: int, content: bytes, *, role: str, instance: str, paused: bool | None = None
+        self, status: int, content: bytes, *, role: str, engine: str, paused: bool | None = None
     ) -> None:
         """``paused``: whether the engine is paused (None: judged from ``content``)."""
         super().__init__(
-            f"{role} engine returned HTTP {status}", role=role, instance=instance, code=str(status)
+            f"{role} engine returned HTTP {status}", role=role, engine=engine, code=str(status)
         )
         self.upstream_status = status
         self.content = content
@@ -470,7 +471,7 @@ class UpstreamStatus(UpstreamError):
             if status < 500
             else Outcome.UPSTREAM_ERROR
         )
-        self.fault = Fault.NONE if self.paused else _fault_of_status(status)
+        self.fault = Fault.BLAMELESS if self.paused else _fault_of_status(status)
 
     @property
     def retryable(self) -> bool:
@@ -497,7 +498,7 @@ def render(
 
 def _fault_of_status(status: int) -> Fault:
     if status < 500:
-        return Fault.NONE  # the request's fault, or load (408/429): retried, not counted
+        return Fault.BLAMELESS  # the request's fault, or load (408/429): retried, not counted
     if status in (502, 503, 504):
         return Fault.ENGINE  # gateway failures, as Envoy counts them
     return Fault.ANSWER

@@ -19,10 +19,10 @@ __all__ = ["HttpxCarrier"]
 _FAILURES = (httpx.TransportError, httpx.StreamError)
 
 
-def _translate(role: str, instance: str, exc: BaseException) -> UpstreamError:
+def _translate(role: str, engine: str, exc: BaseException) -> UpstreamError:
     return transport_error(
         role,
-        instance,
+        engine,
         exc,
         timed_out=isinstance(exc, httpx.TimeoutException),
         refused=isinstance(exc, httpx.ConnectError),

@@ -72,7 +72,9 @@ class Observer:
         """Cache-aware routing predicted ``cached`` of ``prompt_tokens`` cached on ``role``'s
         engine."""
 
-    def slot_waited(self, model: str, client_key: str, priority_class: str, seconds: float) -> None:
+    def slot_waited(
+        self, model: str, api_key_name: str, priority_class: str, seconds: float
+    ) -> None:
         """A decode slot was granted after ``seconds`` in the queue."""
 
     def refused(self, model: str, priority_class: str, code: str, deadline_missed: bool) -> None:
@@ -211,9 +213,11 @@ class Lifecycle(Observer):
         for o in self._observers:
             o.cache_predicted(model, role, cached, prompt_tokens)
 
-    def slot_waited(self, model: str, client_key: str, priority_class: str, seconds: float) -> None:
+    def slot_waited(
+        self, model: str, api_key_name: str, priority_class: str, seconds: float
+    ) -> None:
         for o in self._observers:
-            o.slot_waited(model, client_key, priority_class, seconds)
+            o.slot_waited(model, api_key_name, priority_class, seconds)
 
     def refused(self, model: str, priority_class: str, code: str, deadline_missed: bool) -> None:
         for o in self._observers:

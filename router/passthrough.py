@@ -83,7 +83,5 @@ class PassThrough:
                 status, content, media_type = answer.status, answer.content, answer.content_type
         if status >= 500:
             role = inst.role.value
-            raise UpstreamError(
-                f"{role} engine returned HTTP {status}", role=role, instance=inst.key
-            )
+            raise UpstreamError(f"{role} engine returned HTTP {status}", role=role, engine=inst.key)
         return status, content, media_type

@@ -156,7 +156,7 @@ class RelayResponse(Response):
         d = self._dispatch
         if d is not None:
             end.request_id, end.decision = d.request_id, d.decision
-            end.prefill, end.decode = d.prefill or "-", d.decode or "-"
+            end.prefill, end.decode = d.prefill_engine or "-", d.decode_engine or "-"
         self._lifecycle.request_ended(end)
 
     async def _run(self, send: Send) -> Outcome:
@@ -250,7 +250,7 @@ class RelayResponse(Response):
             raise exc  # not from the dispatch's opening: a bug, not a refusal
         log_refused(exc, self._end.client_id, self._pool.name)
         if isinstance(exc, FairShareExceeded):
-            self._lifecycle.key_result(self._creq.client_key, KeyResult.QUEUE_SHARE_EXCEEDED)
+            self._lifecycle.key_result(self._creq.api_key_name, KeyResult.QUEUE_SHARE_EXCEEDED)
         self._end.status = exc.status
         await send_error(send, exc, self._echo)
         return exc.outcome

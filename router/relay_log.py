@@ -42,7 +42,7 @@ def log_stream(dispatch: Dispatch, event: str, client_id: str, err: UpstreamErro
         dispatch.request_id,
         client_id,
         err.role,
-        err.instance,
+        err.engine,
         err.message,
         str(err.__cause__ or err.code),
     )

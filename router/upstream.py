@@ -43,14 +43,14 @@ def _expired(engine: Engine, code: str | None) -> UpstreamTimeout:
         return UpstreamTimeout(
             f"{role} engine stopped answering health checks",
             role=role,
-            instance=engine.key,
+            engine=engine.key,
             code=f"{role}_unhealthy",
         )
     message = f"{role} engine did not answer in time"
     return UpstreamTimeout(
         message if code is None else f"{message} ({code})",
         role=role,
-        instance=engine.key,
+        engine=engine.key,
         code=f"{role}_timeout" if code is None else code,
     )
 

@@ -38,8 +38,10 @@ class MetricsObserver(Observer):
         self._m.cache_predicted.labels(model, role).observe(cached)
         self._m.cache_prompt_tokens.labels(model, role).inc(prompt_tokens)
 
-    def slot_waited(self, model: str, client_key: str, priority_class: str, seconds: float) -> None:
-        self._m.key_queue_wait.labels(client_key).observe(seconds)
+    def slot_waited(
+        self, model: str, api_key_name: str, priority_class: str, seconds: float
+    ) -> None:
+        self._m.key_queue_wait.labels(api_key_name).observe(seconds)
         self._m.class_queue_wait.labels(model, priority_class).observe(seconds)
 
     def refused(self, model: str, priority_class: str, code: str, deadline_missed: bool) -> None:

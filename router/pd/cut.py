@@ -33,19 +33,19 @@ def ended_early(leg: DecodeLeg, watch: StallWatch, count: int, worst: float) -> 
     router because D was ejected (which says nothing more about D)."""
     inst = leg.instance
     if watch.ejected:
-        leg.read_ended(count, worst, Fault.NONE)
+        leg.read_ended(count, worst, Fault.BLAMELESS)
         message = f"{inst.role} engine left rotation ({inst.why_out()}) mid-stream"
         role = str(inst.role)
         code = f"{role}_ejected"
-        error = UpstreamError(message, role=role, instance=inst.key, code=code, fault=Fault.NONE)
-        return Cut("ejected", error, Fault.NONE)
+        error = UpstreamError(message, role=role, engine=inst.key, code=code, fault=Fault.BLAMELESS)
+        return Cut("ejected", error, Fault.BLAMELESS)
     leg.read_ended(count, worst, Fault.ENGINE)
     if not watch.fired:
         return cut("disconnect", leg, Fault.ENGINE)
     error = UpstreamTimeout(
         f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
         role=str(inst.role),
-        instance=inst.key,
+        engine=inst.key,
         code="decode_stalled",
     )
     return Cut("stall", error, Fault.ENGINE)
@@ -58,7 +58,7 @@ def cut(cause: str, leg: DecodeLeg, fault: Fault, event: bytes | None = None) ->
         "disconnect": f"{inst.role} engine closed its stream before the end",
         "error_event": f"{inst.role} engine sent an error event",
     }[cause]
-    error = UpstreamError(message, role=str(inst.role), instance=inst.key, fault=fault)
+    error = UpstreamError(message, role=str(inst.role), engine=inst.key, fault=fault)
     return Cut(cause, error, fault, event)
 
 

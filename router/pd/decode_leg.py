@@ -46,8 +46,8 @@ class DecodeLeg:
     The leg owns D's connection and its body: :meth:`forward` reads the rest, maps
     its errors and detects its end; :meth:`close` closes the connection (vLLM
     aborts the request there). ``verdict`` is what the end says about D, for outlier
-    detection: ``Fault.NONE`` (no verdict) until the end is read, then None (a clean
-    end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
+    detection: ``Fault.BLAMELESS`` (nothing known against D) until the end is read, then
+    None (a clean end), ``Fault.ANSWER`` (D's own error event after its 200) or the fault of the
     error that broke the stream. ``rest`` is None when ``first`` is the whole body
     (non-streaming responses, whose verdict is None at once).
 
@@ -98,7 +98,7 @@ class DecodeLeg:
         self._scrub = StreamScrub() if rest is not None else None
         self.first = first if self._scrub is None else self._scrub.feed(first)
         self.rest = rest
-        self.verdict: Fault | None = Fault.NONE if rest is not None else None
+        self.verdict: Fault | None = Fault.BLAMELESS if rest is not None else None
         self.chunks = 1  # chunks read from D, the first included
         self.worst_gap = 0.0  # longest wait between two chunks, seconds
         # When the first bytes and the last read came (clock seconds; ended_at: None until

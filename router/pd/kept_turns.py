@@ -121,7 +121,7 @@ class KeptTurns:
         return TurnPlan(
             creq.session,
             keep=True,
-            keep_id=keep_id(pool.name, creq.client_key, creq.session),
+            keep_id=keep_id(pool.name, creq.api_key_name, creq.session),
             holder=None if _first_turn(creq) else holder or decode,
         )
 

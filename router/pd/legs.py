@@ -66,7 +66,7 @@ class LegRunner:
                 "prefill engine returned no kv_transfer_params "
                 "(is it running a NIXL connector with kv_role kv_producer?)",
                 role=Role.PREFILL,
-                instance=inst.key,
+                engine=inst.key,
                 code="kv_transfer_params_missing",
             )
         return PrefillResult(
@@ -87,9 +87,7 @@ class LegRunner:
                 inst, path, body, request_id, read_timeout=limit, traceparent=traceparent
             )
         if answer.status != 200:
-            raise UpstreamStatus(
-                answer.status, answer.content, role=Role.PREFILL, instance=inst.key
-            )
+            raise UpstreamStatus(answer.status, answer.content, role=Role.PREFILL, engine=inst.key)
         return answer.content
 
     async def open_decode(
@@ -132,14 +130,14 @@ class LegRunner:
         if opened.status >= 400 or not stream:
             content = await _read_bounded(opened)
             if opened.status >= 400:
-                raise UpstreamStatus(opened.status, content, role=inst.role, instance=inst.key)
+                raise UpstreamStatus(opened.status, content, role=inst.role, engine=inst.key)
             return DecodeLeg(inst, opened, content, None, self._clock)
         rest = opened.chunks().__aiter__()
         first = await anext(rest, b"")
         if first.startswith(ENGINE_ERROR_EVENT):
             paused = _paused_event(first)
             if paused is not None:  # nothing sent yet: load, tried on another engine
-                raise UpstreamStatus(503, paused, role=inst.role, instance=inst.key, paused=True)
+                raise UpstreamStatus(503, paused, role=inst.role, engine=inst.key, paused=True)
         return DecodeLeg(inst, opened, first, rest, self._clock)
 
 

@@ -32,7 +32,7 @@ class Dispatch:
     request_id: str
     prefill_task: asyncio.Task[PrefillResult] | None = None  # P still running at open
     prefill_error: UpstreamError | None = None  # P failed after D's first bytes
-    prefill: str | None = None  # P's URL (None: D alone)
+    prefill_engine: str | None = None  # P's engine key (None: D alone)
     prefill_result: PrefillResult | None = None  # P's, when it finished before D opened
     on_clean_end: Callable[[], None] | None = None  # see ended_cleanly
 
@@ -78,8 +78,8 @@ class Dispatch:
             callback()
 
     @property
-    def decode(self) -> str | None:
-        """D's URL (None: P served the request alone)."""
+    def decode_engine(self) -> str | None:
+        """D's engine key (None: P served the request alone)."""
         return None if self.reservation is None else self.leg.instance.key
 
     @property
@@ -87,5 +87,5 @@ class Dispatch:
         """What the request's end says about D: the leg's verdict, except that a D
         stream cut because its P failed says nothing about D."""
         if self.prefill_error is not None and self.leg.verdict not in (None, Fault.ANSWER):
-            return Fault.NONE
+            return Fault.BLAMELESS
         return self.leg.verdict

@@ -134,7 +134,7 @@ class PushSequential(_Defaults):
             raise UpstreamError(
                 "prefill engine returned kv_transfer_params without its NIXL identity",
                 role=Role.PREFILL,
-                instance=pair.prefill.key,
+                engine=pair.prefill.key,
                 code="kv_transfer_params_incomplete",
             )
         remote_id = p_params.get("remote_request_id")
@@ -237,8 +237,8 @@ def _address(inst: Instance) -> NixlAddress:
         raise UpstreamError(
             f"{inst.role} engine has no NIXL identity for pipelined mode",
             role=inst.role.value,
-            instance=inst.key,
+            engine=inst.key,
             code="nixl_identity_missing",
-            fault=Fault.NONE,
+            fault=Fault.BLAMELESS,
         )
     return inst.nixl

@@ -75,7 +75,7 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
         client_id,
         attempt,
         exc.role,
-        exc.instance,
+        exc.engine,
         exc.message,
         str(exc.__cause__ or exc.code),
         "yes" if retry else "no",
@@ -85,5 +85,5 @@ def _log_failed_attempt(exc: UpstreamError, client_id: str, attempt: int, retry:
 def _failed(pool: ModelPool, exc: UpstreamError) -> set[Instance]:
     """The engines a retry avoids after ``exc``: the one that failed; where nothing listened
     at its URL, every data-parallel rank behind that URL too (one API server serves them all)."""
-    url = split_engine_key(exc.instance)[0] if exc.fault is Fault.REFUSED else None
-    return {i for i in (*pool.prefill, *pool.decode) if i.key == exc.instance or i.url == url}
+    url = split_engine_key(exc.engine)[0] if exc.fault is Fault.REFUSED else None
+    return {i for i in (*pool.prefill, *pool.decode) if i.key == exc.engine or i.url == url}

@@ -102,7 +102,7 @@ class PlanRunner:
         except UpstreamError as exc:
             exc.request_id = ids.request_id  # for the attempt's log line
             raise
-        return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill=p.key)
+        return Dispatch(None, leg, Decision.PREFILL_ALONE, ids.request_id, prefill_engine=p.key)
 
     async def _split(
         self,
@@ -149,7 +149,12 @@ class PlanRunner:
         self._turns.keep(pool, pair.creq, turn, leg, result.prompt_ids)
         self._legs.handed_off(pool, result.finished_at)
         return Dispatch(
-            res, leg, decision, pair.ids.request_id, prefill=pair.prefill.key, prefill_result=result
+            res,
+            leg,
+            decision,
+            pair.ids.request_id,
+            prefill_engine=pair.prefill.key,
+            prefill_result=result,
         )
 
     async def _prefill_turn(
@@ -204,7 +209,7 @@ class PlanRunner:
             decision,
             pair.ids.request_id,
             p_task,
-            prefill=pair.prefill.key,
+            prefill_engine=pair.prefill.key,
             on_clean_end=on_clean_end,
         )
         if not p_task.done():

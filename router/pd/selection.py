@@ -172,7 +172,7 @@ class Selector:
         with self._events.phase(SLOT_WAIT):
             try:
                 reservation = await pool.ledger.reserve(
-                    route.selection(avoid, creq.client_key),
+                    route.selection(avoid, creq.api_key_name),
                     level=creq.priority_level,
                     deadline=_deadline(pool, creq),
                     allowed=route.decode_ok,
@@ -182,7 +182,7 @@ class Selector:
                 raise
         waited = self._clock() - waited_from
         cls = creq.priority_class or "-"
-        self._events.slot_waited(pool.name, creq.client_key, cls, waited)
+        self._events.slot_waited(pool.name, creq.api_key_name, cls, waited)
         self._count_placement(pool, Role.DECODE, reservation.placement)
         self._count_choice(pool, Role.DECODE, route.cache)
         return reservation

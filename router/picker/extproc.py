@@ -218,7 +218,7 @@ class Exchange:
             creq = self._read(raw)
             pool = pool_for(ctx, creq.model)
             creq = await self._complete(pool, creq)
-            self._done = hold(ctx, creq.client_key)
+            self._done = hold(ctx, creq.api_key_name)
             pick = await ctx.dispatcher.pick(pool, creq, self._reachable())
         except RouterError as exc:
             self.close()
@@ -275,7 +275,7 @@ class Exchange:
             ctx.config.admission,
             pool.config.engine_priority_scheduling,
             ctx.clock(),
-            key_class(ctx, creq.client_key),
+            key_class(ctx, creq.api_key_name),
         )
         if creq.endpoint is Endpoint.CHAT_BATCH:
             await check_batch(ctx, pool, creq)

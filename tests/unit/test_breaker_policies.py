@@ -66,13 +66,13 @@ def test_no_verdict_counts_nothing_but_frees_the_half_open_trial() -> None:
     clock = Clock()
     b = Breaker(threshold=1, open_seconds=10, clock=clock)
     for _ in range(5):
-        b.record(Fault.NONE)
+        b.record(Fault.BLAMELESS)
     assert b.state is BreakerState.CLOSED
     b.record(Fault.ENGINE)
     clock.now = 10
     b.on_dispatch()
     assert not b.allows()
-    b.record(Fault.NONE)  # the trial's client left: the next request is the trial
+    b.record(Fault.BLAMELESS)  # the trial's client left: the next request is the trial
     assert b.state is BreakerState.HALF_OPEN and b.allows()
 
 

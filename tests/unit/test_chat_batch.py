@@ -48,7 +48,7 @@ def test_a_batch_is_one_chat_completion_per_conversation_never_streamed() -> Non
         {"model": "tiny", "messages": [ONE, TWO], "stream": True, "logprobs": True, "seed": 3}
     ).encode()
     creq = parse_chat_batch(raw, "team")
-    assert (creq.endpoint, creq.num_prompts, creq.stream, creq.client_key) == (
+    assert (creq.endpoint, creq.num_prompts, creq.stream, creq.api_key_name) == (
         Endpoint.CHAT_BATCH,
         2,
         False,

@@ -92,14 +92,14 @@ async def test_generated_text_that_looks_like_the_end_is_streamed_at_once() -> N
 
 
 async def test_d_cut_after_its_done_is_a_whole_answer() -> None:
-    cut = UpstreamError("gone", role="decode", instance="http://d:8000", fault=Fault.ENGINE)
+    cut = UpstreamError("gone", role="decode", engine="http://d:8000", fault=Fault.ENGINE)
     leg, events = await _forward(TOKEN, [TOKEN, SSE_DONE], error=cut)
     assert events[-2:] == [("before_last", None), ("send", (SSE_DONE, False))]
     assert leg.verdict is None
 
 
 async def test_d_cut_before_its_done_is_its_fault() -> None:
-    cut = UpstreamError("gone", role="decode", instance="http://d:8000", fault=Fault.ENGINE)
+    cut = UpstreamError("gone", role="decode", engine="http://d:8000", fault=Fault.ENGINE)
     with pytest.raises(UpstreamError):
         await _forward(TOKEN, [TOKEN], error=cut)
 

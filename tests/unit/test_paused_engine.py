@@ -21,8 +21,8 @@ BUSY = json.dumps(
 
 
 def test_a_paused_engine_s_503_is_load() -> None:
-    exc = UpstreamStatus(503, PAUSED, role="prefill", instance="http://p:8000")
-    assert exc.paused and exc.fault is Fault.NONE and exc.retryable
+    exc = UpstreamStatus(503, PAUSED, role="prefill", engine="http://p:8000")
+    assert exc.paused and exc.fault is Fault.BLAMELESS and exc.retryable
     assert (exc.status, exc.outcome, exc.body()) == (503, Outcome.NO_CAPACITY, PAUSED)
     breaker = Breaker(1, 10.0, answer_threshold=1)
     for _ in range(5):
@@ -40,7 +40,7 @@ def test_a_paused_engine_s_503_is_load() -> None:
     ],
 )
 def test_every_other_5xx_is_a_fault(status: int, body: bytes, fault: Fault) -> None:
-    exc = UpstreamStatus(status, body, role="decode", instance="http://d:8000")
+    exc = UpstreamStatus(status, body, role="decode", engine="http://d:8000")
     assert not exc.paused and exc.fault is fault and exc.retryable
     assert exc.status == 502 and exc.outcome is Outcome.UPSTREAM_ERROR
     breaker = Breaker(1, 10.0, answer_threshold=1)
