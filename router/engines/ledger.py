@@ -196,22 +196,44 @@ class SlotLedger:
         taken) or :class:`NoCapacity` (no slot freed within ``max_wait``). Cancellation-safe.
         """
         self.poke()  # waiters refused if none is in rotation, else served first
-        api_key_name = selection.api_key_name
+        usable = self._usable(allowed)
+        wait = self._wait_for(deadline, level, usable)
+        if not self._waiters:
+            got = self._take(usable, selection)  # usable: allowed already
+            if got is not None:
+                return got
+        return await self._queue(selection, level, deadline, allowed, wait)
+
+    def _usable(self, allowed: Callable[[Instance], bool] | None) -> list[Instance]:
+        """The decode engines in rotation that ``allowed`` admits; refused if none."""
         usable = candidates(self._instances)
         if allowed is not None:
             usable = [i for i in usable if allowed(i)]
         if not usable:
             raise self._refusal()
-        wait = self._max_wait
-        if deadline is not None:
-            wait = min(wait, deadline.at - self._clock())
-            if wait <= 0:
-                raise self._missed(deadline)
-            self._check_attainable(deadline, level, usable)
-        if not self._waiters:
-            got = self._take(usable, selection)  # usable: allowed already
-            if got is not None:
-                return got
+        return usable
+
+    def _wait_for(self, deadline: Deadline | None, level: int, usable: list[Instance]) -> float:
+        """How long the request may wait for a slot: ``max_wait``, or less to meet its
+        deadline (refused now if that is already past or cannot be met)."""
+        if deadline is None:
+            return self._max_wait
+        wait = min(self._max_wait, deadline.at - self._clock())
+        if wait <= 0:
+            raise self._missed(deadline)
+        self._check_attainable(deadline, level, usable)
+        return wait
+
+    async def _queue(
+        self,
+        selection: Selection,
+        level: int,
+        deadline: Deadline | None,
+        allowed: Callable[[Instance], bool] | None,
+        wait: float,
+    ) -> Reservation:
+        """Wait in the fair queue for a slot, at most ``wait`` seconds."""
+        api_key_name = selection.api_key_name
         if len(self._waiters) >= self._queue_size:
             self._make_room(api_key_name)
         fut = asyncio.get_running_loop().create_future()
@@ -227,15 +249,18 @@ class SlotLedger:
             self._reclaim(waiter)
             if deadline is not None and wait < self._max_wait:
                 raise self._missed(deadline) from None
-            raise NoCapacity(
-                f"no decode slot for model {self.model!r} became free within {self._max_wait:g}s",
-                retry_after=min(self._max_wait, 5.0),
-            ) from None
+            raise self._no_capacity() from None
         except asyncio.CancelledError:
             self._reclaim(waiter)
             raise
         finally:
             self._waiters.remove(api_key_name, waiter, level)
+
+    def _no_capacity(self) -> NoCapacity:
+        return NoCapacity(
+            f"no decode slot for model {self.model!r} became free within {self._max_wait:g}s",
+            retry_after=min(self._max_wait, 5.0),
+        )
 
     def _make_room(self, api_key_name: str) -> None:
         """The queue is full: the key holding the most of it gives up its newest waiter

@@ -114,6 +114,13 @@ def _scrub(data: bytes, *, final: bool, removed: list[bytes] | None = None) -> t
     found = data.find(KEY)
     if found < 0 and (final or _ends_in_key(data, 0) < 0):
         return data, b""  # the fast path: no key in these bytes
+    return _scrub_keys(data, found, final, removed)
+
+
+def _scrub_keys(
+    data: bytes, found: int, final: bool, removed: list[bytes] | None
+) -> tuple[bytes, bytes]:
+    """:func:`_scrub` where ``data`` holds the key (first at ``found``) or may end in it."""
     parts: list[bytes] = []
     emitted = 0  # data[:emitted] is in parts
     search = 0
@@ -131,20 +138,23 @@ def _scrub(data: bytes, *, final: bool, removed: list[bytes] | None = None) -> t
             continue
         start = _skip_ws(data, colon + 1)
         end = None if start == n else _value_end(data, start)
-        if end is None:
-            if final:  # the stream ended inside the value: none of it is sent
-                parts.append(data[emitted:start])
-                return b"".join(parts), b""
-            parts.append(data[emitted:found])
-            return b"".join(parts), data[found:]
+        if end is None:  # the value not whole: held back, or (final) dropped
+            parts.append(data[emitted : start if final else found])
+            return b"".join(parts), b"" if final else data[found:]
         if data[start:end] != _NULL:
             if removed is not None:
                 removed[:] = [data[start:end]]
-            parts.append(data[emitted:start])
-            parts.append(_NULL)
+            parts += (data[emitted:start], _NULL)
             emitted = end
         search = end
         found = data.find(KEY, search)
+    return _rest(data, parts, emitted, search, final)
+
+
+def _rest(
+    data: bytes, parts: list[bytes], emitted: int, search: int, final: bool
+) -> tuple[bytes, bytes]:
+    """The bytes after the last key: held back from where a key may begin (not ``final``)."""
     if not final:
         tail = _ends_in_key(data, max(search, emitted))
         if tail >= 0:
