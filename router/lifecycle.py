@@ -146,6 +146,19 @@ class Observer:
         """The relay's request is over (inside its :meth:`request_span`)."""
 
 
+def _ignore(*_args: object) -> None:
+    """An event no observer watches."""
+
+
+# Observer's events (its methods that return nothing and bracket nothing), by name.
+_EVENTS = {
+    name: member
+    for name, member in vars(Observer).items()
+    if callable(member) and not name.startswith("_")
+    if name not in ("phase", "annotate", "request_span")
+}
+
+
 class Lifecycle(Observer):
     """The observers of every request, called in order; what the request path holds."""
 
@@ -158,6 +171,19 @@ class Lifecycle(Observer):
         self._spanning = tuple(spanning)
         # An observer brackets requests (else the relay skips building the span's facts).
         self.spans_requests = bool(self._spanning)
+        self._direct()
+
+    def _direct(self) -> None:
+        """Each event calls only the observers that watch it (override it): an event one
+        observer watches is that observer's method itself (one call, not a fan-out's two),
+        an event none watches a no-op. The fan-out methods below serve the rest. Events
+        are announced a dozen times a request: this keeps the seam's cost to the watchers'."""
+        for name in _EVENTS:
+            watchers = [o for o in self._observers if getattr(type(o), name) is not _EVENTS[name]]
+            if len(watchers) == 1:
+                setattr(self, name, getattr(watchers[0], name))
+            elif not watchers:
+                setattr(self, name, _ignore)
 
     @property
     def observers(self) -> tuple[Observer, ...]:

@@ -186,3 +186,35 @@ def test_the_app_subscribes_tracing_only_when_it_is_on(traced: bool) -> None:
         assert lifecycle.annotates is traced
     finally:
         ctx.tracing.shutdown()
+
+
+def test_an_event_calls_only_the_observers_that_watch_it() -> None:
+    """One watcher: the event is its method itself (no fan-out frame); none: a no-op; two
+    or more: each in subscription order; an observer that does not override an event is
+    never called for it."""
+    from router.lifecycle import Lifecycle, Observer
+
+    seen: list[str] = []
+
+    class Decisions(Observer):
+        def decided(self, model: str, decision: str) -> None:
+            seen.append(f"decisions:{decision}")
+
+    class Both(Observer):
+        def decided(self, model: str, decision: str) -> None:
+            seen.append(f"both:{decision}")
+
+        def retried(self, model: str, attempt: int) -> None:
+            seen.append(f"both:retry{attempt}")
+
+    one = Decisions()
+    single = Lifecycle([one, Observer()])
+    assert single.decided == one.decided  # the watcher's own bound method
+    single.decided("m", "pd")
+    single.retried("m", 2)  # watched by none
+    assert seen == ["decisions:pd"]
+    seen.clear()
+    two = Lifecycle([Decisions(), Both()])
+    two.decided("m", "pd")
+    two.retried("m", 3)
+    assert seen == ["decisions:pd", "both:pd", "both:retry3"]
