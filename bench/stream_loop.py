@@ -20,7 +20,7 @@ from typing import Any
 
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
-from router.pd.legs import DecodeLeg
+from router.pd.decode_leg import DecodeLeg
 
 TOKEN = (
     b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'

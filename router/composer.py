@@ -10,7 +10,7 @@ from typing import Protocol
 from router.errors import Outcome
 from router.lifecycle import Lifecycle
 from router.pd.dispatch import Dispatcher
-from router.pd.migration import RelayHooks
+from router.pd.relay_hooks import RelayHooks
 
 __all__ = ["Composer", "Relaying"]
 

@@ -42,8 +42,8 @@ from router.errors import (
 from router.multi_prompt import MultiPrompt
 from router.orca import requested_format
 from router.pd.continuation import refusal
+from router.pd.decision import Decision
 from router.pd.migration import Migration
-from router.pd.plans import Decision
 from router.priority import with_priority
 from router.registry import ModelPool
 from router.relay import Composer, LoadReport, RelayResponse, Scope

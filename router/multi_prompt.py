@@ -27,8 +27,8 @@ import orjson
 from router.client_request import ClientRequest
 from router.errors import Outcome, RouterError, UpstreamError, sse_error_event
 from router.pd.dispatch import Dispatcher
-from router.pd.migration import RelayHooks
 from router.pd.opened import Dispatch
+from router.pd.relay_hooks import RelayHooks
 from router.pd.sse import ENGINE_ERROR_EVENT
 from router.registry import ModelPool
 

@@ -35,8 +35,8 @@ from router.errors import (
     UpstreamError,
     sse_error_event,
 )
+from router.pd.decode_leg import DecodeLeg
 from router.pd.dispatch import Dispatcher
-from router.pd.legs import DecodeLeg
 from router.pd.opened import Dispatch
 from router.pd.sse import ends_answer
 from router.registry import ModelPool

@@ -25,9 +25,9 @@ from typing import Any
 
 from router.client_request import ClientRequest, Endpoint
 from router.pd.progress import IDS as _IDS
-from router.pd.progress import Progress, null_ids
+from router.pd.progress import Progress
 
-__all__ = ["Progress", "continuation", "null_ids", "refusal", "remaining", "with_token_ids"]
+__all__ = ["continuation", "refusal", "remaining", "with_token_ids"]
 
 # Fields that make the continuation differ from the uninterrupted answer: present and not
 # null/false/0/empty, the request is not migrated (docs/operations.md#migration).

@@ -17,12 +17,12 @@ from router.config import TimeoutConfig
 from router.engines.instance import Instance, Role
 from router.errors import UpstreamError, UpstreamStatus, engine_paused
 from router.lifecycle import Lifecycle
-from router.pd.decode_leg import DecodeLeg, PrefillResult, Send
+from router.pd.decode_leg import DecodeLeg, PrefillResult
 from router.pd.sse import ENGINE_ERROR_EVENT
 from router.pd.usage import prompt_cached_tokens, prompt_token_ids
 from router.upstream import UpstreamClient, UpstreamStream
 
-__all__ = ["DecodeLeg", "LegRunner", "PrefillResult", "Send"]
+__all__ = ["LegRunner"]
 
 _MAX_ERROR_BODY = 64 * 1024
 

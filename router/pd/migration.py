@@ -47,16 +47,17 @@ from router.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
-from router.pd.continuation import Progress, continuation, remaining, with_token_ids
+from router.pd.continuation import continuation, remaining, with_token_ids
 from router.pd.cut import Cut, SseEvents, StallWatch, cut, ended_early
 from router.pd.dispatch import Dispatcher
 from router.pd.opened import Dispatch
+from router.pd.progress import Progress
 from router.pd.relay_hooks import RelayHooks
 from router.pd.sse import SSE_DONE
 from router.pd.usage import MARKER
 from router.registry import ModelPool
 
-__all__ = ["MIGRATION", "STREAM", "Migration", "RelayHooks"]
+__all__ = ["MIGRATION", "STREAM", "Migration"]
 
 MIGRATION = "migration"  # the phase of one continuation
 STREAM = "stream"  # the phase of relaying one leg's stream

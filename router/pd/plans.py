@@ -30,11 +30,11 @@ from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError
 from router.pd import kv_params as kp
 from router.pd import pipelined_params as pp
-from router.pd.decision import Decision, decide
+from router.pd.decision import Decision
 from router.pd.decode_leg import DecodeLeg, PrefillResult
 from router.pd.settle import Settler
 
-__all__ = ["Decision", "Pair", "Plan", "decide", "plans"]
+__all__ = ["Pair", "Plan", "plans"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,8 @@ import pytest
 
 from router.client_request import ClientRequest, Endpoint, parse_client_request
 from router.config import MigrationConfig, parse_config
-from router.pd.continuation import Progress, continuation, null_ids, refusal, with_token_ids
+from router.pd.continuation import continuation, refusal, with_token_ids
+from router.pd.progress import Progress, null_ids
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 10, "stream": True}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -13,7 +13,7 @@ import pytest
 from router.engines.breaker import Breaker
 from router.engines.instance import Instance, Role
 from router.errors import Fault, UpstreamError
-from router.pd.legs import DecodeLeg
+from router.pd.decode_leg import DecodeLeg
 from router.pd.sse import SSE_DONE, ends_answer
 
 TOKEN = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'

@@ -21,7 +21,7 @@ from router.errors import QueueFull
 from router.lifecycle import Lifecycle, Observer
 from router.metrics import Metrics
 from router.observers.metrics import MetricsObserver
-from router.pd.plans import Decision
+from router.pd.decision import Decision
 
 PD = Path(__file__).resolve().parents[2] / "router" / "pd"
 FORBIDDEN = ("router.metrics", "router.tracing")
