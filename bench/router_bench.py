@@ -730,6 +730,9 @@ def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Po
         str(args.kv_transfer_ms),
         "--adapters",
         ADAPTER,
+        # As vLLM 0.32 does: id fields null, each event its ids where return_token_ids is
+        # asked (a migrating router asks; without them it could never continue an answer).
+        "--token-ids",
     ]
     procs = []
     for i, role in ((1, "prefill"), (2, "decode")):

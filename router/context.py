@@ -33,6 +33,7 @@ from router.limits import Limiter
 from router.metrics import Metrics
 from router.observers.access_log import AccessLines
 from router.observers.metrics import MetricsObserver
+from router.observers.timings import TimingsObserver
 from router.observers.tracing import TracingObserver
 from router.orca import LoadReports
 from router.passthrough import PassThrough
@@ -105,7 +106,7 @@ def build_context(
     metrics.attach_kv_index(kv_index.streams)
     tracing = Tracing(config.tracing)
     access = AccessLog(config.logging)
-    lifecycle = _lifecycle(metrics, tracing, access, clock)
+    lifecycle = _lifecycle(registry, metrics, tracing, access, clock)
     legs = LegRunner(upstream, config.timeouts, lifecycle, clock)
     side_calls = SideCalls(upstream, config.timeouts.connect)
     turns = KeptTurns(side_calls, lifecycle)
@@ -167,12 +168,16 @@ def build_context(
 
 
 def _lifecycle(
-    metrics: Metrics, tracing: Tracing, access: AccessLog, clock: Callable[[], float]
+    registry: Registry,
+    metrics: Metrics,
+    tracing: Tracing,
+    access: AccessLog,
+    clock: Callable[[], float],
 ) -> Lifecycle:
-    """The observers of every request: metrics always; tracing and the access log only when
-    they are on, so that with them off the request path builds nothing for them
-    (``Lifecycle.annotates``, ``Lifecycle.spans_requests`` false)."""
-    observers: list[Observer] = [MetricsObserver(metrics)]
+    """The observers of every request: the routing timings and metrics always; tracing and
+    the access log only when they are on, so that with them off the request path builds
+    nothing for them (``Lifecycle.annotates``, ``Lifecycle.spans_requests`` false)."""
+    observers: list[Observer] = [TimingsObserver(registry), MetricsObserver(metrics)]
     if tracing.enabled:
         observers.append(TracingObserver(tracing))
     if access.enabled:

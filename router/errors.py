@@ -59,6 +59,7 @@ __all__ = [
     "InvalidBody",
     "InvalidRequest",
     "KeyResult",
+    "MigrationCause",
     "ModelNotFound",
     "NoCapacity",
     "NoHealthyEngine",
@@ -66,6 +67,7 @@ __all__ = [
     "QueueFull",
     "RateLimited",
     "RequestTimeout",
+    "RouteChoice",
     "RouterError",
     "ShuttingDown",
     "TotalTimeout",
@@ -100,6 +102,25 @@ class DisconnectPhase(enum.StrEnum):
 
     BEFORE_FIRST_BYTE = "before_first_byte"
     STREAMING = "streaming"
+
+
+class MigrationCause(enum.StrEnum):
+    """Why a migratable stream was cut (router/pd/cut.py): the ``cause`` label of
+    ``pdrouter_migrations_total``."""
+
+    DISCONNECT = "disconnect"  # D's stream broke or ended before [DONE]
+    ERROR_EVENT = "error_event"  # D sent an SSE error event
+    STALL = "stall"  # nothing from D for migration.stall_timeout
+    EJECTED = "ejected"  # D left rotation (breaker open, health checks failed)
+
+
+class RouteChoice(enum.StrEnum):
+    """How the adaptive rule serves a request the mode would split (router/pd/adaptive.py):
+    the ``choice`` label of ``pdrouter_route_choice_total``."""
+
+    PD = "pd"
+    DECODE_ALONE = "decode_alone"
+    PREFILL_ALONE = "prefill_alone"
 
 
 class KeyResult(enum.StrEnum):

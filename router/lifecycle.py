@@ -57,7 +57,7 @@ class Observer:
         """How the request is served (``Decision``), once per request."""
 
     def adapted(self, model: str, choice: str) -> None:
-        """The adaptive rule chose (``adaptive.Choice``) for a request the mode would split."""
+        """The adaptive rule chose (``RouteChoice``) for a request the mode would split."""
 
     def cache_scored(self, model: str, seconds: float) -> None:
         """The cache-aware route was computed (its ``/tokenize`` included) in ``seconds``."""
@@ -93,6 +93,17 @@ class Observer:
     def handed_off(self, model: str, mode: str, seconds: float) -> None:
         """D's stream opened ``seconds`` after P finished."""
 
+    def prompt_sent(self, model: str, at: float, tokens: int) -> None:
+        """A prompt of about ``tokens`` went to P at ``at`` (the clock's seconds): P's demand."""
+
+    def prompt_computed(self, model: str, seconds: float, tokens: int) -> None:
+        """An engine that computed no other prompt for this router computed one of about
+        ``tokens`` in ``seconds``: the computation's own time, no wait behind others."""
+
+    def stream_timed(self, model: str, role: str, seconds: float, steps: int) -> None:
+        """A stream read cleanly to its end took ``seconds`` for ``steps`` steps after its
+        first bytes, on an engine of ``role`` (``Role``)."""
+
     def push_fallback(self, model: str) -> None:
         """A push dispatch fell back to pulling (router/pd/plans.py)."""
 
@@ -103,7 +114,7 @@ class Observer:
         """A kept turn's fate (``KeptTurnResult``); ``entries``: the model's table size."""
 
     def migrated(self, model: str, mode: str, cause: str) -> None:
-        """A cut stream is continued elsewhere (``cause``: one of ``MIGRATION_CAUSES``)."""
+        """A cut stream is continued elsewhere (``cause``: a ``MigrationCause``)."""
 
     # -- relay and intake --------------------------------------------------------------------
 
@@ -264,6 +275,18 @@ class Lifecycle(Observer):
     def handed_off(self, model: str, mode: str, seconds: float) -> None:
         for o in self._observers:
             o.handed_off(model, mode, seconds)
+
+    def prompt_sent(self, model: str, at: float, tokens: int) -> None:
+        for o in self._observers:
+            o.prompt_sent(model, at, tokens)
+
+    def prompt_computed(self, model: str, seconds: float, tokens: int) -> None:
+        for o in self._observers:
+            o.prompt_computed(model, seconds, tokens)
+
+    def stream_timed(self, model: str, role: str, seconds: float, steps: int) -> None:
+        for o in self._observers:
+            o.stream_timed(model, role, seconds, steps)
 
     def push_fallback(self, model: str) -> None:
         for o in self._observers:

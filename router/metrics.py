@@ -32,7 +32,7 @@ from router.engines.adapters import AdapterLabels
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role
 from router.engines.kept_turns import KeptTurnResult
-from router.errors import DisconnectPhase, KeyResult, Outcome
+from router.errors import DisconnectPhase, KeyResult, MigrationCause, Outcome, RouteChoice
 from router.kvindex.route import Result
 
 if TYPE_CHECKING:
@@ -43,12 +43,10 @@ __all__ = ["KEY_RESULTS", "MIGRATION_CAUSES", "ROUTE_CHOICES", "WORKER_STATE_INT
 
 # What became of a key's requests: pdrouter_key_requests_total{result}.
 KEY_RESULTS = tuple(r.value for r in KeyResult)
-# The adaptive rule's choices (router/pd/adaptive.py's Choice, which lies above this module):
-# pdrouter_route_choice_total{choice}.
-ROUTE_CHOICES = ("pd", "decode_alone", "prefill_alone")
-# Why a stream was cut and continued elsewhere (router/pd/migration.py):
-# pdrouter_migrations_total{cause}.
-MIGRATION_CAUSES = ("disconnect", "error_event", "stall", "ejected")
+# The adaptive rule's choices: pdrouter_route_choice_total{choice}.
+ROUTE_CHOICES = tuple(c.value for c in RouteChoice)
+# Why a stream was cut and continued elsewhere: pdrouter_migrations_total{cause}.
+MIGRATION_CAUSES = tuple(c.value for c in MigrationCause)
 
 # Seconds between copies of a worker's own state into the multiprocess gauges.
 WORKER_STATE_INTERVAL = 1.0

@@ -53,14 +53,14 @@ from the model's pool, :func:`decide` also records what it gave.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from router.config import AdaptiveConfig
 from router.engines.instance import Instance, candidates
+from router.errors import RouteChoice
 from router.registry import ModelPool
 
-__all__ = ["KEEP_UP", "ROOM", "Choice", "EngineLoad", "Inputs", "choose", "decide", "inputs"]
+__all__ = ["KEEP_UP", "ROOM", "EngineLoad", "Inputs", "choose", "decide", "inputs"]
 
 # The share of an engine's TPOT slack (tpot - step, over a stream's life) the rule lets its
 # prompts take: a stream's TPOT is its mean over its life, and a stream that lives through a
@@ -69,14 +69,6 @@ ROOM = 0.75
 # P/D while this request's TTFT behind P's queue is within this share of the target: the
 # rest is for prompts arriving meanwhile, the transfer and D's first step.
 KEEP_UP = 0.5
-
-
-class Choice(enum.StrEnum):
-    """How the adaptive rule serves a request (the ``choice`` label of its counter)."""
-
-    PD = "pd"
-    DECODE_ALONE = "decode_alone"
-    PREFILL_ALONE = "prefill_alone"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +104,10 @@ def life_s(cfg: AdaptiveConfig) -> float:
     return cfg.stall_tokens * cfg.tpot_ms / 1000
 
 
-def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
+def choose(cfg: AdaptiveConfig, x: Inputs) -> RouteChoice:
     """The rule of the module doc, for one request."""
     if x.prefill_s_per_token is None or x.step_s is None or x.prefill is None:
-        return Choice.PD
+        return RouteChoice.PD
     cost = x.prompt_tokens * x.prefill_s_per_token
     ttft = cfg.ttft_ms / 1000
 
@@ -130,20 +122,20 @@ def choose(cfg: AdaptiveConfig, x: Inputs) -> Choice:
     if x.prefill.pending > 0:
         return _behind_p(cfg, x, x.prefill, cost, d_ok)
     if d_ok:
-        return Choice.DECODE_ALONE
+        return RouteChoice.DECODE_ALONE
     p_step = x.prefill_step_s if x.prefill_step_s is not None else x.step_s
     if cfg.single_engine != "decode" and fits(x.prefill, x.prefill_given, p_step):
-        return Choice.PREFILL_ALONE
-    return Choice.PD
+        return RouteChoice.PREFILL_ALONE
+    return RouteChoice.PD
 
 
 def _behind_p(
     cfg: AdaptiveConfig, x: Inputs, prefill: EngineLoad, cost: float, d_ok: bool
-) -> Choice:
+) -> RouteChoice:
     """The choice for a request that finds P (``prefill``, ``x.prefill``) computing prompts."""
     ttft = cfg.ttft_ms / 1000
     if (prefill.pending + 1) * cost <= KEEP_UP * ttft:
-        return Choice.PD
+        return RouteChoice.PD
     # P falls behind: the shorter queue of prompts serves, D only within its budget; past
     # the TTFT target behind P, P/D loses the request anyway, so D's budget yields (a load
     # P cannot keep up with: two queues drain it, as two aggregated engines do).
@@ -151,15 +143,15 @@ def _behind_p(
     shorter = x.decode is not None and behind_d < prefill.pending
     lost = (prefill.pending + 1) * cost > ttft
     if shorter and (d_ok or (lost and cfg.single_engine != "prefill")):
-        return Choice.DECODE_ALONE
+        return RouteChoice.DECODE_ALONE
     # P's queue is no longer than D's: with ``either``, P serves it whole where D decodes
     # more streams than P, so that both engines decode, as two aggregated engines do.
     if lost and cfg.single_engine == "either" and x.decode is not None:
-        return Choice.PREFILL_ALONE if prefill.streams < x.decode.streams else Choice.PD
-    return Choice.PD
+        return RouteChoice.PREFILL_ALONE if prefill.streams < x.decode.streams else RouteChoice.PD
+    return RouteChoice.PD
 
 
-def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float) -> Choice:
+def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float) -> RouteChoice:
     """The rule's choice for a request of ``prompt_tokens`` (estimated) arriving at ``pool``
     at ``now`` (monotonic seconds); the prompt's cost is recorded as given to the role that
     computes it (the pool's timings)."""
@@ -168,7 +160,8 @@ def decide(cfg: AdaptiveConfig, pool: ModelPool, prompt_tokens: int, now: float)
     if x.prefill_s_per_token is not None:
         cost = prompt_tokens * x.prefill_s_per_token
         timings = pool.timings
-        ledger = timings.given_decode if choice is Choice.DECODE_ALONE else timings.given_prefill
+        alone = choice is RouteChoice.DECODE_ALONE
+        ledger = timings.given_decode if alone else timings.given_prefill
         ledger.add(now, cost)
     return choice
 

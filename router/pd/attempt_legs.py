@@ -3,7 +3,8 @@ the request's LoRA adapter loaded on the chosen engines first.
 
 :class:`AttemptLegs` wraps :class:`~router.pd.legs.LegRunner`'s calls with what every
 attempt does around them: the engine judged by the leg's outcome (``pool.record``), the
-model's timings taught where the leg's time is the computation's alone, and each leg's span.
+legs' times announced (the model's routing timings learn from them in router/observers/
+timings.py: a prompt's time only where it is the computation's alone), and each leg's span.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from router.client_request import ClientRequest
 from router.engines.adapter_loads import AdapterLoader
 from router.engines.adapters import requested_adapter
 from router.engines.breaker import BreakerState
-from router.engines.instance import Instance, Role
+from router.engines.instance import Instance
 from router.errors import UpstreamError
 from router.lifecycle import Lifecycle
 from router.pd import kv_params as kp
@@ -25,7 +26,7 @@ from router.pd.legs import LegRunner
 from router.pd.plans import Pair, Plan
 from router.registry import ModelPool
 
-__all__ = ["DECODE_FIRST_BYTE", "PREFILL", "AttemptLegs", "observe_stream"]
+__all__ = ["DECODE_FIRST_BYTE", "PREFILL", "AttemptLegs"]
 
 PREFILL = "prefill"  # the phase of P's leg
 DECODE_FIRST_BYTE = "decode_first_byte"  # the phase of D's leg up to its first bytes
@@ -66,7 +67,7 @@ class AttemptLegs:
         p = pair.prefill
         first = computes_nothing(p)
         tokens = pair.creq.estimated_prompt_tokens()
-        pool.timings.prefill_tokens.add(started, tokens)  # P's demand (router/demand.py)
+        self._events.prompt_sent(pool.name, started, tokens)
         try:
             with self._events.phase(PREFILL, {"pdrouter.engine": p.key}):
                 result = await self._legs.prefill(
@@ -84,7 +85,7 @@ class AttemptLegs:
         else:
             pool.record(p, None)
             if first:
-                pool.timings.observe_prefill(self._clock() - started, tokens)
+                self._events.prompt_computed(pool.name, self._clock() - started, tokens)
             return result
         finally:
             self._events.prefill_done(pool.name, pool.mode, self._clock() - started)
@@ -123,7 +124,8 @@ class AttemptLegs:
         if d.breaker.state is BreakerState.HALF_OPEN:
             pool.record(d, None)
         if first and creq.stream:
-            pool.timings.observe_prefill(self._clock() - started, creq.estimated_prompt_tokens())
+            seconds = self._clock() - started
+            self._events.prompt_computed(pool.name, seconds, creq.estimated_prompt_tokens())
         return leg
 
     async def load_adapter(self, pool: ModelPool, creq: ClientRequest, *engines: Instance) -> None:
@@ -142,6 +144,13 @@ class AttemptLegs:
         handoff = max(0.0, self._clock() - prefill_done_at)
         self._events.handed_off(pool.name, pool.mode, handoff)
 
+    def stream_ended(self, pool: ModelPool, leg: DecodeLeg) -> None:
+        """A stream read cleanly to its end: its time and steps announced (its role's step
+        time is learned from them)."""
+        if leg.verdict is None and leg.ended_at is not None and leg.chunks > 1:
+            seconds = leg.ended_at - leg.first_at
+            self._events.stream_timed(pool.name, leg.instance.role, seconds, leg.chunks - 1)
+
 
 def computes_nothing(inst: Instance) -> bool:
     """Whether ``inst`` computes no prompt for this router: a prompt sent now is computed
@@ -150,10 +159,3 @@ def computes_nothing(inst: Instance) -> bool:
     the queue's wait would count the queue twice, and under load would grow past any
     budget (a 768-token prompt then "cost" 3 s on a P that computes it in 1.2)."""
     return inst.legs_running == 0 and inst.prefilling == 0
-
-
-def observe_stream(pool: ModelPool, leg: DecodeLeg) -> None:
-    """A stream read cleanly to its end teaches its role's step time."""
-    if leg.verdict is None and leg.ended_at is not None and leg.chunks > 1:
-        on_prefill = leg.instance.role is Role.PREFILL
-        pool.timings.observe_stream(leg.ended_at - leg.first_at, leg.chunks - 1, on_prefill)

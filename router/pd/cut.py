@@ -1,6 +1,6 @@
 """How a migratable leg's stream is cut, and what watches for it (router/pd/migration.py).
 
-:class:`Cut` says why (``MIGRATION_CAUSES``: disconnect, error_event, stall, ejected), the
+:class:`Cut` says why (a ``MigrationCause``: disconnect, error_event, stall, ejected), the
 error the client gets if the answer is not continued, and the fault D is judged by;
 :class:`StallWatch` closes a stream waited on too long or whose engine was ejected;
 :class:`SseEvents` splits a stream read in pieces into whole SSE events.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from router.errors import Fault, UpstreamError, UpstreamTimeout
+from router.errors import Fault, MigrationCause, UpstreamError, UpstreamTimeout
 from router.pd.decode_leg import DecodeLeg
 
 __all__ = ["Cut", "SseEvents", "StallWatch", "cut", "ended_early"]
@@ -22,7 +22,7 @@ class Cut:
     """Why and how a leg's stream was cut: the error the client gets if it is not continued,
     and the fault D is judged by."""
 
-    cause: str  # one of router.metrics.MIGRATION_CAUSES
+    cause: MigrationCause
     error: UpstreamError
     fault: Fault
     event: bytes | None = None  # D's own error event, relayed as is if not continued
@@ -38,26 +38,26 @@ def ended_early(leg: DecodeLeg, watch: StallWatch, count: int, worst: float) -> 
         role = str(inst.role)
         code = f"{role}_ejected"
         error = UpstreamError(message, role=role, engine=inst.key, code=code, fault=Fault.BLAMELESS)
-        return Cut("ejected", error, Fault.BLAMELESS)
+        return Cut(MigrationCause.EJECTED, error, Fault.BLAMELESS)
     leg.read_ended(count, worst, Fault.ENGINE)
     if not watch.fired:
-        return cut("disconnect", leg, Fault.ENGINE)
+        return cut(MigrationCause.DISCONNECT, leg, Fault.ENGINE)
     error = UpstreamTimeout(
         f"{inst.role} engine sent nothing for {watch.seconds:g}s mid-stream",
         role=str(inst.role),
         engine=inst.key,
         code="decode_stalled",
     )
-    return Cut("stall", error, Fault.ENGINE)
+    return Cut(MigrationCause.STALL, error, Fault.ENGINE)
 
 
-def cut(cause: str, leg: DecodeLeg, fault: Fault, event: bytes | None = None) -> Cut:
-    """The cut of ``leg`` by its engine (``disconnect`` or ``error_event``)."""
+def cut(cause: MigrationCause, leg: DecodeLeg, fault: Fault, event: bytes | None = None) -> Cut:
+    """The cut of ``leg`` by its engine (``DISCONNECT`` or ``ERROR_EVENT``)."""
     inst = leg.instance
-    message = {
-        "disconnect": f"{inst.role} engine closed its stream before the end",
-        "error_event": f"{inst.role} engine sent an error event",
-    }[cause]
+    if cause is MigrationCause.ERROR_EVENT:
+        message = f"{inst.role} engine sent an error event"
+    else:
+        message = f"{inst.role} engine closed its stream before the end"
     error = UpstreamError(message, role=str(inst.role), engine=inst.key, fault=fault)
     return Cut(cause, error, fault, event)
 

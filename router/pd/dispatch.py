@@ -30,7 +30,7 @@ from router.engines.adapter_loads import AdapterLoader
 from router.engines.instance import Instance
 from router.kvindex.route import CacheScorer
 from router.lifecycle import Lifecycle
-from router.pd.attempt_legs import AttemptLegs, observe_stream
+from router.pd.attempt_legs import AttemptLegs
 from router.pd.kept_turns import KeptTurns
 from router.pd.legs import LegRunner
 from router.pd.opened import Dispatch
@@ -70,6 +70,7 @@ class Dispatcher:
         self._retry = Retrier(retries, lifecycle)
         by_decision = plans(self.settler, lifecycle.push_fallback)
         attempt_legs = AttemptLegs(legs, lifecycle, traceparent, clock, adapters)
+        self._attempt_legs = attempt_legs
         self._run = PlanRunner(self._select, attempt_legs, by_decision, turns, lifecycle)
 
     def dispatch(
@@ -135,7 +136,7 @@ class Dispatcher:
             if opened.reservation is not None:
                 pool.ledger.release(opened.reservation)
         pool.record(opened.leg.instance, verdict)
-        observe_stream(pool, opened.leg)
+        self._attempt_legs.stream_ended(pool, opened.leg)
         task = opened.prefill_task
         if task is None:
             return

@@ -41,6 +41,7 @@ from router.config import MigrationConfig
 from router.engines.instance import Instance, Role
 from router.errors import (
     Fault,
+    MigrationCause,
     Outcome,
     RouterError,
     UpstreamError,
@@ -213,7 +214,7 @@ class Migration:
                     await self._send(hooks, out)
                 if error is not None:
                     leg.read_ended(count, worst, Fault.ANSWER)
-                    return cut("error_event", leg, Fault.ANSWER, error)
+                    return cut(MigrationCause.ERROR_EVENT, leg, Fault.ANSWER, error)
                 watch.since = started = loop.time()
                 raw = await anext(rest, None)
                 watch.since = None
@@ -225,7 +226,8 @@ class Migration:
                 return ended_early(leg, watch, count, worst)
             stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
             leg.read_ended(count, worst, exc.fault)
-            return Cut("stall" if stalled else "disconnect", d.prefill_error or exc, exc.fault)
+            cause = MigrationCause.STALL if stalled else MigrationCause.DISCONNECT
+            return Cut(cause, d.prefill_error or exc, exc.fault)
         finally:
             watch.cancel()
             hooks.stream_stats(d)

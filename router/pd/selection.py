@@ -18,7 +18,7 @@ from router.engines.adapters import requested_adapter
 from router.engines.affinity import Placement
 from router.engines.instance import Instance, Role, candidates, refusal
 from router.engines.ledger import Deadline, Reservation
-from router.errors import DeadlineExceeded, NoCapacity, NoHealthyEngine, QueueFull
+from router.errors import DeadlineExceeded, NoCapacity, NoHealthyEngine, QueueFull, RouteChoice
 from router.kvindex.route import CacheRoute, CacheScorer, Result
 from router.lifecycle import Lifecycle
 from router.pd import adaptive
@@ -222,8 +222,8 @@ class Selector:
 
 # What each single-engine choice of the adaptive rule runs as (pd: the decision as it was).
 _ADAPTED = {
-    adaptive.Choice.DECODE_ALONE: Decision.DECODE_ALONE,
-    adaptive.Choice.PREFILL_ALONE: Decision.PREFILL_ALONE,
+    RouteChoice.DECODE_ALONE: Decision.DECODE_ALONE,
+    RouteChoice.PREFILL_ALONE: Decision.PREFILL_ALONE,
 }
 
 

@@ -160,3 +160,24 @@ def test_null_ids_touches_only_the_id_lists() -> None:
         b'{"text":"token_ids\\":[1]","prompt_token_ids": null,"token_ids":null,"n":[4]}'
     )
     assert json.loads(null_ids(event))["text"] == 'token_ids":[1]'
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_an_answer_without_ids_is_relayed_and_ended_as_it_came(client_ids: bool) -> None:
+    """An engine that ignores ``return_token_ids``: the answer is not resumable, each event
+    is relayed as D sent it (ids it sent anyway made null unless asked), and ``[DONE]`` and an
+    error event are still found (a text that reads "[DONE]" is no end)."""
+    body = {**COMPLETION, "return_token_ids": True} if client_ids else COMPLETION
+    progress = Progress.of(creq(body))
+    events = [
+        b'data: {"id":"c","choices":[{"index":0,"text":"a","finish_reason":null}]}',
+        b'data: {"id":"c","choices":[{"index":0,"text":"[DONE]","token_ids":[4]}]}',
+        b'data: {"id":"c","choices":[{"index":0,"text":"","finish_reason":"length"}]}',
+    ]
+    out, done, error = progress.client_bytes(events)
+    ids = b"[4]" if client_ids else b"null"
+    assert out == b"".join(e + b"\n\n" for e in events).replace(b"[4]", ids)
+    assert (done, error, progress.resumable) == (False, None, False)
+    assert progress.client_bytes([b"data: [DONE]", b"data: {}"]) == (b"", True, None)
+    error_event = b'data: {"error":{"message":"boom"}}'
+    assert progress.client_bytes([error_event]) == (b"", False, error_event + b"\n\n")

@@ -21,6 +21,7 @@ from router.errors import QueueFull
 from router.lifecycle import Lifecycle, Observer
 from router.metrics import Metrics
 from router.observers.metrics import MetricsObserver
+from router.observers.timings import TimingsObserver
 from router.pd.decision import Decision
 
 PD = Path(__file__).resolve().parents[2] / "router" / "pd"
@@ -46,6 +47,56 @@ def _imported(source: str, package: str = "router.pd") -> set[str]:
 
 def _violations(source: str) -> set[str]:
     return {m for m in _imported(source) for f in FORBIDDEN if m == f or m.startswith(f + ".")}
+
+
+# What teaches a model's routing timings (router/engines/timings.py): the timings observer's.
+TEACHING = ("observe_prefill", "observe_stream", "prefill_tokens")
+
+
+def _teaching(source: str) -> set[str]:
+    tree = ast.parse(source)
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in TEACHING}
+
+
+def test_no_pd_module_teaches_the_routing_timings() -> None:
+    """The legs announce their times; only router/observers/timings.py teaches them."""
+    found = {p.name: t for p in sorted(PD.glob("*.py")) if (t := _teaching(p.read_text()))}
+    assert found == {}, f"router/pd must announce leg times through the lifecycle: {found}"
+    assert _teaching("pool.timings.observe_prefill(1.0, 2)") == {"observe_prefill"}
+
+
+def test_the_timings_observer_teaches_each_model_its_legs_times() -> None:
+    """Through the app's lifecycle: a prompt computed alone sets the model's seconds per
+    token, a stream its step time (P's apart), a prompt sent P's demand; another model's
+    events (or one gone by a reload) change nothing of it."""
+    from router.config import parse_config
+    from router.context import build_context
+
+    pools = [
+        {"name": n, "mode": "pull", "prefill": [{"url": f"http://127.0.0.1:81{i}0"}]}
+        for i, n in enumerate(("tiny", "other"))
+    ]
+    for i, pool in enumerate(pools):
+        pool["decode"] = [{"url": f"http://127.0.0.1:82{i}0"}]
+    ctx = build_context(parse_config({"models": pools}), None, lambda: 0.0)
+    try:
+        events = ctx.dispatcher.lifecycle
+        pool = ctx.registry.get("tiny")
+        assert pool is not None
+        timings = pool.timings
+        events.prompt_computed("tiny", 0.5, 100)
+        events.stream_timed("tiny", Role.DECODE, 0.2, 10)
+        events.stream_timed("tiny", Role.PREFILL, 0.9, 10)
+        events.prompt_sent("tiny", 3.0, 600)
+        for model in ("other", "gone"):
+            events.prompt_computed(model, 9.0, 1)
+            events.stream_timed(model, Role.DECODE, 9.0, 1)
+        assert timings.prefill_s_per_token == pytest.approx(0.005)
+        assert timings.step_s == pytest.approx(0.02)
+        assert timings.prefill_step_s == pytest.approx(0.09)
+        assert timings.prefill_tokens.rate(4.0) == pytest.approx(600 / 60)
+    finally:
+        ctx.tracing.shutdown()
 
 
 def test_no_pd_module_imports_metrics_or_tracing() -> None:
@@ -182,7 +233,8 @@ def test_the_app_subscribes_tracing_only_when_it_is_on(traced: bool) -> None:
     try:
         lifecycle = ctx.dispatcher.lifecycle
         kinds = [type(o) for o in lifecycle.observers]
-        assert kinds == ([MetricsObserver, TracingObserver] if traced else [MetricsObserver])
+        expected = [TimingsObserver, MetricsObserver, TracingObserver]
+        assert kinds == (expected if traced else expected[:2])
         assert lifecycle.annotates is traced
     finally:
         ctx.tracing.shutdown()
