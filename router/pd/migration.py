@@ -114,6 +114,7 @@ class Migration:
         before any event reached the client starts the request over (a completion's prompt
         ids come with its first token: none came)."""
         progress = self._progress
+        progress.settle()  # what the client received, recorded before it is read
         fresh = not progress.identity
         if not fresh and self._nothing_left():
             await self._close(hooks)

@@ -13,7 +13,7 @@ import pytest
 from router.client_request import ClientRequest, Endpoint, parse_client_request
 from router.config import MigrationConfig, parse_config
 from router.pd.continuation import continuation, refusal, with_token_ids
-from router.pd.progress import Progress, null_ids
+from router.pd.progress import SETTLE_AT, Progress, null_ids
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 10, "stream": True}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -181,3 +181,87 @@ def test_an_answer_without_ids_is_relayed_and_ended_as_it_came(client_ids: bool)
     assert progress.client_bytes([b"data: [DONE]", b"data: {}"]) == (b"", True, None)
     error_event = b'data: {"error":{"message":"boom"}}'
     assert progress.client_bytes([error_event]) == (b"", False, error_event + b"\n\n")
+
+
+def _stream(chat: bool, spaced: bool, tokens: int = 6) -> list[bytes]:
+    """A first leg's events as vLLM 0.32 writes them asked for ids (pydantic's compact JSON),
+    or spaced as ``json.dumps`` writes them; texts that quote the keys the scan looks for."""
+    texts = ['"finish_reason":"stop"', '"usage":{"x":1}', '"error"', 'token_ids":[7]', "[DONE]"]
+
+    def dumps(doc: dict[str, Any]) -> bytes:
+        return b"data: " + (json.dumps(doc).encode() if spaced else orjson.dumps(doc))
+
+    def chunk(i: int, finish: str | None = None) -> dict[str, Any]:
+        text = texts[i % len(texts)] if finish is None else ""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if chat:
+            choice["delta"] = {"content": text}
+        else:
+            choice.update(text=text, prompt_token_ids=[1, 2, 3] if i == 0 else None)
+        choice["token_ids"] = [100 + i]
+        doc: dict[str, Any] = {"id": "c-1", "created": 5, "model": "m", "choices": [choice]}
+        if chat and i == 0:
+            doc["prompt_token_ids"] = [1, 2, 3]
+        return doc
+
+    events = [dumps(chunk(i)) for i in range(tokens - 1)]
+    events.append(dumps(chunk(tokens - 1, "length")))
+    usage = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+    events.append(dumps({"id": "c-1", "created": 5, "model": "m", "choices": [], "usage": usage}))
+    return events
+
+
+def _recorded(progress: Progress) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(progress).items() if k != "pending"}
+
+
+@pytest.mark.parametrize("tokens", [6, SETTLE_AT + 5])
+@pytest.mark.parametrize("client_ids", [False, True])
+@pytest.mark.parametrize("spaced", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_events_read_in_batches_record_what_reading_each_records(
+    chat: bool, spaced: bool, client_ids: bool, tokens: int
+) -> None:
+    """The first leg's ordinary events are relayed at once and read later in batches
+    (client_bytes, settle): the client gets the same bytes, and the same is recorded, as
+    reading each event whole as it comes (first_leg); at most SETTLE_AT wait unread."""
+    body = {**(CHAT if chat else COMPLETION), "stream_options": {"include_usage": True}}
+    if client_ids:
+        body["return_token_ids"] = True
+    request = creq(body, Endpoint.CHAT if chat else Endpoint.COMPLETIONS)
+    batched, each = Progress.of(request), Progress.of(request)
+    waited = 0
+    for event in _stream(chat, spaced, tokens):
+        out, done, error = batched.client_bytes([event])
+        assert (done, error) == (False, None)
+        assert out == each.first_leg(event, json.loads(event[6:])) + b"\n\n"
+        assert len(batched.pending) < SETTLE_AT
+        waited = max(waited, len(batched.pending))
+    assert waited == (0 if spaced else min(tokens - 2, SETTLE_AT - 1))  # compact ones wait
+    batched.settle()
+    assert _recorded(batched) == _recorded(each) and not batched.pending
+    assert batched.generated == [100 + i for i in range(tokens)]
+    assert batched.prompt_ids == [1, 2, 3] and batched.finish_reason == "length"
+
+
+def test_a_batch_with_more_than_ids_is_read_event_by_event() -> None:
+    """A batch the scan cannot vouch for (an event without ids, prompt ids again, usage) is
+    read event by event: an answer with text and no ids is then not resumable."""
+    progress = Progress.of(creq(COMPLETION))
+    first = (
+        b'data: {"id":"c","choices":[{"index":0,"text":"a","prompt_token_ids":[1],'
+        b'"token_ids":[2],"finish_reason":null}]}'
+    )
+    events = [
+        first,
+        b'data: {"id":"c","choices":[{"index":0,"text":"b","token_ids":[3],"finish_reason":null}]}',
+        b'data: {"id":"c","choices":[{"index":0,"text":"c","finish_reason":null}]}',
+        b'data: {"id":"c","choices":[{"index":0,"text":"d","token_ids":[5],"finish_reason":null}]}',
+    ]
+    progress.client_bytes(events)
+    assert len(progress.pending) == 3 and progress.generated == [2]
+    assert not progress.resumable and progress.generated == [2, 3, 5] and not progress.pending
+    cut = Progress.of(creq(COMPLETION))
+    cut.client_bytes(events[:2])
+    assert cut.resumable and cut.generated == [2, 3]
+    assert continuation(creq(COMPLETION), cut).body["prompt"] == [1, 2, 3]
