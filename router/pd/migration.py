@@ -4,9 +4,9 @@ Without migration, D's failure after the client's first byte ends the client's s
 SSE error event. With ``migration.max_attempts`` above 0, a request that may be migrated
 (:func:`router.pd.continuation.refusal`) is relayed event by event instead of byte by byte:
 
-1. Its first dispatch asks the engines for token ids (``return_token_ids``). Each SSE event is
-   parsed, the ids recorded and made null in what the client gets unless it asked for them
-   (:class:`~router.pd.continuation.Progress`), then sent on whole.
+1. Its first dispatch asks the engines for token ids (``return_token_ids``). Each SSE event's
+   ids are recorded (ordinary token events read in batches) and made null in what the client
+   gets unless it asked for them (:class:`~router.pd.progress.Progress`); it is sent whole.
 2. D's stream is *cut* when its connection breaks or closes before ``[DONE]`` (cause
    ``disconnect``), when it sends an error event (``error_event``), or when it has been
    waited on for ``migration.stall_timeout`` seconds without a byte (``stall``: the stream is
