@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["Row", "main", "run"]
 
 KV_PORTS = range(6600, 6800)  # the connector tests' range
+# A port found free by pick_ports can be taken before the agent binds it (another process on
+# the machine, between the probe and the bind): the set-up is tried again on other ports.
+SETUP_ATTEMPTS = 3
 MODES = ("layer", "step")
 STEP_TIMEOUT_S = 30.0  # per wait: D's REG reaching P, the transfer completing
 WRITE_TIMEOUT_S = 10.0  # a posted WRITE completing
@@ -132,10 +135,13 @@ class _Config:
         return Row(self.device, self.layout, self.mode, self.gate, case.name, **found)
 
     def run(self, cases: Sequence[Case]) -> list[Row]:
-        try:
-            p, d, kernels = self._setup()
-        except Exception as exc:  # the connector may refuse this layout: say so once
-            why = f"{type(exc).__name__}: {exc}"
+        for _ in range(SETUP_ATTEMPTS):
+            try:
+                p, d, kernels = self._setup()
+                break
+            except Exception as exc:  # the connector may refuse this layout: say so once
+                why = f"{type(exc).__name__}: {exc}"
+        else:
             return [Row(self.device, self.layout, self.mode, self.gate, "(set-up)", error=why)]
         rows = []
         try:
