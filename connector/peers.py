@@ -44,7 +44,10 @@ __all__ = ["Link", "LinkState", "PeerTable"]
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
 
-_REFETCH_S = 0.5  # a link without the peer's metadata asks for it again this often
+# A link without the peer's metadata asks for it again after 0.5 s, then twice as long each
+# time up to 8 s: a fetch that takes long (a listener on a loaded machine) is not cut short
+# every half second by the next one.
+_REFETCH_S, _REFETCH_MAX_S = 0.5, 8.0
 
 
 class LinkState(enum.Enum):
@@ -71,6 +74,7 @@ class Link:
     incarnation: str | None = None  # the peer's, from its first HELLO (None: not yet, or
     # a peer that names none)
     fetched_at: float | None = None  # when its metadata was last asked for
+    refetches: int = 0  # times it was asked for again (each waits twice as long)
 
     @property
     def settled(self) -> bool:
@@ -225,9 +229,10 @@ class PeerTable:
         if (
             link.addr is not None
             and link.fetched_at is not None
-            and now - link.fetched_at >= _REFETCH_S
+            and now - link.fetched_at >= min(_REFETCH_MAX_S, _REFETCH_S * 2**link.refetches)
             and not self.can_notify(link.name)
         ):
+            link.refetches += 1
             self._fetch(link)
 
     def _fetch(self, link: Link) -> None:
