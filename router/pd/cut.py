@@ -65,13 +65,13 @@ def cut(cause: MigrationCause, leg: DecodeLeg, fault: Fault, event: bytes | None
 class SseEvents:
     """SSE events from a stream read in pieces (each without its ``\\n\\n``)."""
 
-    __slots__ = ("_held",)
+    __slots__ = ("held",)
 
     def __init__(self) -> None:
-        self._held = b""
+        self.held = b""  # the start of an event not yet whole
 
     def feed(self, data: bytes) -> list[bytes]:
-        *events, self._held = (self._held + data).split(b"\n\n")
+        *events, self.held = (self.held + data).split(b"\n\n")
         return [e for e in events if e]
 
 

@@ -4,17 +4,17 @@ It rewrites each event for the client (ids the client did not ask for removed; a
 continuation's identity, usage and chat shape made the first leg's) and records what the
 client has received, from which ``router/pd/continuation.py`` builds the continuation.
 
-The first leg's ordinary token events (``"finish_reason":null``, no error) are relayed at once
-but read later, in batches (:meth:`Progress.settle`): one scan of a batch for its ids lists
-costs less than parsing each event and walking its JSON (a 64-event stream's events cost
-0.84x-0.91x as much, bench/results/2026-12-07-instructions-vs-peers.md). Whatever reads what
-was recorded settles first; a batch that is not only ordinary events is parsed event by event.
+The first leg's ordinary token events (one choice, ``"finish_reason":null``, no error, its
+generated ids the only ids list, compact JSON) are not parsed: a few byte searches find the
+list, the client gets the event with it made null, and its ids' bytes wait to be read in
+batches (:meth:`Progress.settle`): one JSON read of up to ``SETTLE_AT`` lists. Parsing each
+event and walking its JSON cost about twice as much (bench/results/2026-12-07-relay-fast-path.md).
+Whatever reads what was recorded settles first; any other event is parsed whole, after the
+events before it are recorded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +42,13 @@ _CHAT_MESSAGE: dict[str, Any] = {
 # The key of a token-id list in an event's JSON (``token_ids``, ``prompt_token_ids``).
 # Generated text cannot hold it: inside a JSON string its quote would be escaped.
 _IDS_KEY = b'token_ids":'
-# What a deferred batch is read by (Progress.settle); none can occur inside generated text
-# for the same reason. The generated ids' key starts with its quote: not prompt_token_ids.
-_GEN_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
+# What an ordinary event is told by (Progress.relayed); none can occur inside generated text
+# for the same reason. A list's key preceded by a quote is the generated ids'.
+_IDS_LIST = b'token_ids":['
 _FINISH_NULL = b'"finish_reason":null'
 _ERROR = b'"error"'
-# Events relayed before they are read: at most this many a stream (about 6 KB held).
+_QUOTE = ord('"')
+# Ordinary events' ids read later: at most this many lists a stream (a few hundred bytes).
 SETTLE_AT = 32
 
 
@@ -77,7 +78,7 @@ class Progress:
     texts: list[str] = field(default_factory=list)
     stop_reason: Any = None
     engine_usage: dict[str, Any] | None = None  # the first leg's, as D counted it
-    # The first leg's ordinary events relayed but not yet read (their JSON): settle().
+    # The ids lists' bytes of the first leg's ordinary events relayed, not yet read: settle().
     pending: list[bytes] = field(default_factory=list)
 
     @classmethod
@@ -94,27 +95,46 @@ class Progress:
         return self.usable and self.prompt_ids is not None
 
     def settle(self) -> None:
-        """Record the events relayed but not yet read. A batch of ordinary events, each with
-        its ids list and nothing else to record, is read by one scan; any other batch event
-        by event, as the first leg's events are."""
+        """Record the ids of the ordinary events relayed but not yet read (:meth:`relayed`),
+        in the order they came. Lists that are not JSON make the answer not resumable."""
         pending = self.pending
         if not pending:
             return
         self.pending = []
-        joined = b"\n".join(pending)
-        lists = _GEN_IDS.findall(joined)
-        # Each event holds one choice (n=1: refusal()) with its finish_reason null: its
-        # ids list is all there is to record (a prompt's ids or usage beside a choice are not
-        # read after the first event, which is read whole).
-        if len(lists) == len(pending):
-            with contextlib.suppress(orjson.JSONDecodeError):
-                ids = orjson.loads(b"[" + b",".join(i for i in lists if i.strip()) + b"]")
-                self.generated.extend(ids)
-                return
-        for payload in pending:
-            doc = _json(payload)
-            if doc is not None and "error" not in doc:
-                self._read_first_leg(doc)
+        try:
+            ids = orjson.loads(b"[" + b",".join(pending) + b"]")
+        except orjson.JSONDecodeError:
+            self.usable = False  # the cut could not be placed
+            return
+        self.generated.extend(ids)
+
+    def relayed(self, event: bytes) -> bytes | None:
+        """``event`` (one SSE event, its ``\\n\\n`` included or not), if it is an ordinary token
+        event of the first leg, as the client gets it (its ids made null unless asked), its ids
+        kept to be recorded by :meth:`settle`; None for any other, to be read whole. Ordinary:
+        the first leg's identity known, one line, ``"finish_reason":null``, no ``"error"``,
+        and one ids list, the generated one's (``"token_ids":[``; a prompt's list again, or
+        a spaced key, and it is read whole)."""
+        if self.legs != 1 or self.collect or not self.identity:
+            return None
+        end = event.find(b"\n")
+        if end >= 0 and (end != len(event) - 2 or not event.endswith(b"\n\n")):
+            return None  # several events, or not one whole
+        if event.rfind(_FINISH_NULL) < 0 or event.find(_ERROR) >= 0:
+            return None
+        i = event.find(_IDS_LIST)
+        if i < 1 or event[i - 1] != _QUOTE:
+            return None  # no ids list, or a prompt's first
+        start = i + len(_IDS_LIST)
+        close = event.find(b"]", start)
+        if close < 0 or event.find(_IDS_LIST, close) >= 0:
+            return None
+        pending = self.pending
+        if close > start:  # an empty list adds nothing
+            pending.append(event[start:close])
+        if len(pending) >= SETTLE_AT:
+            self.settle()
+        return event if self.client_ids else event[: start - 1] + b"null" + event[close + 1 :]
 
     def first_leg(self, event: bytes, doc: dict[str, Any]) -> bytes:
         """An event of the first leg (``doc`` parsed from it) as the client gets it: as D sent
@@ -247,17 +267,14 @@ class Progress:
         """The client's bytes for complete events: (bytes, ``[DONE]`` seen, D's error event
         if one came: the events after it are not the client's)."""
         out: list[bytes] = []
-        defer = self.legs == 1 and not self.collect
         for event in events:
+            client = self.relayed(event)
+            if client is not None:
+                out.append(client + b"\n\n")
+                continue
             payload = event.removeprefix(b"data: ").strip()
             if payload == b"[DONE]":
                 return b"".join(out), True, None
-            if defer and self.identity and _FINISH_NULL in payload and _ERROR not in payload:
-                self.pending.append(payload)
-                if len(self.pending) >= SETTLE_AT:
-                    self.settle()
-                out.append((event if self.client_ids else null_ids(event)) + b"\n\n")
-                continue
             doc = _json(payload)
             if doc is None:
                 out.append(event + b"\n\n")  # not a chunk (an SSE comment): as it came

@@ -244,9 +244,9 @@ def test_events_read_in_batches_record_what_reading_each_records(
     assert batched.prompt_ids == [1, 2, 3] and batched.finish_reason == "length"
 
 
-def test_a_batch_with_more_than_ids_is_read_event_by_event() -> None:
-    """A batch the scan cannot vouch for (an event without ids, prompt ids again, usage) is
-    read event by event: an answer with text and no ids is then not resumable."""
+def test_an_event_the_scan_cannot_vouch_for_is_read_whole_after_those_before() -> None:
+    """An event without ids among ordinary ones is read whole, after the ids relayed before
+    it are recorded: an answer with text and no ids is then not resumable."""
     progress = Progress.of(creq(COMPLETION))
     first = (
         b'data: {"id":"c","choices":[{"index":0,"text":"a","prompt_token_ids":[1],'
@@ -259,9 +259,66 @@ def test_a_batch_with_more_than_ids_is_read_event_by_event() -> None:
         b'data: {"id":"c","choices":[{"index":0,"text":"d","token_ids":[5],"finish_reason":null}]}',
     ]
     progress.client_bytes(events)
-    assert len(progress.pending) == 3 and progress.generated == [2]
+    assert progress.pending == [b"5"] and progress.generated == [2, 3] and not progress.usable
     assert not progress.resumable and progress.generated == [2, 3, 5] and not progress.pending
     cut = Progress.of(creq(COMPLETION))
     cut.client_bytes(events[:2])
     assert cut.resumable and cut.generated == [2, 3]
     assert continuation(creq(COMPLETION), cut).body["prompt"] == [1, 2, 3]
+
+
+ORDINARY = (
+    b'data: {"id":"c","choices":[{"index":0,"text":"b","logprobs":null,'
+    b'"prompt_token_ids":null,"token_ids":[7,8],"finish_reason":null}]}'
+)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ORDINARY.replace(b"null}", b'"length"}'),  # the final chunk
+        ORDINARY.replace(b'"prompt_token_ids":null', b'"prompt_token_ids":[1]'),
+        ORDINARY.replace(b"null}", b'null,"prompt_token_ids":[1]}'),  # a prompt's list after
+        ORDINARY.replace(b'"token_ids":[7,8]', b'"token_ids": [7,8]'),  # spaced
+        ORDINARY.replace(b'"token_ids":[7,8]', b'"token_ids":null'),
+        ORDINARY.replace(b"}]}", b'}],"error":{"message":"x"}}'),
+        ORDINARY + b"\n\n" + ORDINARY,  # two events in one read
+        ORDINARY + b"\n",  # not whole
+        b"event: x\n" + ORDINARY,
+    ],
+)
+def test_only_an_ordinary_token_event_is_relayed_unread(event: bytes) -> None:
+    """Progress.relayed takes exactly one ordinary token event (one generated ids list, its
+    finish_reason null, no error) and leaves any other read for client_bytes: had it taken
+    one of these, the client's bytes or the record would be wrong."""
+    progress = Progress.of(creq(COMPLETION))
+    progress.identity = {"id": "c"}
+    assert progress.relayed(event) is None and progress.pending == []
+    assert progress.relayed(ORDINARY + b"\n\n") == ORDINARY.replace(b"[7,8]", b"null") + b"\n\n"
+    assert progress.relayed(ORDINARY) == ORDINARY.replace(b"[7,8]", b"null")
+    progress.settle()
+    assert progress.generated == [7, 8, 7, 8] and progress.usable
+
+
+def test_a_continuations_and_a_collected_answers_events_are_read_whole() -> None:
+    """Only the first leg of a streamed answer is relayed unread: a continuation's events
+    are rewritten (Progress.continued), a non-streamed answer's texts collected."""
+    progress = Progress.of(creq(COMPLETION))
+    assert progress.relayed(ORDINARY) is None  # nothing read yet: no identity
+    progress.identity = {"id": "c"}
+    progress.legs = 2
+    assert progress.relayed(ORDINARY) is None
+    collected = Progress.of(creq({**COMPLETION, "stream": False}))
+    collected.identity = {"id": "c"}
+    assert collected.relayed(ORDINARY) is None
+
+
+def test_ids_that_are_not_json_make_the_answer_not_resumable() -> None:
+    progress = Progress.of(creq(COMPLETION))
+    progress.first_leg(*_event({"id": "c", "choices": [{"index": 0, "prompt_token_ids": [1]}]}))
+    assert progress.relayed(ORDINARY.replace(b"[7,8]", b"[]")) is not None  # no token
+    assert progress.relayed(ORDINARY) is not None and progress.resumable
+    assert progress.generated == [7, 8]
+    progress.generated.clear()
+    assert progress.relayed(ORDINARY.replace(b"[7,8]", b"[7,,8]")) is not None
+    assert progress.resumable is False and progress.generated == []
