@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -90,6 +90,12 @@ class UpstreamStream(Protocol):
         ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def splice(self, sink: Callable[[bytes], bool] | None) -> bool:
+        """Offer the body's chunks to ``sink`` as they arrive while nothing is buffered
+        (:meth:`router.http1.Http1Response.splice` has the contract); False: this stream
+        cannot (its chunks are only read)."""
+        ...
 
     async def read_all(self) -> bytes: ...
 

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
+from router.asgi_types import BodyWriter
+
 __all__ = ["CONNECTION", "Connection", "watch"]
 
 # The scope key under which the server's protocol (router/guard.py) offers its connection.
@@ -32,6 +34,10 @@ class Connection(Protocol):
     def hold_head(self) -> None:
         """Write the response head sent next together with the body message sent right
         after it (one write instead of two); the caller sends that body message at once."""
+
+    def body_writer(self, send: Any) -> BodyWriter | None:
+        """What writes the body of the response that ``send`` (the ASGI send of a request
+        on this connection) sends, without the ASGI call; None: only ``send`` can."""
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from router.config import ConnectionsConfig
 from router.disconnect import CONNECTION
@@ -153,6 +153,29 @@ class _HeldHead:
         return self._transport.is_closing()
 
 
+class _BodyWriter:
+    """:class:`~router.asgi_types.BodyWriter` of one response (uvicorn's cycle): its body
+    writes as uvicorn's ``send`` makes them (chunked coding), made without the ASGI call."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return bool(
+            cycle.response_started
+            and not cycle.response_complete
+            and cycle.chunked_encoding
+            and not cycle.flow.write_paused
+            and not cycle.disconnected
+        )
+
+    def write(self, body: bytes) -> None:
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+
 def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the bounds of ``config`` (``http=`` of uvicorn)."""
 
@@ -225,6 +248,11 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             """router.relay.Connection.hold_head: the next head goes with the body after it."""
             if self.cycle is not None and not self.cycle.response_started:
                 _HeldHead(self.cycle)
+
+        def body_writer(self, send: Any) -> _BodyWriter | None:
+            """router.disconnect.Connection.body_writer: the writer of ``send``'s response."""
+            cycle = getattr(send, "__self__", None)
+            return _BodyWriter(cycle) if isinstance(cycle, RequestResponseCycle) else None
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

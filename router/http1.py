@@ -29,6 +29,11 @@ Contract:
   application); nothing else is retried here.
 * The pool has no connection cap: decode slots and admission bound how many
   engine calls run at once.
+* :meth:`Http1Response.splice`: while its reader waits with nothing buffered, each body
+  chunk is offered to a sink as it arrives, in the connection's callback, before any task
+  wakes; the first chunk the sink refuses, and every chunk after it, are read as usual (in
+  order); refusing also ends the splice until it is asked for again. A spliced chunk moves
+  the read timeout's deadline as a read does.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ __all__ = [
     "ReadError",
     "ReadTimeout",
     "RemoteProtocolError",
+    "Sink",
     "split_url",
 ]
 
@@ -88,6 +94,8 @@ class RemoteProtocolError(Http1Error):
 
 # What a caller makes of a failure: the exception raised in its place.
 Errors = Callable[[Http1Error], BaseException]
+# What takes a body chunk as it arrives (Http1Response.splice): True, taken; False, refused.
+Sink = Callable[[bytes], bool]
 
 
 def _as_is(error: Http1Error) -> BaseException:
@@ -158,6 +166,7 @@ class Http1Response:
         "_keep_alive",
         "_loop",
         "_read_timeout",
+        "_sink",
         "_timer",
         "_until_eof",
         "_waiter",
@@ -189,6 +198,7 @@ class Http1Response:
         self._closed = False
         self._keep_alive = False
         self._until_eof = True  # no Content-Length and no chunked coding: the body ends at EOF
+        self._sink: Sink | None = None  # splice(): offered each body chunk as it arrives
 
     # -- fed by the connection -------------------------------------------------
 
@@ -312,6 +322,14 @@ class Http1Response:
     def chunks(self) -> Http1Response:
         return self
 
+    def splice(self, sink: Sink | None) -> bool:
+        """Offer the body's chunks to ``sink`` as they arrive, while nothing is buffered
+        (None: stop). ``sink`` takes a chunk (True) or refuses it (False: it is buffered and
+        read, and the splice ends); it runs in the connection's callback and must not raise.
+        True: this stream splices."""
+        self._sink = sink
+        return True
+
     async def read_all(self) -> bytes:
         parts = [chunk async for chunk in self]
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -333,6 +351,7 @@ class Http1Response:
         """
         if not self._closed:
             self._closed = True
+            self._sink = None
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
@@ -414,6 +433,13 @@ class _Conn(asyncio.Protocol):
         response = self._response
         if response is None:
             return
+        sink = response._sink
+        if sink is not None:
+            if not response._chunks and sink(body):
+                if response._read_timeout is not None:  # as a read: the deadline moves
+                    response._deadline = response._loop.time() + response._read_timeout
+                return
+            response._sink = None  # refused: this chunk and the next are read
         response._chunks.append(body)
         response._buffered += len(body)
         if response._buffered > _HIGH_WATER:

@@ -57,6 +57,9 @@ class _HttpxStream:
         except _FAILURES as exc:
             raise _translate(self._role, self._instance, exc) from exc
 
+    def splice(self, sink: Callable[[bytes], bool] | None) -> bool:
+        return False  # httpx hands chunks only to a reader
+
     async def read_all(self) -> bytes:
         try:
             return await self._response.aread()

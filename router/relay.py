@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from router.asgi_types import Receive, Scope, Send, send_error
+from router.asgi_types import BodyWriter, Receive, Scope, Send, send_error
 from router.client_request import ClientRequest
 from router.composer import Composer, Relaying
 from router.disconnect import CONNECTION, Connection, watch
@@ -172,7 +172,7 @@ class RelayResponse(Response):
                     leg = d.leg
                     try:
                         with self._lifecycle.phase("stream"):
-                            await leg.forward(self.more, d.usage_patch, head)
+                            await leg.forward(self.more, d.usage_patch, head, self.writer())
                             self._before_last(d)
                             await self.end(leg.tail)
                             if self._lifecycle.annotates:
@@ -223,6 +223,10 @@ class RelayResponse(Response):
     def stream_stats(self, dispatch: Dispatch) -> None:
         leg = dispatch.leg
         self._lifecycle.stream_read(self._pool.name, dispatch.decision, leg.chunks, leg.worst_gap)
+
+    def writer(self) -> BodyWriter | None:
+        """The client's body writer outside ``send`` (a spliced stream's), if the server has one."""
+        return None if self._conn is None else self._conn.body_writer(self._send)
 
     def more(self, body: bytes) -> Awaitable[None]:
         # The send itself to await, not a coroutine of its own: no frame of its own per chunk.

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.asgi_types import BodyWriter
 from router.engines.instance import Instance
 from router.errors import Fault, UpstreamError
 from router.pd.scrub import StreamScrub
@@ -71,6 +72,8 @@ class DecodeLeg:
         "_clock",
         "_closed",
         "_counted",
+        "_last_at",
+        "_prev",
         "_scrub",
         "chunks",
         "ended_at",
@@ -79,6 +82,7 @@ class DecodeLeg:
         "instance",
         "on_params",
         "rest",
+        "spliced",
         "stream",
         "tail",
         "verdict",
@@ -100,12 +104,15 @@ class DecodeLeg:
         self.rest = rest
         self.verdict: Fault | None = Fault.BLAMELESS if rest is not None else None
         self.chunks = 1  # chunks read from D, the first included
+        self.spliced = 0  # of which written to the client as they came (forward's splice)
         self.worst_gap = 0.0  # longest wait between two chunks, seconds
         # When the first bytes and the last read came (clock seconds; ended_at: None until
         # forward has read to the end): the stream's step time (router/engines/timings.py).
         self.first_at = clock()
         self.ended_at: float | None = None
         self._clock = clock
+        self._last_at = self.first_at  # forward's: when the last chunk came
+        self._prev = first  # forward's: the last bytes sent (where [DONE] may begin)
         self._closed = False
         self.tail = b""  # the last bytes for the client, once forward has read D's end
         # Called, once a stream ended cleanly, with the last params D put on it (the JSON
@@ -117,21 +124,32 @@ class DecodeLeg:
         if self._counted:
             instance.stream_started()
 
-    async def forward(self, more: Sink, patch: Patch | None = None, head: bytes = b"") -> None:
-        """The rest of D's body to ``more`` as read, its last bytes left in ``tail``."""
+    async def forward(
+        self,
+        more: Sink,
+        patch: Patch | None = None,
+        head: bytes = b"",
+        writer: BodyWriter | None = None,
+    ) -> None:
+        """The rest of D's body to ``more`` as read, its last bytes left in ``tail``. With a
+        ``writer`` (the client's response), token events are spliced while the client reads
+        (:meth:`_spliced`): written as they arrive, with no read of the stream between."""
         assert self.rest is not None and self._scrub is not None, "a complete body has no rest"
         scrub, clock, stream = self._scrub.feed, self._clock, self.stream
-        # Locals in the loop (once per token); D's [DONE] is held until D's end is read.
-        held, last, prev, error_event = head, b"", self.first, ENGINE_ERROR_EVENT in self.first
-        count, worst, now = 1, 0.0, clock()
+        # D's [DONE] is held until D's end is read.
+        held, last, error_event = head, b"", ENGINE_ERROR_EVENT in self.first
+        self._prev, self._last_at = self.first, clock()
+        splice = None if writer is None or held else self._spliced(writer, patch)
+        if splice is not None and not stream.splice(splice):
+            splice = None  # this stream cannot
         try:
             async for chunk in self.rest:
-                count += 1
-                error_event = error_event or ENGINE_ERROR_EVENT in chunk
+                self.chunks += 1
+                error_event = error_event or chunk.find(ENGINE_ERROR_EVENT) >= 0
                 t = clock()
-                if t - now > worst:  # not max(): a call per chunk
-                    worst = t - now
-                now = t
+                if t - self._last_at > self.worst_gap:  # not max(): a call per chunk
+                    self.worst_gap = t - self._last_at
+                self._last_at = t
                 chunk = scrub(chunk)
                 if patch is not None and MARKER in chunk:
                     chunk = await patch(chunk)
@@ -141,11 +159,13 @@ class DecodeLeg:
                 if not chunk:  # held back by the scrub until a later read
                     continue
                 # A token's event ends with "}": one test per token, no call.
-                if held or (chunk.endswith(b"]\n\n") and ends_answer(prev, chunk)):
+                if held or (chunk.endswith(b"]\n\n") and ends_answer(self._prev, chunk)):
                     held += chunk
                     continue
-                prev = chunk
+                self._prev = chunk
                 await more(chunk)
+                if splice is not None:
+                    stream.splice(splice)  # again: a chunk it refused ended it
             else:
                 last = held + self._scrub.flush()
         except UpstreamError as exc:
@@ -154,9 +174,41 @@ class DecodeLeg:
                 raise
             last = held + self._scrub.flush()  # the answer was whole: only D's HTTP end broke
         finally:
-            self.chunks, self.worst_gap, self.ended_at = count, worst, now
+            if splice is not None:
+                stream.splice(None)
+            self.ended_at = self._last_at
             self._mark_ended()
         self._read_to_end(last, error_event)
+
+    def _spliced(self, writer: BodyWriter, patch: Patch | None) -> Callable[[bytes], bool]:
+        """What takes D's chunks as they arrive (router/http1.py's splice) while the client
+        reads: a read ending with a token's event (``}``: not the answer's end) with no error
+        event and no usage to patch, whose bytes the scrub holds none of, is written to the
+        client at once, as :meth:`forward` would have sent it; any other is refused (read)."""
+        clock, scrub = self._clock, self._scrub
+        assert scrub is not None
+
+        def spliced(chunk: bytes) -> bool:
+            if (
+                not chunk.endswith(b"}\n\n")
+                or chunk.find(ENGINE_ERROR_EVENT) >= 0
+                or (patch is not None and chunk.find(MARKER) >= 0)
+                or not writer.ready()
+            ):
+                return False
+            out = scrub.feed_whole(chunk)
+            if out is None:
+                return False
+            t = clock()
+            if t - self._last_at > self.worst_gap:
+                self.worst_gap = t - self._last_at
+            self._last_at, self._prev = t, chunk
+            self.chunks += 1
+            self.spliced += 1
+            writer.write(out)
+            return True
+
+        return spliced
 
     def _read_to_end(self, last: bytes, error_event: bool) -> None:
         assert self._scrub is not None
@@ -171,6 +223,12 @@ class DecodeLeg:
         relay, router/pd/migration.py), as the client may see it (router/pd/scrub.py)."""
         assert self._scrub is not None, "a complete body has no rest"
         return self._scrub.feed(chunk)
+
+    def scrub_whole(self, chunk: bytes) -> bytes | None:
+        """:meth:`scrubbed` of a read ending with a whole event while the scrub holds no
+        bytes back; None (nothing done) while it does (router/pd/scrub.py's ``feed_whole``)."""
+        assert self._scrub is not None, "a complete body has no rest"
+        return self._scrub.feed_whole(chunk)
 
     def read_ended(self, chunks: int, worst_gap: float, verdict: Fault | None) -> None:
         """That other reader is done with the stream: what :meth:`forward` records when it

@@ -51,6 +51,7 @@ from router.errors import (
 from router.pd.continuation import continuation, remaining, with_token_ids
 from router.pd.cut import Cut, SseEvents, StallWatch, cut, ended_early
 from router.pd.dispatch import Dispatcher
+from router.pd.event_splice import LegReading
 from router.pd.opened import Dispatch
 from router.pd.progress import Progress
 from router.pd.relay_hooks import RelayHooks
@@ -193,49 +194,63 @@ class Migration:
             return await self._read_leg(d, hooks, watch)
 
     # The reads are inlined, not a generator, and the stall is watched by one timer per
-    # stream: this loop runs once per token (an asyncio.timeout per read cost ~9 us). A read
-    # that is one ordinary token event (Progress.relayed) skips the splitting and parsing.
+    # stream: this loop runs once per read (an asyncio.timeout per read cost ~9 us). Once the
+    # client has the first event, ordinary token events are spliced while it reads
+    # (LegReading.take): written as they arrive, the loop woken only by any other read.
     async def _read_leg(self, d: Dispatch, hooks: RelayHooks, watch: StallWatch) -> Cut | None:
         leg, events, rest, progress = d.leg, SseEvents(), d.leg.rest, self._progress
         assert rest is not None
         loop = asyncio.get_running_loop()
-        count, worst = 1, 0.0
+        r = LegReading(leg, events, progress, watch, loop.time, d.usage_patch is not None)
+        splicing = None if self._whole else hooks.writer()
         data: bytes | None = leg.first
         try:
             while True:
                 if data is None:  # D's end without [DONE], or the stream closed on a stall
-                    return ended_early(leg, watch, count, worst)
+                    return ended_early(leg, watch, r.count, r.worst)
                 out, done, error = _client_bytes(progress, events, data)
                 if d.usage_patch is not None and MARKER in out:
                     out = await d.usage_patch(out)
                 if done:
                     watch.since = loop.time()  # D's end is read, but not forever
-                    await self._finish(d, hooks, out, rest, count, worst)
+                    await self._finish(d, hooks, out, rest, r.count, r.worst)
                     return None
                 if out and not self._whole:  # the events before an error event too
-                    if not self._sent:
-                        self._sent = True
-                        hooks.first_byte()
-                    await hooks.more(out)  # not a coroutine of its own: one frame less
+                    await self._send(hooks, out)
                 if error is not None:
-                    leg.read_ended(count, worst, Fault.ANSWER)
+                    leg.read_ended(r.count, r.worst, Fault.ANSWER)
                     return cut(MigrationCause.ERROR_EVENT, leg, Fault.ANSWER, error)
-                watch.since = started = loop.time()
+                r.waiting()
+                if splicing is not None and self._sent:  # again: a refused chunk ended it
+                    r.writer = splicing if leg.stream.splice(r.take) else None
+                    splicing = r.writer
                 raw = await anext(rest, None)
-                watch.since = None
-                count, gap = count + 1, loop.time() - started
-                worst = gap if gap > worst else worst
+                r.read()
                 data = None if raw is None else leg.scrubbed(raw)
         except UpstreamError as exc:
-            if watch.fired or watch.ejected:
-                return ended_early(leg, watch, count, worst)
-            stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
-            leg.read_ended(count, worst, exc.fault)
-            cause = MigrationCause.STALL if stalled else MigrationCause.DISCONNECT
-            return Cut(cause, d.prefill_error or exc, exc.fault)
+            return self._broken(d, watch, r, exc)
         finally:
+            if r.writer is not None:
+                leg.stream.splice(None)
             watch.cancel()
             hooks.stream_stats(d)
+
+    def _broken(self, d: Dispatch, watch: StallWatch, r: LegReading, exc: UpstreamError) -> Cut:
+        """The cut of a leg whose stream broke (or was closed by the stall watch or an
+        ejection)."""
+        leg = d.leg
+        if watch.fired or watch.ejected:
+            return ended_early(leg, watch, r.count, r.worst)
+        stalled = isinstance(exc, UpstreamTimeout)  # the transport's idle timeout
+        leg.read_ended(r.count, r.worst, exc.fault)
+        cause = MigrationCause.STALL if stalled else MigrationCause.DISCONNECT
+        return Cut(cause, d.prefill_error or exc, exc.fault)
+
+    async def _send(self, hooks: RelayHooks, body: bytes) -> None:
+        if not self._sent:
+            self._sent = True
+            hooks.first_byte()
+        await hooks.more(body)
 
     async def _finish(
         self,
@@ -290,7 +305,7 @@ def _client_bytes(
     progress: Progress, events: SseEvents, data: bytes
 ) -> tuple[bytes, bool, bytes | None]:
     """The client's bytes for a read of D's stream, as :meth:`Progress.client_bytes` says."""
-    if not events.held:
+    if not events.held and data.endswith(b"\n\n"):
         out = progress.relayed(data)  # one ordinary token event: most reads
         if out is not None:
             return out, False, None

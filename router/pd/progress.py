@@ -4,7 +4,7 @@ It rewrites each event for the client (ids the client did not ask for removed; a
 continuation's identity, usage and chat shape made the first leg's) and records what the
 client has received, from which ``router/pd/continuation.py`` builds the continuation.
 
-The first leg's ordinary token events (one choice, ``"finish_reason":null``, no error, its
+The first leg's ordinary token events (one choice, ``"finish_reason":null``, its
 generated ids the only ids list, compact JSON) are not parsed: a few byte searches find the
 list, the client gets the event with it made null, and its ids' bytes wait to be read in
 batches (:meth:`Progress.settle`): one JSON read of up to ``SETTLE_AT`` lists. Parsing each
@@ -46,7 +46,6 @@ _IDS_KEY = b'token_ids":'
 # for the same reason. A list's key preceded by a quote is the generated ids'.
 _IDS_LIST = b'token_ids":['
 _FINISH_NULL = b'"finish_reason":null'
-_ERROR = b'"error"'
 _QUOTE = ord('"')
 # Ordinary events' ids read later: at most this many lists a stream (a few hundred bytes).
 SETTLE_AT = 32
@@ -109,19 +108,19 @@ class Progress:
         self.generated.extend(ids)
 
     def relayed(self, event: bytes) -> bytes | None:
-        """``event`` (one SSE event, its ``\\n\\n`` included or not), if it is an ordinary token
-        event of the first leg, as the client gets it (its ids made null unless asked), its ids
-        kept to be recorded by :meth:`settle`; None for any other, to be read whole. Ordinary:
-        the first leg's identity known, one line, ``"finish_reason":null``, no ``"error"``,
-        and one ids list, the generated one's (``"token_ids":[``; a prompt's list again, or
-        a spaced key, and it is read whole)."""
+        """``event`` (one SSE event, without its ``\\n\\n`` or ending with it: the caller
+        says which is whole), if it is an ordinary token event of the first leg, as the
+        client gets it (its ids made null unless asked), its ids kept to be recorded by
+        :meth:`settle`; None for any other, to be read whole. Ordinary: the first leg's
+        identity known, one line, ``"finish_reason":null`` (an error event has none), and
+        one ids list, the generated one's (``"token_ids":[``; a prompt's list again, or a
+        spaced key, and it is read whole). Each byte search here costs about as much as the
+        rest of a token's relay: there are no more than these."""
         if self.legs != 1 or self.collect or not self.identity:
             return None
         end = event.find(b"\n")
-        if end >= 0 and (end != len(event) - 2 or not event.endswith(b"\n\n")):
-            return None  # several events, or not one whole
-        if event.rfind(_FINISH_NULL) < 0 or event.find(_ERROR) >= 0:
-            return None
+        if (end >= 0 and end != len(event) - 2) or event.rfind(_FINISH_NULL) < 0:
+            return None  # several events, or not a token's
         i = event.find(_IDS_LIST)
         if i < 1 or event[i - 1] != _QUOTE:
             return None  # no ids list, or a prompt's first

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
+from router.asgi_types import BodyWriter
 from router.errors import Outcome
 from router.pd.decode_leg import DecodeLeg
 from router.pd.opened import Dispatch
@@ -30,6 +31,9 @@ class RelayHooks(Protocol):
 
     def stream_stats(self, dispatch: Dispatch) -> None:
         """Count a leg's chunks once it is read."""
+
+    def writer(self) -> BodyWriter | None:
+        """What writes body bytes to the client without a send (None: only sends do)."""
 
     def more(self, body: bytes) -> Awaitable[None]:
         """Send a body message, more to come (the awaitable of its send)."""

@@ -51,6 +51,16 @@ class StreamScrub:
         self._held = b""
         self._removed: list[bytes] = []
 
+    def feed_whole(self, chunk: bytes) -> bytes | None:
+        """:meth:`feed` of a read that ends with a whole event (``}\\n\\n``), when nothing is
+        held back: all of it can go to the client (no key or value is cut at an event's
+        end). None, with nothing done, when bytes are held back (then :meth:`feed` it)."""
+        if self._held:
+            return None
+        if chunk.find(KEY) < 0:
+            return chunk
+        return _scrub(chunk, final=True, removed=self._removed)[0]
+
     @property
     def last_value(self) -> bytes | None:
         return self._removed[-1] if self._removed else None

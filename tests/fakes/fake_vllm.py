@@ -842,7 +842,9 @@ class _DeterministicEvents:
         }
 
     def _event(self, doc: dict[str, Any]) -> bytes:
-        return b"data: " + json.dumps({**self._head, **doc}).encode() + b"\n\n"
+        # Compact, as vLLM writes them (pydantic's JSON): the relay's fast paths expect it.
+        event = json.dumps({**self._head, **doc}, separators=(",", ":"))
+        return b"data: " + event.encode() + b"\n\n"
 
     def role(self) -> bytes:
         """A chat's first event: the role (and the prompt's ids, when asked)."""

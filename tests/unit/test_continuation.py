@@ -281,7 +281,7 @@ ORDINARY = (
         ORDINARY.replace(b"null}", b'null,"prompt_token_ids":[1]}'),  # a prompt's list after
         ORDINARY.replace(b'"token_ids":[7,8]', b'"token_ids": [7,8]'),  # spaced
         ORDINARY.replace(b'"token_ids":[7,8]', b'"token_ids":null'),
-        ORDINARY.replace(b"}]}", b'}],"error":{"message":"x"}}'),
+        b'data: {"error":{"message":"x","type":"y","code":500}}',  # D's error event
         ORDINARY + b"\n\n" + ORDINARY,  # two events in one read
         ORDINARY + b"\n",  # not whole
         b"event: x\n" + ORDINARY,
@@ -289,8 +289,8 @@ ORDINARY = (
 )
 def test_only_an_ordinary_token_event_is_relayed_unread(event: bytes) -> None:
     """Progress.relayed takes exactly one ordinary token event (one generated ids list, its
-    finish_reason null, no error) and leaves any other read for client_bytes: had it taken
-    one of these, the client's bytes or the record would be wrong."""
+    finish_reason null) and leaves any other read for client_bytes: had it taken one of
+    these, the client's bytes or the record would be wrong."""
     progress = Progress.of(creq(COMPLETION))
     progress.identity = {"id": "c"}
     assert progress.relayed(event) is None and progress.pending == []

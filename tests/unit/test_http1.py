@@ -664,3 +664,85 @@ async def test_finished_and_failed_exchanges_are_freed_without_the_collector(
     for peer in server.peers[2:]:  # the others the server closed itself
         await closed_by_client(peer)
     await eventually(lambda: live(_Conn) == conns and live(Http1Response) == responses, WAIT)
+
+
+# -- splice ----------------------------------------------------------------------------
+
+
+async def test_a_splice_takes_chunks_as_they_arrive_and_a_refused_one_is_read_in_order(
+    serve: Callable[[Script], Awaitable[ScriptedServer]], pool: Http1Pool
+) -> None:
+    """While the reader waits with nothing buffered, each chunk goes to the sink; the first
+    it refuses, and the next ones until the splice is asked for again, are read, in order."""
+    sends: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(CHUNKED_HEAD)
+        while (data := await sends.get()) != LAST_CHUNK:
+            await peer.send(data)
+        await peer.send(LAST_CHUNK)
+        await echo(peer)
+
+    server = await serve(script)
+    response = await ask(pool, server.origin, b"a")
+    taken: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        if data.startswith(b"no"):
+            return False
+        taken.append(data)
+        return True
+
+    assert response.splice(sink)
+    read = asyncio.create_task(anext(response))
+    for n, data in enumerate((b"a", b"b"), 1):
+        await sends.put(chunk(data))
+        await eventually(lambda n=n: len(taken) == n, WAIT)  # type: ignore[misc]
+    assert not read.done()  # taken chunks do not wake the reader
+    await sends.put(chunk(b"no") + chunk(b"c"))  # refused, and the one after it is read too
+    got = await asyncio.wait_for(read, WAIT)
+    while len(got) < 3:  # in one read or two, as the bytes came
+        got += await asyncio.wait_for(anext(response), WAIT)
+    assert got == b"noc" and taken == [b"a", b"b"]
+    await sends.put(chunk(b"d"))  # the splice ended with the refusal: read
+    assert await asyncio.wait_for(anext(response), WAIT) == b"d"
+    assert response.splice(sink)
+    read = asyncio.create_task(anext(response))
+    await sends.put(chunk(b"e"))
+    await eventually(lambda: taken == [b"a", b"b", b"e"], WAIT)
+    await sends.put(LAST_CHUNK)
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(read, WAIT)
+    assert response.ended
+    response.close()
+    assert response._sink is None  # closing drops the sink (and what it holds)
+    assert await fetch(pool, server.origin, b"b") == b"echo:b"
+    assert server.accepted == 1
+
+
+async def test_spliced_chunks_move_the_read_timeout_as_reads_do(
+    serve: Callable[[Script], Awaitable[ScriptedServer]], pool: Http1Pool
+) -> None:
+    """Chunks the sink takes are bytes from the engine: a stream that keeps sending them
+    for longer than the read timeout does not time out; its stall afterwards does."""
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(CHUNKED_HEAD)
+        for _ in range(5):  # 2 s of body, gaps of 0.4 s, well below the 1 s timeout
+            await asyncio.sleep(0.4)
+            await peer.send(chunk(b"x"))
+        await peer.until_eof()
+
+    server = await serve(script)
+    response = await ask(pool, server.origin, b"a", timeout=1.0)
+    taken: list[bytes] = []
+    assert response.splice(lambda data: taken.append(data) is None)
+    started = time.monotonic()
+    with pytest.raises(ReadTimeout):
+        await asyncio.wait_for(anext(response), WAIT)
+    assert taken == [b"x"] * 5  # all of them came before the stall timed out
+    assert time.monotonic() - started >= 2.0
+    response.close()
+    await closed_by_client(server.peers[0])
