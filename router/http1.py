@@ -31,9 +31,9 @@ Contract:
   engine calls run at once.
 * :meth:`Http1Response.splice`: while its reader waits with nothing buffered, each body
   chunk is offered to a sink as it arrives, in the connection's callback, before any task
-  wakes; the first chunk the sink refuses, and every chunk after it, are read as usual (in
-  order); refusing also ends the splice until it is asked for again. A spliced chunk moves
-  the read timeout's deadline as a read does.
+  wakes; the first chunk the sink refuses (or that comes while the reader is not waiting),
+  and every chunk after it, are read as usual, in order: the splice ends there until it is
+  asked for again. A spliced chunk moves the read timeout's deadline as a read does.
 """
 
 from __future__ import annotations
@@ -323,9 +323,10 @@ class Http1Response:
         return self
 
     def splice(self, sink: Sink | None) -> bool:
-        """Offer the body's chunks to ``sink`` as they arrive, while nothing is buffered
-        (None: stop). ``sink`` takes a chunk (True) or refuses it (False: it is buffered and
-        read, and the splice ends); it runs in the connection's callback and must not raise.
+        """Offer the body's chunks to ``sink`` as they arrive while the reader waits with
+        nothing buffered (None: stop). ``sink`` takes a chunk (True) or refuses it (False:
+        it is buffered and read, and the splice ends, as it does for a chunk that comes while
+        the reader is not waiting); it runs in the connection's callback and must not raise.
         True: this stream splices."""
         self._sink = sink
         return True
@@ -435,11 +436,14 @@ class _Conn(asyncio.Protocol):
             return
         sink = response._sink
         if sink is not None:
-            if not response._chunks and sink(body):
+            # Offered only while the reader waits with nothing buffered and nothing failed:
+            # while it handles a chunk read, a chunk taken now would overtake that one.
+            waiting = response._waiter is not None and response._error is None
+            if waiting and not response._chunks and sink(body):
                 if response._read_timeout is not None:  # as a read: the deadline moves
                     response._deadline = response._loop.time() + response._read_timeout
                 return
-            response._sink = None  # refused: this chunk and the next are read
+            response._sink = None  # refused, or not offered: this chunk and the next are read
         response._chunks.append(body)
         response._buffered += len(body)
         if response._buffered > _HIGH_WATER:

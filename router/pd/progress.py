@@ -7,8 +7,9 @@ client has received, from which ``router/pd/continuation.py`` builds the continu
 The first leg's ordinary token events (one choice, ``"finish_reason":null``, its
 generated ids the only ids list, compact JSON) are not parsed: a few byte searches find the
 list, the client gets the event with it made null, and its ids' bytes wait to be read in
-batches (:meth:`Progress.settle`): one JSON read of up to ``SETTLE_AT`` lists. Parsing each
-event and walking its JSON cost about twice as much (bench/results/2026-12-07-relay-fast-path.md).
+batches (:meth:`Progress.settle`): one JSON read of up to ``SETTLE_AT`` lists. Splitting the
+read into events and scanning each (what ``client_bytes`` does) executed 2.5x the
+instructions (bench/results/2026-12-07-relay-splice.md).
 Whatever reads what was recorded settles first; any other event is parsed whole, after the
 events before it are recorded.
 """

@@ -673,7 +673,8 @@ async def test_a_splice_takes_chunks_as_they_arrive_and_a_refused_one_is_read_in
     serve: Callable[[Script], Awaitable[ScriptedServer]], pool: Http1Pool
 ) -> None:
     """While the reader waits with nothing buffered, each chunk goes to the sink; the first
-    it refuses, and the next ones until the splice is asked for again, are read, in order."""
+    it refuses, or that comes while no reader waits, and the next ones until the splice is
+    asked for again, are read, in order."""
     sends: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def script(peer: Peer) -> None:
@@ -707,6 +708,10 @@ async def test_a_splice_takes_chunks_as_they_arrive_and_a_refused_one_is_read_in
     assert got == b"noc" and taken == [b"a", b"b"]
     await sends.put(chunk(b"d"))  # the splice ended with the refusal: read
     assert await asyncio.wait_for(anext(response), WAIT) == b"d"
+    assert response.splice(sink)
+    await sends.put(chunk(b"dd"))  # no reader waits: read (it would overtake the reader's)
+    await eventually(lambda: response._buffered == 2, WAIT)
+    assert await asyncio.wait_for(anext(response), WAIT) == b"dd" and len(taken) == 2
     assert response.splice(sink)
     read = asyncio.create_task(anext(response))
     await sends.put(chunk(b"e"))
