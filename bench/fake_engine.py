@@ -21,6 +21,9 @@ the subset of vLLM's OpenAI API that a P/D router uses:
     ``prompt_token_ids``), null unless ``return_token_ids`` is asked; then each event its
     token's id and a completion's first the prompt's ids (the router asks for them with
     migration on).
+  - ``--chunk-params``: as vLLM 0.33 and 0.34 stream, every chunk ends with
+    ``"kv_transfer_params":null`` (D's params on the last one where it has any: a fake D has
+    none), which the router's scrub reads on every token.
 
 Prompt tokens are estimated as characters / 4, the same for every target.
 """
@@ -78,6 +81,8 @@ class Engine:
         self.transfer: float = args.kv_transfer_ms / 1000.0
         self.transfer_mode: str = args.transfer_mode
         self.token_ids: bool = args.token_ids
+        # vLLM 0.33+ ends every streamed chunk with its kv_transfer_params (null on a token's).
+        self.chunk_tail = b',"kv_transfer_params":null}' if args.chunk_params else b"}"
         self.engine_id = f"fake-{os.getpid()}"
         self.kv_port: int = args.port + 1000
         self.batch = Batch(self.itl)
@@ -143,18 +148,20 @@ class Engine:
             prompt = b",".join(b"%d" % (1000 + i % 30000) for i in range(_prompt_tokens(body)))
             first_ids = ids if chat else b',"prompt_token_ids":[' + prompt + b"]" + ids
         mid_ids = ids if chat else b',"prompt_token_ids":null' * self.token_ids + ids
+        tail = self.chunk_tail
         if chat:
             tok = b'{"id":"chatcmpl-%d","object":"chat.completion.chunk","model":"m",' % rid
-            text = b'"choices":[{"index":0,"delta":{"content":" tok"}%s,"finish_reason":null}]}'
-            end = tok + b'"choices":[{"index":0,"delta":{}%s,"finish_reason":"length"}]}' % mid_ids
+            text = b'"choices":[{"index":0,"delta":{"content":" tok"}%s,"finish_reason":null}]'
+            end = tok + b'"choices":[{"index":0,"delta":{}%s,"finish_reason":"length"}]' % mid_ids
         else:
             tok = b'{"id":"cmpl-%d","object":"text_completion","model":"m",' % rid
-            text = b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":null}]}'
+            text = b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":null}]'
             end = (
-                tok + b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":"length"}]}' % mid_ids
+                tok + b'"choices":[{"index":0,"text":" tok"%s,"finish_reason":"length"}]' % mid_ids
             )
-        mid = tok + text % mid_ids
-        first = tok + text % first_ids
+        mid = tok + text % mid_ids + tail
+        first = tok + text % first_ids + tail
+        end += tail
         sse = [_chunk(b"data: " + e + b"\n\n") for e in (first, mid, end)]
         return sse[0], sse[1], sse[2]
 
@@ -347,6 +354,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--token-ids", action="store_true", help="stream token ids when return_token_ids is asked"
+    )
+    p.add_argument(
+        "--chunk-params",
+        action="store_true",
+        help='as vLLM 0.33+: every streamed chunk ends with "kv_transfer_params":null',
     )
     args = p.parse_args(argv)
     if args.tokens < 2:

@@ -126,6 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-base", type=int, default=16300)
     p.add_argument("--vllm-router-bin")
     p.add_argument("--smg-bin")
+    p.add_argument("--engine-vllm", choices=("0.32", "0.34"), default="0.32")
     return p.parse_args(argv)
 
 
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             str(args.tokens),
             "--log-level",
             "warning",
+            "--engine-vllm",
+            args.engine_vllm,
             *(["--baseline-root", args.baseline_root] if args.baseline_root else []),
             *(["--vllm-router-bin", args.vllm_router_bin] if args.vllm_router_bin else []),
             *(["--smg-bin", args.smg_bin] if args.smg_bin else []),

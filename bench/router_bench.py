@@ -733,6 +733,7 @@ def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Po
         # As vLLM 0.32 does: id fields null, each event its ids where return_token_ids is
         # asked (a migrating router asks; without them it could never continue an answer).
         "--token-ids",
+        *(["--chunk-params"] if args.engine_vllm != "0.32" else []),
     ]
     procs = []
     for i, role in ((1, "prefill"), (2, "decode")):
@@ -758,6 +759,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=16, help="answer tokens (without --answers)")
     p.add_argument("--answers", help="matrix: answer token counts, e.g. 1,64 (default --tokens)")
     p.add_argument("--itl-ms", type=float, default=5.0)
+    p.add_argument(
+        "--engine-vllm",
+        choices=("0.32", "0.34"),
+        default="0.32",
+        help="the fake engines' stream shape: 0.34 (0.33 on) ends every chunk with its "
+        "kv_transfer_params, null on a token's",
+    )
     p.add_argument("--prefill-us-per-token", type=float, default=20.0)
     p.add_argument("--kv-transfer-ms", type=float, default=1.0)
     p.add_argument("--prompt-chars", type=int, default=512, help="prompt bytes (no --prompts)")

@@ -24,6 +24,10 @@ __all__ = ["KEY", "StreamScrub", "without_params"]
 
 KEY = b'"kv_transfer_params"'
 _NULL = b"null"
+# vLLM 0.33+ ends every token chunk with the key and a null value, compact: nothing to change.
+_COLON_NULL = b":null"
+_KEY_LEN = len(KEY)
+_KEY_NULL_END = len(KEY) + len(_COLON_NULL)
 _WS = b" \t\r\n"
 # The next byte that opens or closes a string, an object or an array.
 _STRUCTURE = re.compile(rb'["{}\[\]]')
@@ -57,9 +61,13 @@ class StreamScrub:
         end). None, with nothing done, when bytes are held back (then :meth:`feed` it)."""
         if self._held:
             return None
-        if chunk.find(KEY) < 0:
+        found = chunk.find(KEY)
+        if found < 0 or (  # the usual chunk, inlined: one key, already null (_null_only)
+            chunk.startswith(_COLON_NULL, found + _KEY_LEN)
+            and chunk.find(KEY, found + _KEY_NULL_END) < 0
+        ):
             return chunk
-        return _scrub(chunk, final=True, removed=self._removed)[0]
+        return _scrub_keys(chunk, found, True, self._removed)[0]
 
     @property
     def last_value(self) -> bytes | None:
@@ -122,9 +130,24 @@ def _scrub(data: bytes, *, final: bool, removed: list[bytes] | None = None) -> t
     is held back: a key without a value is sent as is, a value cut short is dropped. The
     last value made null is left as ``removed``'s one item."""
     found = data.find(KEY)
-    if found < 0 and (final or _ends_in_key(data, 0) < 0):
-        return data, b""  # the fast path: no key in these bytes
+    if found < 0:
+        if final or _ends_in_key(data, 0) < 0:
+            return data, b""  # the fast path: no key in these bytes
+    elif _null_only(data, found, final):
+        return data, b""  # vLLM 0.33+'s token chunk: its one key already null
     return _scrub_keys(data, found, final, removed)
+
+
+def _null_only(data: bytes, found: int, final: bool) -> bool:
+    """Whether the key at ``found`` is the only one in ``data``, its value ``null`` written
+    compactly (as vLLM writes it), and (not ``final``) ``data`` does not end in the start
+    of another: then nothing in ``data`` changes and nothing is held back."""
+    after = found + _KEY_NULL_END
+    return (
+        data.startswith(_COLON_NULL, found + _KEY_LEN)
+        and data.find(KEY, after) < 0
+        and (final or _ends_in_key(data, after) < 0)
+    )
 
 
 def _scrub_keys(

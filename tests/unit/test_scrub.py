@@ -135,3 +135,19 @@ def test_the_params_made_null_are_kept_for_the_router_whatever_the_cuts() -> Non
     tokens_only = StreamScrub()
     tokens_only.feed(_token(1) + _token(2))
     assert tokens_only.last_value is None  # null values are not params
+
+
+def test_a_whole_read_is_sent_as_is_only_while_every_value_in_it_is_null() -> None:
+    scrub = StreamScrub()
+    token = _token(1)
+    assert scrub.feed_whole(token) is token  # 0.33+'s token chunk: nothing to change
+    spaced = _token(2, compact=False)
+    assert scrub.feed_whole(spaced) == spaced
+    # A null value, then D's coordinates in the same read: the second is made null.
+    out = scrub.feed_whole(_token(3) + _token(4, COORDS))
+    assert out == _token(3) + _token(4)
+    assert scrub.last_value is not None and json.loads(scrub.last_value) == COORDS
+    # A read whose bytes are held back is not taken whole: the caller feeds it.
+    held = StreamScrub()
+    assert held.feed(_token(5) + b'data: {"kv_transfer') == _token(5) + b"data: {"
+    assert held.feed_whole(_token(6)) is None
