@@ -202,7 +202,8 @@ class Migration:
         assert rest is not None
         loop = asyncio.get_running_loop()
         r = LegReading(leg, events, progress, watch, loop.time, d.usage_patch is not None)
-        splicing = None if self._whole else hooks.writer()
+        # A continuation's events are rewritten (Progress.relayed refuses them): no splice.
+        splicing = None if self._whole or progress.legs != 1 else hooks.writer()
         data: bytes | None = leg.first
         try:
             while True:
