@@ -26,6 +26,11 @@ class BodyWriter(Protocol):
 
     def write(self, body: bytes) -> None: ...
 
+    def offer(self, body: bytes) -> bool:
+        """:meth:`write` if :meth:`ready` (True), else nothing written (False): one call for
+        a caller with nothing to undo when the client cannot take it."""
+        ...
+
 
 async def send_error(send: Send, exc: RouterError, request_id: bytes | None = None) -> None:
     """The error as a whole response; ``request_id`` is the client's, echoed."""

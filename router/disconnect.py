@@ -39,6 +39,11 @@ class Connection(Protocol):
         """What writes the body of the response that ``send`` (the ASGI send of a request
         on this connection) sends, without the ASGI call; None: only ``send`` can."""
 
+    def whole_body(self, receive: Any) -> bytes | None:
+        """The body of the request whose ASGI receive is ``receive``, taken as that receive
+        would have returned it, if all of it has arrived and none of it was received yet;
+        None (nothing taken): read it through ``receive``."""
+
 
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":

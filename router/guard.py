@@ -175,6 +175,19 @@ class _BodyWriter:
     def write(self, body: bytes) -> None:
         self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
 
+    def offer(self, body: bytes) -> bool:
+        cycle = self._cycle  # ready() and write() inlined: a spliced token's two calls
+        if (
+            not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+            or cycle.flow.write_paused
+            or cycle.disconnected
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
 
 def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with the bounds of ``config`` (``http=`` of uvicorn)."""
@@ -192,6 +205,7 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             self._head_begun = False
             self._body_due = False
             self._head_bytes = 0
+            self._heads = 0  # heads read whole on this connection
             self._header_count = 0
             self._shut = False  # refused or cut: the parser's callbacks do nothing more
             self._counted = False
@@ -230,10 +244,13 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             if self._shut:
                 return
             if self._in_head:
-                self._head_bytes += len(data)
-                if self._head_bytes > config.max_header_bytes:
-                    self._refuse_head("size", config.max_header_bytes)
+                room = config.max_header_bytes - self._head_bytes
+                if len(data) > room:
+                    rest = self._head_within(data, room)
+                    if rest:  # a body, or the next request: its head counted from 0
+                        self.data_received(rest)
                     return
+                self._head_bytes += len(data)
             super().data_received(data)
             if self._shut:
                 return
@@ -241,6 +258,19 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
                 self._arm_head()  # a later request on a kept-alive connection, head in parts
             if self._body_due and self._body_timer is None:
                 self._body_timer = self.loop.call_later(config.body_timeout, self._body_late)
+
+        def _head_within(self, data: bytes, room: int) -> bytes:
+            """``data`` goes past the head's bound (``room`` bytes left): the head must end
+            within it; the bytes after ``room`` (a body, a long prompt's) are returned to
+            be read as usual. Empty: refused (431), or the connection is closing."""
+            heads = self._heads
+            super().data_received(data[:room])
+            if self._shut or self.transport.is_closing():
+                return b""
+            if self._heads == heads:  # the head goes on past its bound
+                self._refuse_head("size", config.max_header_bytes)
+                return b""
+            return data[room:]
 
         # -- the parser's callbacks ----------------------------------------------------
 
@@ -253,6 +283,24 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             """router.disconnect.Connection.body_writer: the writer of ``send``'s response."""
             cycle = getattr(send, "__self__", None)
             return _BodyWriter(cycle) if isinstance(cycle, RequestResponseCycle) else None
+
+        def whole_body(self, receive: Any) -> bytes | None:
+            """router.disconnect.Connection.whole_body: what uvicorn's ``receive`` does for
+            a body it holds whole, without the awaits (most bodies come with their head)."""
+            cycle = getattr(receive, "__self__", None)
+            if (
+                not isinstance(cycle, RequestResponseCycle)
+                or cycle.more_body
+                or cycle.disconnected
+                or cycle.response_complete
+                or cycle.waiting_for_100_continue
+            ):
+                return None
+            cycle.flow.resume_reading()
+            cycle.message_event.clear()
+            body = bytes(cycle.body)
+            cycle.body = bytearray()
+            return body
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -277,6 +325,7 @@ def guarded_protocol(config: ConnectionsConfig, events: ClientEvents) -> type[as
             if self._shut:
                 return
             self._in_head = self._head_begun = False
+            self._heads += 1
             self._cancel(head=True)
             self._body_due = True
             super().on_headers_complete()

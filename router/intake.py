@@ -27,6 +27,7 @@ from router.client_request import (
     with_session,
 )
 from router.context import AppContext
+from router.disconnect import CONNECTION, Connection
 from router.engines.adapters import requested_adapter
 from router.errors import (
     BodyTooLarge,
@@ -119,6 +120,12 @@ async def read_body(ctx: AppContext, request: Request) -> bytes:
     """The whole body within ``connections.body_timeout`` (else 408, the connection
     closed), at most ``admission.max_body_bytes`` (else 413)."""
     limit = ctx.config.admission.max_body_bytes
+    conn: Connection | None = request.scope.get(CONNECTION)
+    whole = None if conn is None else conn.whole_body(request.receive)
+    if whole is not None:  # all of it came with the head: nothing to wait for
+        if len(whole) > limit:
+            raise BodyTooLarge(f"request body exceeds {limit} bytes")
+        return whole
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"request body exceeds {limit} bytes")

@@ -193,11 +193,11 @@ class DecodeLeg:
                 not chunk.endswith(b"}\n\n")
                 or chunk.find(ENGINE_ERROR_EVENT) >= 0
                 or (patch is not None and chunk.find(MARKER) >= 0)
-                or not writer.ready()
             ):
                 return False
+            # A chunk refused here is fed again by the reader: the scrub records the same.
             out = scrub.feed_whole(chunk)
-            if out is None:
+            if out is None or not writer.offer(out):
                 return False
             t = clock()
             if t - self._last_at > self.worst_gap:
@@ -205,7 +205,6 @@ class DecodeLeg:
             self._last_at, self._prev = t, chunk
             self.chunks += 1
             self.spliced += 1
-            writer.write(out)
             return True
 
         return spliced

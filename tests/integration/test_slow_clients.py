@@ -224,6 +224,42 @@ async def test_a_body_sent_a_byte_at_a_time_is_cut_before_any_slot(
     assert all(e.received == [] for e in cluster.engines)
 
 
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+    """One response (a content-length or chunked): its status and JSON body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), SLACK_S)
+    fields = dict(line.lower().split(b": ", 1) for line in head.split(b"\r\n")[1:] if line)
+    if b"content-length" in fields:
+        body = await reader.readexactly(int(fields[b"content-length"]))
+        return _status(head), json.loads(body)
+    body = b""
+    while size := int(await asyncio.wait_for(reader.readline(), SLACK_S), 16):
+        body += await reader.readexactly(size)
+        await reader.readline()
+    await reader.readline()
+    return _status(head), json.loads(body)
+
+
+async def test_a_body_that_came_whole_is_taken_and_the_connection_reads_on(
+    cluster: Cluster,
+) -> None:
+    """A body that arrived with its head is taken without waiting (router/guard.py
+    whole_body): as the client sent it, and, past uvicorn's high-water mark (64 KiB), where
+    the protocol stopped reading, reading resumed: the next request on the connection is
+    read and answered."""
+    url, _ctx = await _router(cluster)
+    filler = "x" * 100_000
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2, "user": filler})
+    head = f"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {len(body)}\r\n\r\n"
+    async with _connect(url) as (reader, writer):
+        for _ in range(2):
+            writer.write(head.encode() + body.encode())
+            await writer.drain()
+            status, answer = await _answer(reader)
+            assert status == 200 and answer["choices"][0]["text"]
+    received = [r for e in cluster.engines for r in e.received]
+    assert len(received) == 2 and all(r.body["user"] == filler for r in received)
+
+
 async def test_a_body_nobody_reads_cannot_keep_its_connection(cluster: Cluster) -> None:
     """Answered at once (405: nothing reads the body), the body still trickling in: every
     byte would keep the connection alive, but its deadline ends it."""
@@ -261,6 +297,30 @@ async def test_too_many_or_too_large_headers_are_refused(
     assert f"event=headers_refused reason={reason}" in caplog.text
     async with httpx.AsyncClient() as client:  # a reasonable head still gets in
         assert (await client.get(url + "/health")).status_code == 200
+
+
+async def test_a_head_past_its_bound_is_refused_though_a_body_comes_with_it(
+    cluster: Cluster,
+) -> None:
+    """Only the head counts against ``max_header_bytes``: a small head and a body far past
+    the bound in one read are answered (the test above this one), a large head is refused
+    even when its body comes in the same read."""
+    url, ctx = await _router(cluster, max_header_bytes=4096)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "user": "x" * 20_000}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: r\r\nx-big: {'v' * 8000}\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    async with _connect(url) as (reader, writer):
+        writer.write(head.encode() + body)
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), BOUND_S + SLACK_S)
+    assert _status(answer) == 431
+    assert metric(ctx, "pdrouter_client_headers_refused_total", reason="size") == 1
+    async with httpx.AsyncClient() as client:  # the same body under a small head gets in
+        r = await client.post(url + "/v1/completions", content=body)
+        assert r.status_code == 200, r.text
 
 
 async def test_connections_beyond_the_cap_are_closed_at_once(
