@@ -223,11 +223,12 @@ class DecodeLeg:
         assert self._scrub is not None, "a complete body has no rest"
         return self._scrub.feed(chunk)
 
-    def scrub_whole(self, chunk: bytes) -> bytes | None:
-        """:meth:`scrubbed` of a read ending with a whole event while the scrub holds no
-        bytes back; None (nothing done) while it does (router/pd/scrub.py's ``feed_whole``)."""
+    def whole_scrubber(self) -> Callable[[bytes], bytes | None]:
+        """What gives :meth:`scrubbed` of a read ending with a whole event while the scrub
+        holds no bytes back, and None (nothing done) while it does (router/pd/scrub.py's
+        ``feed_whole``, itself: a spliced token's frame fewer)."""
         assert self._scrub is not None, "a complete body has no rest"
-        return self._scrub.feed_whole(chunk)
+        return self._scrub.feed_whole
 
     def read_ended(self, chunks: int, worst_gap: float, verdict: Fault | None) -> None:
         """That other reader is done with the stream: what :meth:`forward` records when it

@@ -22,9 +22,9 @@ class LegReading:
 
     __slots__ = (
         "_events",
-        "_leg",
         "_patched",
         "_progress",
+        "_scrub_whole",
         "_time",
         "_watch",
         "count",
@@ -45,7 +45,8 @@ class LegReading:
     ) -> None:
         """``patched``: the answer's usage is patched (router/pd/usage.py): a chunk holding
         it is read."""
-        self._leg, self._events, self._progress = leg, events, progress
+        self._events, self._progress = events, progress
+        self._scrub_whole = leg.whole_scrubber()
         self._watch, self._time, self._patched = watch, time, patched
         self.writer: BodyWriter | None = None
         self.count, self.worst, self.spliced = 1, 0.0, 0
@@ -77,7 +78,7 @@ class LegReading:
             or not writer.ready()
         ):
             return False
-        out = self._leg.scrub_whole(raw)
+        out = self._scrub_whole(raw)
         client = None if out is None else self._progress.relayed(out)
         if client is None:
             return False  # the scrub's work, done again by the reader, is the same

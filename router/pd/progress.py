@@ -46,6 +46,7 @@ _IDS_KEY = b'token_ids":'
 # What an ordinary event is told by (Progress.relayed); none can occur inside generated text
 # for the same reason. A list's key preceded by a quote is the generated ids'.
 _IDS_LIST = b'token_ids":['
+_IDS_LEN = len(_IDS_LIST)
 _FINISH_NULL = b'"finish_reason":null'
 _QUOTE = ord('"')
 # Ordinary events' ids read later: at most this many lists a stream (a few hundred bytes).
@@ -125,7 +126,7 @@ class Progress:
         i = event.find(_IDS_LIST)
         if i < 1 or event[i - 1] != _QUOTE:
             return None  # no ids list, or a prompt's first
-        start = i + len(_IDS_LIST)
+        start = i + _IDS_LEN
         close = event.find(b"]", start)
         if close < 0 or event.find(_IDS_LIST, close) >= 0:
             return None
