@@ -863,9 +863,9 @@ class ConnectionsConfig(_Strict):
     after ``write_timeout`` seconds without progress once the client has left
     ``send_buffer_bytes`` (the socket's send buffer, which the kernel doubles) and the
     router's own 64 KiB unread (0: the kernel's default buffer, which grows to megabytes:
-    a token stream would take minutes to fill it). Beyond ``max_header_bytes`` or
-    ``max_headers`` the answer is 431; beyond ``max_open`` connections a new one is closed
-    at once."""
+    a token stream would take minutes to fill it). A head (request line and headers; the
+    body does not count) beyond ``max_header_bytes`` or ``max_headers`` is answered 431;
+    beyond ``max_open`` connections a new one is closed at once."""
 
     max_open: int = Field(default=16384, ge=1)
     header_timeout: PositiveFloat = 10.0
