@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port-base", type=int, default=16300)
     p.add_argument("--vllm-router-bin")
     p.add_argument("--smg-bin")
-    p.add_argument("--engine-vllm", choices=("0.32", "0.34"), default="0.32")
+    p.add_argument("--engine-vllm", choices=rb.ENGINE_SHAPES, default=rb.ENGINE_SHAPES[0])
     return p.parse_args(argv)
 
 

@@ -196,6 +196,10 @@ def _rss_one(pid: int) -> float:
     return float("nan")
 
 
+# The fake engines' stream shapes (--engine-vllm): 0.32's, and 0.33+'s (--chunk-params).
+ENGINE_SHAPES = ("0.32", "0.34")
+
+
 def _cpu_one(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -733,7 +737,7 @@ def _start_engines(args: argparse.Namespace, logdir: Path) -> list[subprocess.Po
         # As vLLM 0.32 does: id fields null, each event its ids where return_token_ids is
         # asked (a migrating router asks; without them it could never continue an answer).
         "--token-ids",
-        *(["--chunk-params"] if args.engine_vllm != "0.32" else []),
+        *(["--chunk-params"] if args.engine_vllm != ENGINE_SHAPES[0] else []),
     ]
     procs = []
     for i, role in ((1, "prefill"), (2, "decode")):
@@ -761,8 +765,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--itl-ms", type=float, default=5.0)
     p.add_argument(
         "--engine-vllm",
-        choices=("0.32", "0.34"),
-        default="0.32",
+        choices=ENGINE_SHAPES,
+        default=ENGINE_SHAPES[0],
         help="the fake engines' stream shape: 0.34 (0.33 on) ends every chunk with its "
         "kv_transfer_params, null on a token's",
     )
