@@ -10,7 +10,9 @@ Load it on both engines with::
 ``kv_connector_extra_config`` keys (all optional): ``side_channel_host``/``side_channel_port``
 (default: ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, else 127.0.0.1:5600; rank r listens on port+r),
 ``handshake_timeout_s``, ``registration_timeout_s``, ``receive_timeout_s``, ``write_timeout_s``
-(see ``worker.Timeouts``), ``progress_delay_us`` (NIXL progress-thread sleep, default 1000),
+(see ``worker.Timeouts``), ``progress_thread`` (NIXL's UCX progress thread, default false: the
+worker's own calls progress NIXL, see ``transport.RealNixlAgent``), ``progress_delay_us`` (that
+thread's sleep when it is on, default 1000),
 ``backends`` (default ``["UCX"]``), ``model_id`` (name compared in the handshake; default: the
 model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
 step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
@@ -348,9 +350,13 @@ def _build_worker(
             "pd-connector: readiness_gate is off: WRITEs are posted without waiting for the "
             "device, and may read KV it has not written yet. For negative controls only."
         )
+    thread = extra.get("progress_thread", False)
+    if not isinstance(thread, bool):
+        raise ValueError(f"progress_thread must be true or false, not {thread!r}")
     agent = RealNixlAgent(
         rank.agent_name(engine_id),
         port + rank.index,
+        progress_thread=thread,
         progress_delay_us=int(extra.get("progress_delay_us", 1000)),
         backends=tuple(extra.get("backends", ("UCX",))),
     )

@@ -19,6 +19,8 @@ kind          direction  meaning
                          has seen that many ``W`` notices
 ``FAIL``      P -> D     P gave up on ``tid`` (abort, error, timeout, unknown tid)
 ``ABORT``     D -> P     D gave up on ``tid`` (client gone, timeout): stop writing, free
+``ACK``       D -> P     D's receive of ``tid`` completed (every ``W`` and ``DONE`` seen): P
+                         may free its blocks and stop stepping for it
 ============  =========  ==================================================================
 
 Kept turns (a finished turn kept on D for the conversation's next P; ``tid`` = the
@@ -63,7 +65,9 @@ __all__ = [
 #   2: ASK/HELD/PULL (kept turns).
 #   3: HELLO's Compat adds kv_layout, attn_backend, kv_cache_dtype, mem_type, use_mla, pp_size,
 #      dp_size, dcp_size; its layout is one base address per layer (a block is one piece).
-CONNECTOR_VERSION = 3
+#   4: ACK (D -> P): P holds a send until D acknowledges it (a notice leaves NIXL only while
+#      its sender progresses, so P must keep stepping until D has everything).
+CONNECTOR_VERSION = 4
 
 _PREFIX = b"PDR"
 
@@ -78,6 +82,7 @@ class Kind(enum.StrEnum):
     DONE = "DONE"
     FAIL = "FAIL"
     ABORT = "ABORT"
+    ACK = "ACK"
     ASK = "ASK"
     HELD = "HELD"
     PULL = "PULL"

@@ -2,7 +2,8 @@
 
 Per transfer id: the scheduler's ``RecvSpec`` names the blocks P must fill; once the link to P is
 READY, ``REG`` sends them. Every WRITE from P carries a ``W`` notice, delivered after its data;
-``DONE`` says how many there are, so the receive is complete once that many ``W`` were seen.
+``DONE`` says how many there are, so the receive is complete once that many ``W`` were seen;
+``ACK`` then tells P it may free its blocks (see ``sender``: P keeps stepping until it does).
 
 Every receive the scheduler hands over is reported exactly once, successful or failed: failed on
 P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also sends ``ABORT`` so P
@@ -219,6 +220,9 @@ class Receiver:
         if recv.writes_seen < recv.expected:
             return
         recv.finished = True
+        if not recv.spec.pull:  # P holds its blocks (and keeps stepping) until this arrives
+            for name in recv.links:
+                self._ctx.notice(name, encode(Kind.ACK, recv.spec.tid))
         log.debug(
             "pd-connector: receive %s complete after %.1f ms (%d writes)",
             recv.spec.tid,

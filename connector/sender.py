@@ -10,7 +10,12 @@ it without blocking. A step whose layers were not all saved (a CUDA graph replay
 queues the missing ones behind the ``end_step`` mark, so every layer of every step is written.
 Once the final step has ended, REG is known and the queue is empty, ``DONE`` tells D how many
 WRITEs to count. A send is reported finished once vLLM has finished its request, nothing of it is
-queued and no WRITE from its blocks is still in flight (vLLM frees the blocks then).
+queued, no WRITE from its blocks is still in flight and D has acknowledged it (``ACK``: D saw
+every ``W`` and the ``DONE``); vLLM frees the blocks then. The wait for ``ACK`` is what keeps P
+stepping until D has everything: NIXL sends a notice (a WRITE's ``W``, ``DONE``) only while its
+sender progresses, i.e. calls into NIXL, and P's engine stops calling once it reports the send;
+a notice still queued then would reach D only with P's next request. A send still without
+``ACK`` ``write_timeout_s`` after its last WRITE completed fails (``ack_timeout``).
 
 P gives up with ``FAIL`` to D on its request's abort or error, on the registration timeout and
 on a WRITE error or timeout; after D's ``ABORT`` it just stops writing. For ``memory_s`` it
@@ -75,6 +80,8 @@ class _Send:
     failed: bool = False
     first_post: float | None = None
     last_done: float | None = None
+    done_at: float | None = None  # when DONE was queued
+    acked: bool = False  # D acknowledged the whole send (ACK)
 
 
 class Sender:
@@ -217,6 +224,12 @@ class Sender:
         self._flush(send)
         self._maybe_done(send)
 
+    def on_ack(self, peer: str, tid: str) -> None:
+        """D worker ``peer`` has every WRITE of ``tid`` and its DONE: the send may end."""
+        send = self._by_tid.get((tid, peer))
+        if send is not None:
+            send.acked = True
+
     def on_abort(self, peer: str, tid: str) -> None:
         """D worker ``peer``'s ABORT: stop writing ``tid`` there (or start it failed, if it has
         not started)."""
@@ -271,9 +284,10 @@ class Sender:
         for send in list(self._sends.values()):
             self._check_handles(send, now)
             self._check_reg_timeout(send, now)
+            self._check_ack_timeout(send, now)
         for req_id, sends in list(self._reqs.items()):
             # DONE waits for an empty queue and a failure empties it: settled, nothing is queued.
-            drained = all((s.failed or s.done_sent) and not s.handles for s in sends)
+            drained = all((s.failed or (s.done_sent and s.acked)) and not s.handles for s in sends)
             if req_id in self._finished_reqs and drained:
                 done.add(req_id)
                 for send in sends:
@@ -414,6 +428,7 @@ class Sender:
         if send.queued:
             return
         send.done_sent = True
+        send.done_at = self._ctx.clock()
         log.debug(
             "pd-connector: DONE %s after %d writes, %.1f ms after the plan",
             send.tid,
@@ -461,6 +476,13 @@ class Sender:
             return
         if now - send.final_at > self._ctx.t.reg_s:
             self._fail(send, "reg_timeout", f"no registration from D in {self._ctx.t.reg_s}s")
+
+    def _check_ack_timeout(self, send: _Send, now: float) -> None:
+        if send.failed or send.acked or not send.done_sent or send.handles:
+            return
+        since = max(send.done_at or now, send.last_done or 0.0)
+        if now - since > self._ctx.t.write_s:
+            self._fail(send, "ack_timeout", f"D acknowledged nothing in {self._ctx.t.write_s}s")
 
     def _drop(self, send: _Send) -> None:
         if send.failed:

@@ -19,6 +19,7 @@ FAILURE_KINDS = (
     "recv_timeout",
     "write_timeout",
     "write_error",
+    "ack_timeout",
     "prefill_abort",
     "decode_abort",
     "peer_fail",

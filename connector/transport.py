@@ -99,6 +99,16 @@ _BUILD_LOCK = threading.Lock()
 class RealNixlAgent:
     """``NixlAgent`` over ``nixl.nixl_agent`` with the UCX backend and a listener thread.
 
+    Without NIXL's UCX progress thread (``progress_thread`` False, the default) the UCX
+    workers progress in this agent's own calls: ``get_notifs`` progresses them all,
+    ``xfer_state`` a WRITE's. The worker calls both in every hook and every idle wait, and its
+    engine keeps stepping while a transfer is open on either side (D until it has every WRITE,
+    P until D's ``ACK``), so a queued notice or an emulated RMA (TCP loopback) always moves.
+    With the thread on, on a 2-core host running three engine workers, notices stayed stuck
+    until a receive timed out (30 s) and a worker's ``check_remote_metadata`` waited on NIXL's
+    lock as long (docs/connector-progress.md). ``progress_delay_us`` is the thread's sleep
+    when it is on.
+
     Raises ``RuntimeError`` if a backend plugin in ``backends`` is missing (NIXL itself only
     logs a warning and builds an agent that cannot transfer).
     """
@@ -108,6 +118,7 @@ class RealNixlAgent:
         name: str,
         listen_port: int,
         *,
+        progress_thread: bool = False,
         progress_delay_us: int = 1000,
         backends: Sequence[str] = ("UCX",),
     ) -> None:
@@ -118,7 +129,7 @@ class RealNixlAgent:
         self._np = np
         self._api = api
         conf = api.nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=progress_thread,
             enable_listen_thread=True,
             listen_port=listen_port,
             backends=list(backends),

@@ -357,6 +357,8 @@ class WorkerSide:
                 self._keeper.on_abort(peer, msg.tid)
             case Kind.ABORT:
                 self._sender.on_abort(peer, msg.tid)
+            case Kind.ACK:
+                self._sender.on_ack(peer, msg.tid)
             case Kind.W:
                 self._receiver.on_write(msg.tid)
             case Kind.DONE:

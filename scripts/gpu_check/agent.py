@@ -21,7 +21,10 @@ class ObservedAgent(RealNixlAgent):
     """``RealNixlAgent`` plus what the check observes; used from one thread, like the worker."""
 
     def __init__(self, name: str, listen_port: int) -> None:
-        super().__init__(name, listen_port)
+        # NIXL's progress thread on: the check drives P and D from one thread, and P's wait for
+        # its WRITEs (a late kernel, ``wait_writes``) makes no call on D's agent, whose UCX
+        # worker must progress for a WRITE emulated over TCP loopback to land.
+        super().__init__(name, listen_port, progress_thread=True)
         self.regs: set[str] = set()  # tids whose REG was delivered to this agent
         self._open: list[object] = []  # posted WRITEs not yet released
 

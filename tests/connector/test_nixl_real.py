@@ -248,12 +248,15 @@ def _transfer(p: Proc, d: Proc, p_addr: NixlAddress, d_addr: NixlAddress, n: int
     p.call("finish", f"p{n}")
     failed: set[str] = set()
     sent: set[str] = set()
+    received: set[str] = set()
 
     def both_done() -> bool:
+        # Reported in different steps: P reports once D's ACK came, after D's report.
         sent.update(p.step()[0])
         _, recvd, bad = d.step()
+        received.update(recvd)
         failed.update(bad)
-        return f"p{n}" in sent and f"d{n}" in recvd
+        return f"p{n}" in sent and f"d{n}" in received
 
     until(both_done, 20)  # the handshake timeout (5 s) would have failed it before
     return failed, p.call("stats")

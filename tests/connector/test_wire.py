@@ -17,25 +17,25 @@ def test_roundtrip_keeps_kind_tid_and_body() -> None:
     assert msg.kind is Kind.REG
 
 
-def test_encoding_is_the_version_3_wire_format() -> None:
+def test_encoding_is_the_version_4_wire_format() -> None:
     """The kinds are an enum in code, plain strings on the wire (version 2 added the kept
     turns' ASK/HELD/PULL to version 1's; version 3 the layout, backend, memory and parallel
-    fields of HELLO's Compat)."""
-    assert CONNECTOR_VERSION == 3
+    fields of HELLO's Compat; version 4 D's ACK)."""
+    assert CONNECTOR_VERSION == 4
     assert encode(Kind.REG, "t1", start=2, blocks=[5, 6]) == (
-        b'PDR{"v":3,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
+        b'PDR{"v":4,"t":"REG","tid":"t1","start":2,"blocks":[5,6]}'
     )
     assert encode(Kind.DONE, "t1", writes=3, tokens=10) == (
-        b'PDR{"v":3,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
+        b'PDR{"v":4,"t":"DONE","tid":"t1","writes":3,"tokens":10}'
     )
     assert encode(Kind.HELD, "t1", tokens=5, hashes=["ab"]) == (
-        b'PDR{"v":3,"t":"HELD","tid":"t1","tokens":5,"hashes":["ab"]}'
+        b'PDR{"v":4,"t":"HELD","tid":"t1","tokens":5,"hashes":["ab"]}'
     )
-    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":3,"t":"REFUSE","tid":"","reason":"x"}'
-    wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT", "ASK", "HELD", "PULL"}
+    assert encode(Kind.REFUSE, reason="x") == b'PDR{"v":4,"t":"REFUSE","tid":"","reason":"x"}'
+    wire = {"HELLO", "REFUSE", "REG", "W", "DONE", "FAIL", "ABORT", "ACK", "ASK", "HELD", "PULL"}
     assert {k.value for k in Kind} == wire | {"VERSION"}
     for kind in wire:
-        raw = b'PDR{"v":3,"t":"%s","tid":"t"}' % kind.encode()
+        raw = b'PDR{"v":4,"t":"%s","tid":"t"}' % kind.encode()
         assert decode(raw) == decode(encode(Kind(kind), "t"))
         assert decode(raw).kind is Kind(kind)  # type: ignore[union-attr]
 
@@ -43,7 +43,7 @@ def test_encoding_is_the_version_3_wire_format() -> None:
 def test_foreign_notifications_are_ignored() -> None:
     assert decode(b"HB:req-1") is None
     assert decode(b"PDRnot json") is None
-    assert decode(b'PDR{"v":3,"t":"NEW","tid":"x"}') is None  # no handler for it
+    assert decode(b'PDR{"v":4,"t":"NEW","tid":"x"}') is None  # no handler for it
 
 
 def test_other_version_is_reported_not_parsed() -> None:
@@ -54,7 +54,7 @@ def test_other_version_is_reported_not_parsed() -> None:
 
 def _compat(**over: object) -> Compat:
     fields: dict[str, object] = {
-        "version": 3,
+        "version": 4,
         "model": "m",
         "dtype": "torch.bfloat16",
         "block_size": 16,

@@ -252,6 +252,41 @@ def test_vanished_decode_times_out_stuck_writes() -> None:
     assert idle(p)[0] == {"p1"}
 
 
+def test_p_reports_a_send_only_once_d_acknowledged_it() -> None:
+    """NIXL sends a notice only while its sender progresses (``lazy_notices``: at the sender's
+    next call, as with no progress thread), and P's engine stops calling NIXL once P reports
+    the send. So P reports it only after D's ACK: D always gets the last W and the DONE."""
+    fabric, _, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    fabric.lazy_notices = True
+    forward(p, send("p1", 0, [1, 2], final=True, tokens=8))
+    p.finished.add("p1")
+    completed: set[str] = set()
+    for _ in range(4):
+        if idle(p)[0]:
+            break
+        completed |= idle(d)[1]
+    else:
+        pytest.fail("P never reported the send")
+    assert completed == {"d1"}  # before P let its blocks (and its engine) go
+    assert same_blocks(p, d, [1, 2], [10, 11])
+    assert [m for _, m in d.agent.sent if decode(m).kind is Kind.ACK]  # type: ignore[union-attr]
+
+
+def test_a_send_d_never_acknowledges_ends_after_the_write_timeout() -> None:
+    fabric, clock, p, d = pair(timeouts=Timeouts(write_s=3))
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=True))
+    fabric.kill(d.name)  # before it read P's W and DONE: no ACK will come
+    p.finished.add("p1")
+    assert idle(p)[0] == set()  # written, not acknowledged: the blocks stay held
+    clock.advance(4)
+    assert idle(p)[0] == {"p1"}
+    assert p.worker.stats.take()["failures"] == {"ack_timeout": 1}  # type: ignore[index]
+
+
 def test_a_write_completed_after_its_post_reaches_d_during_ps_next_forward() -> None:
     """NIXL sends a WRITE's notice when its poster checks the WRITE (unless it completed
     within its post, as UCX's CMA copies do on one host; RDMA and GPU memory complete later).
@@ -282,6 +317,8 @@ def test_the_write_tail_is_the_transfer_left_after_the_prompt_s_last_step() -> N
     clock.advance(0.25)
     fabric.complete_all()
     p.finished.add("p1")
+    assert idle(p)[0] == set()  # written: D has yet to acknowledge
+    assert idle(d)[1] == {"d1"}
     assert idle(p)[0] == {"p1"}
     stats = p.worker.stats.take()
     assert stats is not None

@@ -14,6 +14,9 @@
 * Scripted states: ``fabric.write_mode`` is ``"done"`` (complete at post), ``"proc"`` (stay in
   progress until ``fabric.complete_all()``), ``"err"`` (report ERR) or ``"post_fail"`` (raise).
 * ``fabric.kill(name)`` makes an agent vanish: notifications to it raise, its writes hang.
+* ``fabric.lazy_notices = True``: a notice (``send_notif``'s, or a WRITE's when NIXL sends it)
+  leaves its sender only at the sender's next ``get_notifs`` or ``xfer_state``, as with NIXL
+  without its progress thread, where a UCX send moves only while its worker is progressed.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class Fabric:
     listeners: dict[int, str] = field(default_factory=dict)
     write_mode: str = "done"
     hold_metadata: bool = False
+    lazy_notices: bool = False
     dead: set[str] = field(default_factory=set)
     xfers: list[Xfer] = field(default_factory=list)
     preps: int = 0  # descriptor lists prepared, by every agent
@@ -84,8 +88,15 @@ class Fabric:
 
     def _notify(self, x: Xfer) -> None:
         x.notif_pending = False
-        if x.notif and x.target not in self.dead:
-            self.agents[x.target].inbox[x.src.name].append(x.notif)
+        if x.notif:
+            self.deliver(x.src, x.target, x.notif)
+
+    def deliver(self, src: FakeAgent, target: str, msg: bytes) -> None:
+        """``msg`` from ``src`` to ``target``: now, or at ``src``'s next progress if lazy."""
+        if self.lazy_notices:
+            src.outbox.append((target, msg))
+        elif target not in self.dead:
+            self.agents[target].inbox[src.name].append(msg)
 
     def writes_to(self, target: str) -> list[Xfer]:
         return [x for x in self.xfers if x.target == target]
@@ -104,6 +115,7 @@ class FakeAgent:
         self.deregistered: list[tuple[Desc, str]] = []
         self.prepped: list[Prepped] = []
         self.sent: list[tuple[str, bytes]] = []
+        self.outbox: list[tuple[str, bytes]] = []  # lazy notices not yet progressed out
         self.removed: list[str] = []  # remote agents forgotten (remove_remote), in order
         self.closed = False
 
@@ -138,9 +150,17 @@ class FakeAgent:
         if agent not in self.known or agent in self.fabric.dead:
             raise RuntimeError(f"cannot reach {agent}")
         self.sent.append((agent, msg))
-        self.fabric.agents[agent].inbox[self.name].append(msg)
+        self.fabric.deliver(self, agent, msg)
+
+    def progress(self) -> None:
+        """Send what waits in the outbox (to agents still alive)."""
+        out, self.outbox = self.outbox, []
+        for target, msg in out:
+            if target not in self.fabric.dead:
+                self.fabric.agents[target].inbox[self.name].append(msg)
 
     def get_notifs(self) -> dict[str, list[bytes]]:
+        self.progress()
         out = {k: v for k, v in self.inbox.items() if v}
         self.inbox = defaultdict(list)
         return out
@@ -203,6 +223,7 @@ class FakeAgent:
         assert isinstance(handle, Xfer)
         if handle.notif_pending:
             self.fabric._notify(handle)
+        self.progress()
         return handle.state
 
     def release(self, handle: object) -> None:
