@@ -10,9 +10,11 @@ Load it on both engines with::
 ``kv_connector_extra_config`` keys (all optional): ``side_channel_host``/``side_channel_port``
 (default: ``VLLM_NIXL_SIDE_CHANNEL_HOST``/``_PORT``, else 127.0.0.1:5600; rank r listens on port+r),
 ``handshake_timeout_s``, ``registration_timeout_s``, ``receive_timeout_s``, ``write_timeout_s``
-(see ``worker.Timeouts``), ``progress_thread`` (NIXL's UCX progress thread, default false: the
-worker's own calls progress NIXL, see ``transport.RealNixlAgent``), ``progress_delay_us`` (that
-thread's sleep when it is on, default 1000),
+(see ``worker.Timeouts``), ``nudge_interval_s`` (1: how often a side still waiting on its
+peer's notice sends its own last one again; 0: never), ``progress_thread`` (NIXL's UCX
+progress thread, default false: the worker's own calls progress NIXL, see
+``transport.RealNixlAgent``), ``progress_delay_us`` (that thread's sleep when it is on, default
+1000),
 ``backends`` (default ``["UCX"]``), ``model_id`` (name compared in the handshake; default: the
 model path), ``write_batch`` (``layer``: post each layer's WRITE as it is saved; ``step``: a
 step's layers together after its forward; ``auto``, the default: ``step`` for a KV cache in DRAM,
@@ -337,6 +339,7 @@ def _build_worker(
         "idle_wait_s": "idle_wait_s",
         "keep_s": "keep_ttl_s",
         "pull_s": "pull_timeout_s",
+        "nudge_s": "nudge_interval_s",
     }
     timeouts = Timeouts(**{f: float(extra[k]) for f, k in keys.items() if k in extra})
     write_batch = str(extra.get("write_batch", "auto"))

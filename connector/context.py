@@ -37,6 +37,10 @@ class Timeouts:
     keep_s: float = 300.0  # D: how long a finished turn is kept for a next P's ASK
     pull_s: float = 5.0  # a kept turn's ASK answered to PULL, and the PULL to its last W
     early_ask_s: float = 1.0  # D: an ASK for a turn not kept (yet) waits this long for it
+    # A side waiting on its peer's notice sends its own last one again this often (0: never):
+    # NIXL over TCP can hold a notice until the connection carries another (peers.py, sender.py,
+    # receiver.py; docs/connector-progress.md).
+    nudge_s: float = 1.0
 
 
 class WorkerContext:

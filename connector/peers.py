@@ -18,6 +18,11 @@ link's first one makes this side drop the link: the transfers bound to the old i
 ended (``on_restart``), the old agent's metadata is removed from ours, and the link starts
 over (metadata fetched again, our HELLO sent once it is loaded).
 
+NIXL over TCP can hold a notice until the connection carries another, so a link still
+CONNECTING sends its HELLO again every ``nudge_s``, and a READY link answers such a repeated
+HELLO with its own again (at most once per ``nudge_s``): each side's repeats carry out what
+the connection held in its direction. A repeated HELLO changes nothing on a READY link.
+
 A HELLO whose ``Compat`` differs (model, layout, attention backend, dtypes, memory type,
 parallel sizes the map cannot bridge: ``tp_map.pair_mismatches``) is refused: this side logs
 the differing fields with both engines' values and sends them in ``REFUSE``, which the peer
@@ -74,6 +79,7 @@ class Link:
     incarnation: str | None = None  # the peer's, from its first HELLO (None: not yet, or
     # a peer that names none)
     fetched_at: float | None = None  # when its metadata was last asked for
+    hello_at: float = 0.0  # when our HELLO was last sent (hello_sent)
     refetches: int = 0  # times it was asked for again (each waits twice as long)
 
     @property
@@ -98,15 +104,21 @@ class PeerTable:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_restart: Callable[[str], None] = lambda name: None,
+        nudge_s: float = 1.0,
+        on_repeat: Callable[[], None] = lambda: None,
     ) -> None:
         """``on_restart(name)``: peer ``name`` restarted; called before its old metadata is
-        removed, so whatever was bound to the old incarnation can be ended and released."""
+        removed, so whatever was bound to the old incarnation can be ended and released.
+        ``nudge_s``: how often HELLO is sent again (see the module's docstring; 0: never);
+        ``on_repeat()``: called for each HELLO sent again (the stats count it)."""
         self._agent = agent
         self._on_restart = on_restart
         self._rank = rank
         self._hello = hello  # our HELLO body: compat, address, layout
         self._compat = compat
         self._timeout_s = timeout_s
+        self._nudge_s = nudge_s
+        self._on_repeat = on_repeat
         self._clock = clock
         self._links: dict[str, Link] = {}
 
@@ -154,8 +166,9 @@ class PeerTable:
             self._refetch(link, now)
             # A link can be READY (their HELLO checked) before ours could be sent: keep trying.
             if not link.hello_sent and self.can_notify(link.name):
-                self._send(link, encode(Kind.HELLO, **self._hello))
-                link.hello_sent = True
+                self._send_hello(link)
+            elif link.state is LinkState.CONNECTING and self._due(link, now):
+                self._send_hello(link)  # theirs has not come: ours again
             if link.state is LinkState.CONNECTING and now - link.started > self._timeout_s:
                 link.state = LinkState.FAILED
                 link.reason = f"no handshake with {link.name} within {self._timeout_s:.1f}s"
@@ -171,7 +184,10 @@ class PeerTable:
             self._links[sender] = link
         if msg.kind is Kind.HELLO:
             link = self._relink_if_restarted(link, msg.body)
+            again = link.state is LinkState.READY  # the peer repeats: ours may not have come
             self._on_hello(link, msg.body)
+            if again and link.state is LinkState.READY and self._due(link, self._clock()):
+                self._send_hello(link)
         elif msg.kind is Kind.VERSION:
             self._refuse(
                 link,
@@ -275,12 +291,21 @@ class PeerTable:
             addr = NixlAddress(str(body["engine_id"]), str(body["host"]), int(body["port"]))
             self.ensure(addr, int(body.get("tp_rank", self._rank.tp_rank)), peer.tp_size)
         if not link.hello_sent and self.can_notify(link.name):
-            self._send(link, encode(Kind.HELLO, **self._hello))
-            link.hello_sent = True
+            self._send_hello(link)
         if link.state is LinkState.CONNECTING:
             link.state = LinkState.READY
             link.handshake_s = self._clock() - link.started
             log.info("pd-connector: link to %s ready in %.3fs", link.name, link.handshake_s)
+
+    def _send_hello(self, link: Link) -> None:
+        if link.hello_sent:
+            self._on_repeat()
+        self._send(link, encode(Kind.HELLO, **self._hello))
+        link.hello_sent, link.hello_at = True, self._clock()
+
+    def _due(self, link: Link, now: float) -> bool:
+        """Our HELLO was sent at least ``nudge_s`` ago (and may be sent again)."""
+        return self._nudge_s > 0 and link.hello_sent and now - link.hello_at >= self._nudge_s
 
     def _refuse(self, link: Link, reason: str) -> None:
         if self.can_notify(link.name):

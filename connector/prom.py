@@ -7,6 +7,8 @@ Exported series (label ``engine`` etc. as vLLM sets them):
 * ``vllm:pdr_turns_kept_total``, ``vllm:pdr_kept_expired_total`` (D),
   ``vllm:pdr_tokens_pulled_total``, ``vllm:pdr_kept_missed_total`` (P): kept turns
   (``connector.kept_turns_worker``)
+* ``vllm:pdr_notices_repeated_total`` (both): notices sent again to a peer still waiting on them
+  (``nudge_interval_s``); steady growth means a transport holding notices back
 * ``vllm:pdr_writes_per_request`` (histogram, P), ``vllm:pdr_request_write_seconds`` (histogram,
   first WRITE posted to last completed, P: it spans every prefill chunk after the first),
   ``vllm:pdr_request_write_tail_seconds`` (histogram, P: the prompt's last step ended to the
@@ -79,6 +81,11 @@ class PipelinedPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                     "kept_missed",
                     "vllm:pdr_kept_missed",
                     "Kept turns asked for that D refused or did not answer",
+                ),
+                (
+                    "notices_repeated",
+                    "vllm:pdr_notices_repeated",
+                    "REG, DONE, ACK or HELLO sent again to a peer still waiting on it",
                 ),
             )
         }

@@ -4,6 +4,10 @@ Per transfer id: the scheduler's ``RecvSpec`` names the blocks P must fill; once
 READY, ``REG`` sends them. Every WRITE from P carries a ``W`` notice, delivered after its data;
 ``DONE`` says how many there are, so the receive is complete once that many ``W`` were seen;
 ``ACK`` then tells P it may free its blocks (see ``sender``: P keeps stepping until it does).
+NIXL over TCP can hold a notice until the connection carries another, so each side repeats its
+last notice while it waits (``Timeouts.nudge_s``): D its REG to a P worker whose DONE has not
+come, P its DONE until the ACK; D answers a DONE for a receive it completed lately with the ACK
+again. Repeats are idempotent on both sides.
 
 Every receive the scheduler hands over is reported exactly once, successful or failed: failed on
 P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also sends ``ABORT`` so P
@@ -23,6 +27,7 @@ load errors (``invalid_blocks``): vLLM computes from the first of them on (with
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +38,10 @@ from connector.peers import Link, LinkState
 from connector.tp_map import TpMapError
 
 __all__ = ["Receiver"]
+
+# Receives completed lately whose DONE may come again (P repeats it until our ACK reaches it):
+# enough for every receive completed within several nudge intervals on a busy D.
+_ACKED_KEPT = 1024
 
 # Under "vllm." so the lines land in the engine log with vLLM's format and level.
 log = logging.getLogger(f"vllm.{__name__}")
@@ -50,6 +59,7 @@ class _Recv:
     done_from: set[str] = field(default_factory=set)
     failed: bool = False
     finished: bool = False
+    nudged_at: float = 0.0  # when REG was last sent again (Receiver._nudge)
 
     @property
     def link(self) -> str:
@@ -65,6 +75,7 @@ class Receiver:
         self._recvs: dict[str, _Recv] = {}
         self._by_tid: dict[str, _Recv] = {}
         self._invalid: set[int] = set()  # blocks of failed pulls, not yet reported
+        self._acked: OrderedDict[str, None] = OrderedDict()  # tids completed lately, oldest first
 
     @property
     def busy(self) -> bool:
@@ -116,6 +127,10 @@ class Receiver:
     def on_done(self, peer: str, tid: str, body: dict[str, Any]) -> None:
         """P worker ``peer`` posted all its ``body["writes"]`` WRITEs of ``tid``."""
         recv = self._by_tid.get(tid)
+        if recv is None and tid in self._acked:  # P repeats DONE: our ACK has not reached it
+            self._ctx.stats.repeated()
+            self._ctx.notice(peer, encode(Kind.ACK, tid))
+            return
         if recv is not None and peer not in recv.done_from:
             recv.done_from.add(peer)
             recv.expected += int(body.get("writes", 0))
@@ -150,6 +165,7 @@ class Receiver:
         t = self._ctx.t
         for recv in list(self._recvs.values()):
             limit = t.pull_s if recv.spec.pull else t.recv_s
+            self._nudge(recv, now)
             if not recv.finished and now - recv.started > limit:
                 self._fail(recv, "recv_timeout", f"no KV from the peer in {limit}s", notify=True)
             if recv.finished:
@@ -223,6 +239,9 @@ class Receiver:
         if not recv.spec.pull:  # P holds its blocks (and keeps stepping) until this arrives
             for name in recv.links:
                 self._ctx.notice(name, encode(Kind.ACK, recv.spec.tid))
+            self._acked[recv.spec.tid] = None
+            while len(self._acked) > _ACKED_KEPT:
+                self._acked.popitem(last=False)
         log.debug(
             "pd-connector: receive %s complete after %.1f ms (%d writes)",
             recv.spec.tid,
@@ -235,6 +254,25 @@ class Receiver:
             self._ctx.stats.received(len(recv.spec.block_ids) * per_block)
         if recv.spec.pull:
             self._ctx.stats.pulled(recv.spec.num_tokens)
+
+    def _nudge(self, recv: _Recv, now: float) -> None:
+        """REG again to each P worker registered with whose DONE has not come within
+        ``nudge_s``: a REG, or P's last notices, may be held on a connection until it carries
+        another. P takes a repeated REG as the first (same blocks). Pulls are not repeated
+        (a lost one is recomputed after ``pull_s``)."""
+        every = self._ctx.t.nudge_s
+        if every <= 0 or recv.finished or recv.spec.pull:
+            return
+        if now - max(recv.nudged_at, recv.started) < every:
+            return
+        recv.nudged_at = now
+        spec = recv.spec
+        for name in sorted(recv.reg_sent - recv.done_from):
+            log.debug("pd-connector: REG %s again to %s", spec.tid, name)
+            self._ctx.stats.repeated()
+            self._ctx.notice(
+                name, encode(Kind.REG, spec.tid, start=spec.start_block, blocks=spec.block_ids)
+            )
 
     def _fail(
         self, recv: _Recv, kind: str, reason: str, notify: bool, load_error: bool = True

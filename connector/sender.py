@@ -82,6 +82,7 @@ class _Send:
     last_done: float | None = None
     done_at: float | None = None  # when DONE was queued
     acked: bool = False  # D acknowledged the whole send (ACK)
+    nudged_at: float | None = None  # when DONE was last sent again (Sender._nudge)
 
 
 class Sender:
@@ -285,6 +286,7 @@ class Sender:
             self._check_handles(send, now)
             self._check_reg_timeout(send, now)
             self._check_ack_timeout(send, now)
+            self._nudge(send, now)
         for req_id, sends in list(self._reqs.items()):
             # DONE waits for an empty queue and a failure empties it: settled, nothing is queued.
             drained = all((s.failed or (s.done_sent and s.acked)) and not s.handles for s in sends)
@@ -435,9 +437,7 @@ class Sender:
             send.writes,
             1000 * (self._ctx.clock() - send.started),
         )
-        self._ctx.notice(
-            send.link, encode(Kind.DONE, send.tid, writes=send.writes, tokens=send.num_tokens)
-        )
+        self._ctx.notice(send.link, _done(send))
 
     def _fail(self, send: _Send, kind: str, reason: str, notify: bool = True) -> None:
         """Give up on ``send`` once; ``kind`` is its ``stats.FAILURE_KINDS`` entry."""
@@ -484,11 +484,30 @@ class Sender:
         if now - since > self._ctx.t.write_s:
             self._fail(send, "ack_timeout", f"D acknowledged nothing in {self._ctx.t.write_s}s")
 
+    def _nudge(self, send: _Send, now: float) -> None:
+        """DONE again to a D that has not acknowledged it within ``nudge_s``: NIXL over TCP
+        can hold P's last notices (a ``W``, the DONE) until the connection carries another,
+        and D answers a DONE for a receive it already completed with its ACK again (which in
+        turn carries out an ACK held on the way back). A repeated DONE changes nothing on D."""
+        every = self._ctx.t.nudge_s
+        if every <= 0 or send.failed or send.acked or not send.done_sent or send.handles:
+            return
+        if now - (send.nudged_at or send.done_at or now) < every:
+            return
+        send.nudged_at = now
+        self._ctx.stats.repeated()
+        log.debug("pd-connector: DONE %s again to %s", send.tid, send.link)
+        self._ctx.notice(send.link, _done(send))
+
     def _drop(self, send: _Send) -> None:
         if send.failed:
             self._failed_tids[send.tid] = self._ctx.clock()
         self._sends.pop((send.req_id, send.link), None)
         self._by_tid.pop((send.tid, send.link), None)
+
+
+def _done(send: _Send) -> bytes:
+    return encode(Kind.DONE, send.tid, writes=send.writes, tokens=send.num_tokens)
 
 
 def _close_step(send: _Send, step: tuple[int, list[int]], mark: Mark, layers: int) -> None:

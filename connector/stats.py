@@ -35,6 +35,7 @@ _SUMS = (
     "kept_expired",  # D: kept turns nobody asked for within keep_ttl_s
     "tokens_pulled",  # P: prompt tokens whose KV came from a kept turn, not computed
     "kept_missed",  # P: kept turns D refused or did not answer (P computed those tokens)
+    "notices_repeated",  # both: REG, DONE, ACK or HELLO sent again to a peer still waiting
 )
 _LISTS = ("writes_per_request", "write_seconds", "write_tail_seconds", "handshake_seconds")
 
@@ -102,6 +103,10 @@ class WorkerStats:
 
     def pulled(self, tokens: int) -> None:
         self._data["tokens_pulled"] += tokens
+
+    def repeated(self) -> None:
+        """A notice sent again to a peer still waiting on it (``Timeouts.nudge_s``)."""
+        self._data["notices_repeated"] += 1
 
     def handshake(self, seconds: float) -> None:
         self._data["handshake_seconds"].append(seconds)

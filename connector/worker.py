@@ -196,6 +196,8 @@ class WorkerSide:
             ctx.t.handshake_s,
             ctx.clock,
             on_restart=self._on_peer_restarted,
+            nudge_s=ctx.t.nudge_s,
+            on_repeat=ctx.stats.repeated,
         )
         ctx.attach(layout, peers, BlockWriter(ctx.agent, layout))
         log.info(

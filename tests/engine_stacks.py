@@ -262,8 +262,8 @@ CONNECTOR_FLAGS = ("--max-num-batched-tokens", "256", *TRACKING)
 
 @contextlib.contextmanager
 def _connector_pair(run_dir: Path) -> Iterator[Any]:
-    from tests.connector.engines import engine_pair, pipelined
+    from tests.connector.engines import engine_pair, warm_up
 
     with engine_pair(run_dir, extra=CONNECTOR_EXTRA, engine_args=CONNECTOR_FLAGS) as (p, d):
-        pipelined(p, d, "warm up")  # the first request pays the NIXL handshake
+        warm_up(p, d)
         yield p, d

@@ -204,6 +204,27 @@ def pipelined(
     return PdResult(text, status, p_status, ttft, total)
 
 
+def warm_up(p: Engine, d: Engine, alone_first: bool = False) -> None:
+    """The pair's first pipelined request, which pays the NIXL handshakes; fails, naming the
+    connector's log lines, if it did not succeed: a test after a failed warm-up would fail
+    for a reason its own assertion cannot show.
+
+    ``alone_first``: each engine first answers two requests of its own (two prompt lengths,
+    a prefill and decode steps each), so that its first forwards' one-time work is done
+    before any transfer waits on it. vLLM's CPU build compiles its masked-embedding helper
+    with ``torch.compile`` on the first forwards of an engine at tensor-parallel size 2 (and
+    torch probes the CPU's vector ISA with a compiler run): seconds here, and on a machine
+    with a cold inductor cache long enough that a handshake or receive begun meanwhile times
+    out, since a worker inside a forward reads no notices."""
+    if alone_first:
+        for engine in (p, d):
+            for prompt in ("warm up", "warm up the engine on its own, " * 8):
+                local(engine, prompt, max_tokens=4)
+    res = pipelined(p, d, "warm up")
+    why = f"warm-up failed: {res.text}\n{connector_lines(p, d)}"
+    assert (res.status, res.prefill_status) == (200, 200), why
+
+
 def _stream(
     url: str, body: dict[str, Any], headers: dict[str, str], t0: float, timeout_s: float
 ) -> tuple[str, int, float]:
@@ -223,6 +244,17 @@ def _stream(
                 ttft = time.monotonic() - t0
             parts.append(chunk["choices"][0].get("text", ""))
     return "".join(parts), 200, ttft
+
+
+def connector_lines(*engines: Engine, last: int = 25) -> str:
+    """The connector's log lines (its links, failures and timeouts) of each engine, for a
+    failed assertion's message: a transfer that failed says why only in the engine's log."""
+    parts = []
+    for e in engines:
+        lines = e.proc.log_path.read_text(errors="replace").splitlines()
+        mine = [line for line in lines if "pd-connector" in line]
+        parts.append(f"--- {e.spec.name} ---\n" + "\n".join(mine[-last:]))
+    return "\n".join(parts)
 
 
 def kv_usage(engine: Engine) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from connector.metadata import Kind, RecvSpec, SendSpec, StepMeta, decode
+from connector.peers import LinkState
 from connector.worker import Timeouts
 from tests.connector.helpers import (
     D_ADDR,
@@ -285,6 +286,85 @@ def test_a_send_d_never_acknowledges_ends_after_the_write_timeout() -> None:
     clock.advance(4)
     assert idle(p)[0] == {"p1"}
     assert p.worker.stats.take()["failures"] == {"ack_timeout": 1}  # type: ignore[index]
+
+
+def test_p_repeats_its_done_until_d_acknowledges_it() -> None:
+    """NIXL over TCP can hold a notice until the connection carries another (``held_paths``):
+    P's last W and its DONE stay on the way to D, however often both sides step. P repeats
+    its DONE every ``nudge_s`` until D's ACK: the repeat carries the held notice out."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10, 11]))
+    settle(p, d)
+    fabric.held_paths.add((p.name, d.name))
+    forward(p, send("p1", 0, [1, 2], final=True, tokens=8))
+    p.finished.add("p1")
+    assert settle(p, d, steps=6) == {p.name: set(), d.name: set()}  # held: nothing moves
+    clock.advance(1.1)
+    assert idle(p)[0] == set()  # DONE again
+    assert idle(d)[1] == {"d1"}
+    assert idle(p)[0] == {"p1"}  # D's ACK
+    assert same_blocks(p, d, [1, 2], [10, 11])
+    assert d.worker.stats.take()["requests_received"] == 1  # type: ignore[index]
+    assert p.worker.stats.take()["notices_repeated"] == 1  # type: ignore[index]
+
+
+def test_d_answers_a_repeated_done_with_its_ack_again() -> None:
+    """D's ACK held on the way back: P repeats its DONE for a receive D completed and forgot;
+    D answers it with the ACK again, which carries the first out, and P reports the send."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    fabric.held_paths.add((d.name, p.name))
+    forward(p, send("p1", 0, [1], final=True))
+    p.finished.add("p1")
+    assert idle(d)[1] == {"d1"}
+    assert settle(p, steps=4) == {p.name: set()}  # the ACK is held: P keeps the blocks
+    clock.advance(1.1)
+    assert idle(p)[0] == set()  # DONE again
+    assert idle(d) == (set(), set(), set())  # ... answered, nothing reported twice
+    assert idle(p)[0] == {"p1"}
+
+
+def test_d_repeats_its_reg_until_p_has_written() -> None:
+    """D's REG held on the way to P: P computed the prompt and waits for D's blocks; D
+    repeats its REG every ``nudge_s`` until P's DONE, and P writes once it has one."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10]))  # a first transfer: the link is up
+    settle(p, d)
+    forward(p, send("p1", 0, [1], final=True))
+    p.finished.add("p1")
+    settle(p, d)
+    fabric.held_paths.add((d.name, p.name))
+    forward(d, StepMeta(recvs=[RecvSpec("d2", "t2", P_ADDR, 0, [12, 13], 0)]))
+    forward(p, StepMeta(sends=[SendSpec("p2", "t2", D_ADDR, 0, [3, 4], 8, True)]))
+    p.finished.add("p2")
+    assert settle(p, d, steps=6) == {p.name: set(), d.name: set()}  # no REG, no WRITE
+    assert len(fabric.writes_to(d.name)) == LAYERS  # the first transfer's only
+    clock.advance(1.1)
+    assert idle(d)[1] == set()  # REG again
+    assert idle(p)[0] == set()  # ... P writes and says DONE
+    assert idle(d)[1] == {"d2"}
+    assert same_blocks(p, d, [3, 4], [12, 13])
+    assert len(fabric.writes_to(d.name)) == 2 * LAYERS  # a WRITE a layer: the repeat wrote none
+
+
+def test_a_link_repeats_its_hello_until_the_peer_is_ready() -> None:
+    """P's HELLO held on the way to D: P has D's HELLO (READY), D is still CONNECTING. D says
+    HELLO again every ``nudge_s``; P answers a repeated HELLO with its own again, which
+    carries the held one out, and D registers its blocks."""
+    fabric, clock, p, d = pair()
+    fabric.held_paths.add((p.name, d.name))
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    assert p.worker.peers.get(d.name).state is LinkState.READY  # type: ignore[union-attr]
+    assert d.worker.peers.get(p.name).state is LinkState.CONNECTING  # type: ignore[union-attr]
+    fabric.held_paths.clear()
+    clock.advance(1.1)
+    settle(d, p, steps=2)
+    assert d.worker.peers.get(p.name).state is LinkState.READY  # type: ignore[union-attr]
+    forward(p, send("p1", 0, [1], final=True))
+    assert idle(d)[1] == {"d1"}
+    assert same_blocks(p, d, [1], [10])
 
 
 def test_a_write_completed_after_its_post_reaches_d_during_ps_next_forward() -> None:

@@ -17,6 +17,9 @@
 * ``fabric.lazy_notices = True``: a notice (``send_notif``'s, or a WRITE's when NIXL sends it)
   leaves its sender only at the sender's next ``get_notifs`` or ``xfer_state``, as with NIXL
   without its progress thread, where a UCX send moves only while its worker is progressed.
+* ``fabric.held_paths.add((sender, target))``: a notice from ``sender`` to ``target`` waits on
+  the way until the next one on that path is sent (which then waits in its place), as NIXL over
+  TCP was seen to hold one until the connection carried another.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Fabric:
     hold_metadata: bool = False
     lazy_notices: bool = False
     dead: set[str] = field(default_factory=set)
+    held_paths: set[tuple[str, str]] = field(default_factory=set)
+    held: dict[tuple[str, str], bytes] = field(default_factory=dict)  # the notice on the way
     xfers: list[Xfer] = field(default_factory=list)
     preps: int = 0  # descriptor lists prepared, by every agent
 
@@ -95,7 +100,11 @@ class Fabric:
         """``msg`` from ``src`` to ``target``: now, or at ``src``'s next progress if lazy."""
         if self.lazy_notices:
             src.outbox.append((target, msg))
-        elif target not in self.dead:
+            return
+        path = (src.name, target)
+        if path in self.held_paths:  # this one waits; the one it replaces arrives
+            msg, self.held[path] = self.held.get(path, b""), msg
+        if msg and target not in self.dead:
             self.agents[target].inbox[src.name].append(msg)
 
     def writes_to(self, target: str) -> list[Xfer]:
