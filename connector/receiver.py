@@ -5,9 +5,9 @@ READY, ``REG`` sends them. Every WRITE from P carries a ``W`` notice, delivered 
 ``DONE`` says how many there are, so the receive is complete once that many ``W`` were seen;
 ``ACK`` then tells P it may free its blocks (see ``sender``: P keeps stepping until it does).
 NIXL over TCP can hold a notice until the connection carries another, so each side repeats its
-last notice while it waits (``Timeouts.nudge_s``): D its REG to a P worker whose DONE has not
-come, P its DONE until the ACK; D answers a DONE for a receive it completed lately with the ACK
-again. Repeats are idempotent on both sides.
+last notice while it waits (``Timeouts.nudge_s``): D its REG until the receive completes, P
+its DONE until the ACK; D answers a DONE for a receive it completed lately with the ACK again.
+Repeats are idempotent on both sides.
 
 Every receive the scheduler hands over is reported exactly once, successful or failed: failed on
 P's ``FAIL``, a refused or timed-out link, or the receive timeout (which also sends ``ABORT`` so P
@@ -256,10 +256,10 @@ class Receiver:
             self._ctx.stats.pulled(recv.spec.num_tokens)
 
     def _nudge(self, recv: _Recv, now: float) -> None:
-        """REG again to each P worker registered with whose DONE has not come within
-        ``nudge_s``: a REG, or P's last notices, may be held on a connection until it carries
-        another. P takes a repeated REG as the first (same blocks). Pulls are not repeated
-        (a lost one is recomputed after ``pull_s``)."""
+        """REG again to each P worker registered with, every ``nudge_s`` until the receive is
+        complete: a REG, or what travels back for P's WRITEs, may be held on a connection until
+        it carries more. P takes a repeated REG as the first (same blocks; nothing is written
+        twice). Pulls are not repeated (a lost one is recomputed after ``pull_s``)."""
         every = self._ctx.t.nudge_s
         if every <= 0 or recv.finished or recv.spec.pull:
             return
@@ -267,7 +267,7 @@ class Receiver:
             return
         recv.nudged_at = now
         spec = recv.spec
-        for name in sorted(recv.reg_sent - recv.done_from):
+        for name in sorted(recv.reg_sent):
             log.debug("pd-connector: REG %s again to %s", spec.tid, name)
             self._ctx.stats.repeated()
             self._ctx.notice(

@@ -485,12 +485,13 @@ class Sender:
             self._fail(send, "ack_timeout", f"D acknowledged nothing in {self._ctx.t.write_s}s")
 
     def _nudge(self, send: _Send, now: float) -> None:
-        """DONE again to a D that has not acknowledged it within ``nudge_s``: NIXL over TCP
-        can hold P's last notices (a ``W``, the DONE) until the connection carries another,
-        and D answers a DONE for a receive it already completed with its ACK again (which in
-        turn carries out an ACK held on the way back). A repeated DONE changes nothing on D."""
+        """DONE again to a D that has not acknowledged it within ``nudge_s``, WRITEs still in
+        flight or not: NIXL over TCP can hold what P sent last (a WRITE's bytes, a ``W``, the
+        DONE) until the connection carries more, and D answers a DONE for a receive it already
+        completed with its ACK again (which in turn carries out an ACK held on the way back).
+        A repeated DONE changes nothing on D."""
         every = self._ctx.t.nudge_s
-        if every <= 0 or send.failed or send.acked or not send.done_sent or send.handles:
+        if every <= 0 or send.failed or send.acked or not send.done_sent:
             return
         if now - (send.nudged_at or send.done_at or now) < every:
             return

@@ -308,6 +308,27 @@ def test_p_repeats_its_done_until_d_acknowledges_it() -> None:
     assert p.worker.stats.take()["notices_repeated"] == 1  # type: ignore[index]
 
 
+def test_p_repeats_its_done_while_its_writes_are_still_in_flight() -> None:
+    """A WRITE over TCP may wait, like a notice, until the connection carries more: P repeats
+    its DONE every ``nudge_s`` from the first, whether or not its WRITEs have completed."""
+    fabric, clock, p, d = pair()
+    forward(d, recv("d1", 0, [10]))
+    settle(p, d)
+    fabric.write_mode = "proc"
+    forward(p, send("p1", 0, [1], final=True))
+
+    def dones() -> int:
+        return sum(decode(m).kind is Kind.DONE for _, m in p.agent.sent)  # type: ignore[union-attr]
+
+    assert dones() == 1
+    clock.advance(1.1)
+    idle(p)
+    assert dones() == 2  # the WRITEs are still in flight
+    fabric.complete_all()
+    p.finished.add("p1")
+    assert settle(p, d) == {p.name: {"p1"}, d.name: {"d1"}}
+
+
 def test_d_answers_a_repeated_done_with_its_ack_again() -> None:
     """D's ACK held on the way back: P repeats its DONE for a receive D completed and forgot;
     D answers it with the ACK again, which carries the first out, and P reports the send."""
